@@ -1,0 +1,92 @@
+"""What ortmem needs to know about ONNX tensor element types.
+
+ONNX stores sub-byte types (int4, uint4, int2, uint2, float4) packed, two or four elements a byte,
+low bits first. The byte length of a tensor is therefore ``ceil(numel * bits / 8)``, not
+``numel * itemsize``; every size check in ortmem goes through :func:`byte_size`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from onnx import TensorProto
+
+from .errors import UnsupportedDtypeError
+
+
+@dataclass(frozen=True)
+class DtypeInfo:
+    onnx_type: int
+    name: str
+    bits: int
+    numpy: np.dtype  # storage dtype of one *byte-addressable* element (uint8 for packed types)
+
+    @property
+    def packed(self) -> bool:
+        return self.bits < 8
+
+
+def _info(code: int, name: str, bits: int, np_dtype) -> DtypeInfo:
+    return DtypeInfo(code, name, bits, np.dtype(np_dtype))
+
+
+_TABLE: dict[int, DtypeInfo] = {
+    i.onnx_type: i
+    for i in (
+        _info(TensorProto.FLOAT, "float32", 32, np.float32),
+        _info(TensorProto.UINT8, "uint8", 8, np.uint8),
+        _info(TensorProto.INT8, "int8", 8, np.int8),
+        _info(TensorProto.UINT16, "uint16", 16, np.uint16),
+        _info(TensorProto.INT16, "int16", 16, np.int16),
+        _info(TensorProto.INT32, "int32", 32, np.int32),
+        _info(TensorProto.INT64, "int64", 64, np.int64),
+        _info(TensorProto.BOOL, "bool", 8, np.bool_),
+        _info(TensorProto.FLOAT16, "float16", 16, np.float16),
+        _info(TensorProto.DOUBLE, "float64", 64, np.float64),
+        _info(TensorProto.UINT32, "uint32", 32, np.uint32),
+        _info(TensorProto.UINT64, "uint64", 64, np.uint64),
+        _info(TensorProto.COMPLEX64, "complex64", 64, np.complex64),
+        _info(TensorProto.COMPLEX128, "complex128", 128, np.complex128),
+        # bfloat16 and float8 have no numpy dtype: their bytes are exposed as unsigned integers
+        _info(TensorProto.BFLOAT16, "bfloat16", 16, np.uint16),
+        _info(TensorProto.FLOAT8E4M3FN, "float8e4m3fn", 8, np.uint8),
+        _info(TensorProto.FLOAT8E4M3FNUZ, "float8e4m3fnuz", 8, np.uint8),
+        _info(TensorProto.FLOAT8E5M2, "float8e5m2", 8, np.uint8),
+        _info(TensorProto.FLOAT8E5M2FNUZ, "float8e5m2fnuz", 8, np.uint8),
+        _info(TensorProto.UINT4, "uint4", 4, np.uint8),
+        _info(TensorProto.INT4, "int4", 4, np.uint8),
+        _info(TensorProto.FLOAT4E2M1, "float4e2m1", 4, np.uint8),
+        _info(getattr(TensorProto, "FLOAT8E8M0", 24), "float8e8m0", 8, np.uint8),
+        _info(getattr(TensorProto, "UINT2", 25), "uint2", 2, np.uint8),
+        _info(getattr(TensorProto, "INT2", 26), "int2", 2, np.uint8),
+    )
+}
+
+
+def dtype_info(onnx_type: int, *, tensor: str | None = None, file: str | None = None) -> DtypeInfo:
+    """Look up an ONNX element type; unknown types (including STRING, which has no fixed size) raise."""
+    try:
+        return _TABLE[onnx_type]
+    except KeyError:
+        raise UnsupportedDtypeError(
+            f"unsupported tensor data type {onnx_type} ({_onnx_name(onnx_type)})", tensor=tensor, file=file
+        ) from None
+
+
+def _onnx_name(onnx_type: int) -> str:
+    try:
+        return TensorProto.DataType.Name(onnx_type)
+    except ValueError:
+        return "unknown"
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(int(d) for d in shape)
+
+
+def byte_size(onnx_type: int, shape: Sequence[int], *, tensor: str | None = None, file: str | None = None) -> int:
+    """Bytes a tensor of this type and shape occupies in raw_data / external data (packed for sub-byte)."""
+    info = dtype_info(onnx_type, tensor=tensor, file=file)
+    return (numel(shape) * info.bits + 7) // 8
