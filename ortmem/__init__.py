@@ -1,5 +1,18 @@
-"""ortmem: own the memory lifecycle of ONNX model weights around ONNX Runtime."""
-from .errors import OrtmemError
+"""ortmem: own the memory lifecycle of ONNX model weights around ONNX Runtime.
 
-__all__ = ["OrtmemError"]
+The public API fits on one screen:
+
+- :func:`load` reads a model into a weightless skeleton plus mapped weight spans (no byte copied);
+- :class:`InferenceSession` is a drop-in for ``onnxruntime.InferenceSession`` that hands ORT
+  external-data references instead of bytes, so ORT never copies the weights;
+- :class:`Model`, :class:`WeightRef`, :class:`WeightState` describe what was loaded;
+- :mod:`ortmem.errors` holds the exception hierarchy rooted at :class:`OrtmemError`.
+"""
+from .errors import OrtmemError
+from .loader import load
+from .model import Model
+from .session import InferenceSession
+from .weights import WeightRef, WeightState
+
+__all__ = ["InferenceSession", "Model", "OrtmemError", "WeightRef", "WeightState", "load"]
 __version__ = "0.1.0"

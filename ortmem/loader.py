@@ -1,0 +1,178 @@
+"""``ortmem.load``: a model as a weightless skeleton plus a store of mapped weight spans.
+
+Nothing here copies weight bytes. Embedded ``raw_data`` is located in the .onnx file by a wire-format
+walk (:mod:`ortmem.protowire`) and described as external data pointing back into that same file;
+external data is validated and mapped. Every reference is checked before anything is mapped, so a
+bad file fails with an error naming the tensor and the file instead of a crash inside ORT, or a
+silently wrong model.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from pathlib import Path
+from typing import Union
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from .dtypes import byte_size, dtype_info
+from .errors import CorruptModelError, ExternalDataError, TensorShapeError, UnsafePathError
+from .model import Model
+from .onnx_walk import external_data_dict, is_external, iter_tensor_sites
+from .protowire import externalize_embedded
+from .weights import WeightRef, WeightStore
+
+log = logging.getLogger(__name__)
+
+#: Tensors this small stay inline in the skeleton: a separate mapping would cost a whole page of
+#: resident memory for a few bytes. Matches onnx's own ``size_threshold`` for external data.
+INLINE_MAX_BYTES = 1023
+
+#: ORT reserves these location prefixes for in-memory addresses and rejects them in user models.
+_RESERVED_LOCATION_MARKERS = ("_ORT_MEM_ADDR_", "_ORT_NATIVE_ENDIAN_MEM_ADDR_")
+
+PathLike = Union[str, os.PathLike]
+
+
+def load(path: PathLike, *, inline_max_bytes: int = INLINE_MAX_BYTES) -> Model:
+    """Read ``path`` into a :class:`Model` without copying weight bytes.
+
+    Raises a subclass of :class:`ortmem.errors.OrtmemError` for truncated or corrupt protobuf,
+    missing/short/unsafe external data, sizes that do not match dtype x shape, and unknown dtypes.
+    """
+    path = Path(path)
+    file = str(path)
+    if not path.is_file():
+        raise CorruptModelError("model file not found", file=file)
+    size = path.stat().st_size
+    if size == 0:
+        raise CorruptModelError("model file is empty", file=file)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        result = externalize_embedded(mm, file=file, location=path.name, inline_max_bytes=inline_max_bytes)
+        skeleton = _parse(result.skeleton, file)
+    except BaseException:
+        mm.close()
+        raise
+    if not skeleton.HasField("graph"):
+        mm.close()
+        raise CorruptModelError("not an ONNX model: no graph", file=file)
+
+    store = WeightStore()
+    store.mapped_file(path.resolve(), mm)
+    model = Model(path=path, skeleton=skeleton, store=store, embedded_spans=len(result.spans))
+    try:
+        _register_weights(model)
+    except BaseException:
+        store.close()
+        raise
+    log.debug("loaded %s: %d weights (%d embedded)", file, len(store), len(result.spans))
+    return model
+
+
+def _parse(skeleton_bytes: bytes, file: str) -> onnx.ModelProto:
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(skeleton_bytes)
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise CorruptModelError(f"protobuf could not be parsed: {e}", file=file) from None
+    return proto
+
+
+def _register_weights(model: Model) -> None:
+    base = model.path.parent
+    base_real = base.resolve()
+    for site in iter_tensor_sites(model.skeleton):
+        t = site.tensor
+        if not is_external(t):
+            _check_inline(site.tensor, str(model.path))
+            continue
+        label = t.name or site.graph
+        info = external_data_dict(t)
+        location = info.get("location", "")
+        target = resolve_location(base_real, location, tensor=label, model_file=str(model.path))
+        dtype_info(t.data_type, tensor=label, file=str(target))
+        shape = tuple(int(d) for d in t.dims)
+        if any(d < 0 for d in shape):
+            raise TensorShapeError(f"negative dimension in {list(shape)}", tensor=label, file=str(target))
+        expected = byte_size(t.data_type, shape, tensor=label, file=str(target))
+        offset = _int_key(info, "offset", 0, label, target)
+        file_size = target.stat().st_size
+        length = _int_key(info, "length", None, label, target)
+        if length is None:
+            length = expected
+        if length != expected:
+            raise TensorShapeError(
+                f"external data length {length} does not match {dtype_info(t.data_type).name}{list(shape)} "
+                f"= {expected} bytes",
+                tensor=label,
+                file=str(target),
+            )
+        if offset + length > file_size:
+            raise ExternalDataError(
+                f"external data [{offset}, {offset + length}) runs past the end of the file ({file_size} bytes)",
+                tensor=label,
+                file=str(target),
+            )
+        model.store.add(
+            WeightRef(
+                name=t.name,
+                graph=site.graph,
+                kind=site.kind,
+                data_type=t.data_type,
+                shape=shape,
+                file=target,
+                offset=offset,
+                length=length,
+                embedded=target == model.path.resolve(),
+            )
+        )
+
+
+def _check_inline(t: onnx.TensorProto, file: str) -> None:
+    """Inline raw_data must match dtype x shape; ORT would otherwise fail later or read garbage."""
+    if not t.raw_data or t.data_type == onnx.TensorProto.STRING:
+        return
+    expected = byte_size(t.data_type, tuple(t.dims), tensor=t.name, file=file)
+    if len(t.raw_data) != expected:
+        raise TensorShapeError(
+            f"raw_data has {len(t.raw_data)} bytes but {dtype_info(t.data_type).name}{list(t.dims)} needs {expected}",
+            tensor=t.name,
+            file=file,
+        )
+
+
+def _int_key(info: dict[str, str], key: str, default, tensor: str, file: Path):
+    if key not in info:
+        return default
+    try:
+        value = int(info[key])
+    except ValueError:
+        raise ExternalDataError(f"external data {key} {info[key]!r} is not an integer", tensor=tensor, file=str(file))
+    if value < 0:
+        raise ExternalDataError(f"external data {key} {value} is negative", tensor=tensor, file=str(file))
+    return value
+
+
+def resolve_location(base_real: Path, location: str, *, tensor: str, model_file: str) -> Path:
+    """Resolve an external-data location the way ORT validates it: relative, inside the model folder
+    after following symlinks, and an existing regular file."""
+    if not location:
+        raise ExternalDataError("external data has no location", tensor=tensor, file=model_file)
+    if any(m in location for m in _RESERVED_LOCATION_MARKERS):
+        raise UnsafePathError(f"location {location!r} uses ORT's reserved in-memory marker", tensor=tensor, file=model_file)
+    if os.path.isabs(location) or location.startswith(("/", "\\")) or (len(location) > 1 and location[1] == ":"):
+        raise UnsafePathError(f"absolute external data location {location!r} is not allowed", tensor=tensor, file=model_file)
+    target = (base_real / location).resolve()
+    if os.path.commonpath([str(base_real), str(target)]) != str(base_real):
+        raise UnsafePathError(
+            f"external data location {location!r} resolves to {str(target)!r}, outside the model folder",
+            tensor=tensor,
+            file=model_file,
+        )
+    if not target.is_file():
+        raise ExternalDataError(f"external data file {location!r} not found", tensor=tensor, file=str(target))
+    return target

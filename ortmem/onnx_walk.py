@@ -1,0 +1,86 @@
+"""Walk every tensor and graph of a ModelProto, subgraphs included, with a path that names it.
+
+Initializers live in more places than ``model.graph.initializer``: If/Loop/Scan bodies, sparse
+initializers, Constant-style attribute tensors and function bodies. Every stage of ortmem (loading,
+inspection, estimates) must see all of them, or a weight is silently dropped or double counted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import onnx
+from onnx import AttributeProto, GraphProto, ModelProto, TensorProto
+
+
+@dataclass(frozen=True)
+class TensorSite:
+    """One TensorProto and where it sits.
+
+    ``graph`` is "" for the main graph and ``"<node>/<attr>[/...]"`` for a subgraph; ``kind`` is
+    "initializer", "sparse_values", "sparse_indices" or "attribute".
+    """
+
+    graph: str
+    kind: str
+    tensor: TensorProto
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.graph, self.kind, self.tensor.name)
+
+
+def node_label(node: onnx.NodeProto, index: int) -> str:
+    """A node's name, or a stable stand-in for nodes exported without one."""
+    return node.name or f"{node.op_type}#{index}"
+
+
+def iter_graphs(graph: GraphProto, path: str = "") -> Iterator[tuple[str, GraphProto]]:
+    """The graph itself and every nested subgraph, depth first, with their paths."""
+    yield path, graph
+    for i, node in enumerate(graph.node):
+        for attr in node.attribute:
+            sub_path = f"{path}/{node_label(node, i)}/{attr.name}" if path else f"{node_label(node, i)}/{attr.name}"
+            if attr.type == AttributeProto.GRAPH:
+                yield from iter_graphs(attr.g, sub_path)
+            elif attr.type == AttributeProto.GRAPHS:
+                for j, g in enumerate(attr.graphs):
+                    yield from iter_graphs(g, f"{sub_path}[{j}]")
+
+
+def iter_tensor_sites(model: ModelProto) -> Iterator[TensorSite]:
+    """Every TensorProto in the model (main graph, subgraphs, functions), once each."""
+    graphs = list(iter_graphs(model.graph))
+    for path, graph in graphs:
+        for t in graph.initializer:
+            yield TensorSite(path, "initializer", t)
+        for s in graph.sparse_initializer:
+            yield TensorSite(path, "sparse_values", s.values)
+            yield TensorSite(path, "sparse_indices", s.indices)
+        for i, node in enumerate(graph.node):
+            yield from _attribute_tensors(node, i, path)
+    for fn in model.functions:
+        for i, node in enumerate(fn.node):
+            yield from _attribute_tensors(node, i, f"function:{fn.domain}.{fn.name}")
+
+
+def _attribute_tensors(node: onnx.NodeProto, index: int, path: str) -> Iterator[TensorSite]:
+    label = node_label(node, index)
+    for attr in node.attribute:
+        where = f"{path}|{label}.{attr.name}" if path else f"{label}.{attr.name}"
+        if attr.type == AttributeProto.TENSOR:
+            yield TensorSite(where, "attribute", attr.t)
+        elif attr.type == AttributeProto.TENSORS:
+            for t in attr.tensors:
+                yield TensorSite(where, "attribute", t)
+        elif attr.type == AttributeProto.SPARSE_TENSOR:
+            yield TensorSite(where, "sparse_values", attr.sparse_tensor.values)
+            yield TensorSite(where, "sparse_indices", attr.sparse_tensor.indices)
+
+
+def external_data_dict(tensor: TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in tensor.external_data}
+
+
+def is_external(tensor: TensorProto) -> bool:
+    return tensor.data_location == TensorProto.EXTERNAL

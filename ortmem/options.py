@@ -1,0 +1,46 @@
+"""Add session config entries for one session creation without leaving them in the user's options.
+
+``onnxruntime.SessionOptions`` cannot be copied (no copy constructor, not picklable) and its config
+entries cannot be listed, so a faithful private copy is impossible. ORT copies the options into
+the C++ session when it is created, though, so ortmem sets what it needs on the user's object for
+the duration of that call and puts back what was there before. A key that was absent is reset to
+the empty string, which ORT treats as unset for every key ortmem uses (ORT cannot delete a key).
+A lock serialises this, so threads sharing one options object never see ortmem's entries.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Mapping, Optional
+
+import onnxruntime as ort
+
+_lock = threading.RLock()
+
+
+def get_config(options: ort.SessionOptions, key: str) -> Optional[str]:
+    try:
+        return options.get_session_config_entry(key)
+    except (RuntimeError, ort.capi.onnxruntime_pybind11_state.Fail):  # absent keys raise
+        return None
+
+
+@contextmanager
+def scoped_config(options: Optional[ort.SessionOptions], entries: Mapping[str, str]) -> Iterator[ort.SessionOptions]:
+    """Yield options carrying ``entries``; the user's object reads back unchanged afterwards."""
+    if options is None:
+        fresh = ort.SessionOptions()
+        for k, v in entries.items():
+            fresh.add_session_config_entry(k, v)
+        yield fresh
+        return
+    with _lock:
+        previous = {k: get_config(options, k) for k in entries}
+        changed = [k for k, v in entries.items() if previous[k] != v]
+        for k in changed:
+            options.add_session_config_entry(k, entries[k])
+        try:
+            yield options
+        finally:
+            for k in changed:
+                options.add_session_config_entry(k, previous[k] if previous[k] is not None else "")

@@ -1,0 +1,283 @@
+"""Just enough of the protobuf wire format to find weight bytes inside an .onnx file.
+
+``onnx.load`` parses the whole ModelProto, so every embedded ``raw_data`` is copied into Python
+memory before anything else can happen. ortmem instead walks the serialized bytes of the file
+(memory-mapped, so nothing is read that is not needed), copies every field that is *not* a large
+``raw_data`` verbatim, and replaces each large ``raw_data`` with an external-data reference to its
+own span in the same file::
+
+    TensorProto{name, dims, data_type, raw_data=<N bytes>}
+      -> TensorProto{name, dims, data_type, data_location=EXTERNAL,
+                     external_data=[location=<model file>, offset=<span start>, length=N]}
+
+The result (the *skeleton*) is a valid ModelProto with no weight bytes that onnx can parse cheaply
+and ONNX Runtime can load, memory-mapping every weight straight out of the original file.
+
+Only the messages that can hold tensors are descended into (model -> graph/functions/training ->
+node -> attribute -> tensor/graph, sparse tensors); every other field is copied as bytes, so
+unknown or future fields survive unchanged. A message whose content did not change is copied as
+one slice, which keeps the skeleton build linear in the size of the graph, not of the weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from .errors import CorruptModelError
+
+VARINT, I64, LEN, SGROUP, EGROUP, I32 = 0, 1, 2, 3, 4, 5
+
+# onnx.proto field numbers, for the messages that can (transitively) contain tensors.
+MODEL_GRAPH, MODEL_TRAINING_INFO, MODEL_FUNCTIONS = 7, 20, 25
+TRAINING_INITIALIZATION, TRAINING_ALGORITHM = 1, 2
+FUNCTION_NODE = 7
+GRAPH_NODE, GRAPH_INITIALIZER, GRAPH_SPARSE_INITIALIZER = 1, 5, 15
+NODE_ATTRIBUTE = 5
+ATTR_T, ATTR_G, ATTR_TENSORS, ATTR_GRAPHS, ATTR_SPARSE_TENSOR, ATTR_SPARSE_TENSORS = 5, 6, 10, 11, 22, 23
+SPARSE_VALUES, SPARSE_INDICES = 1, 2
+TENSOR_DIMS, TENSOR_DATA_TYPE, TENSOR_NAME, TENSOR_RAW_DATA = 1, 2, 8, 9
+TENSOR_EXTERNAL_DATA, TENSOR_DATA_LOCATION = 13, 14
+DATA_LOCATION_EXTERNAL = 1
+
+
+def encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _key(field_no: int, wire_type: int) -> bytes:
+    return encode_varint((field_no << 3) | wire_type)
+
+
+def encode_len_field(field_no: int, payload: bytes) -> bytes:
+    return _key(field_no, LEN) + encode_varint(len(payload)) + payload
+
+
+def encode_string_entry(field_no: int, key: str, value: str) -> bytes:
+    """A StringStringEntryProto (key=1, value=2) as a length-delimited field."""
+    body = encode_len_field(1, key.encode()) + encode_len_field(2, value.encode())
+    return encode_len_field(field_no, body)
+
+
+@dataclass
+class Field:
+    number: int
+    wire_type: int
+    start: int  # first byte of the key
+    end: int  # one past the last byte of the field
+    value: int = 0  # varint / fixed value
+    payload_start: int = 0  # LEN fields: where the payload begins
+
+
+@dataclass
+class TensorSpan:
+    """Where a TensorProto's raw_data lies in the file, with the metadata needed to describe it."""
+
+    name: str
+    data_type: int
+    dims: list[int]
+    offset: int
+    length: int
+
+
+class WireReader:
+    """Reads fields from a buffer (bytes, mmap or memoryview) with bounds checks that name the file."""
+
+    def __init__(self, buf, file: str):
+        self.buf = buf
+        self.file = file
+
+    def _corrupt(self, what: str, pos: int) -> CorruptModelError:
+        return CorruptModelError(f"malformed protobuf: {what} at byte {pos}", file=self.file)
+
+    def varint(self, pos: int, end: int) -> tuple[int, int]:
+        buf = self.buf
+        result = 0
+        shift = 0
+        while True:
+            if pos >= end:
+                raise self._corrupt("truncated varint", pos)
+            byte = buf[pos]
+            pos += 1
+            result |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                return result, pos
+            shift += 7
+            if shift > 63:
+                raise self._corrupt("varint longer than 10 bytes", pos)
+
+    def fields(self, start: int, end: int):
+        """Yield every field of the message occupying ``buf[start:end]``."""
+        pos = start
+        while pos < end:
+            key, p = self.varint(pos, end)
+            number, wire_type = key >> 3, key & 7
+            if number == 0:
+                raise self._corrupt("field number 0", pos)
+            if wire_type == VARINT:
+                value, p = self.varint(p, end)
+                yield Field(number, wire_type, pos, p, value)
+            elif wire_type == LEN:
+                length, p = self.varint(p, end)
+                if p + length > end:
+                    raise self._corrupt(f"field {number} of {length} bytes runs past the end of its message", pos)
+                yield Field(number, wire_type, pos, p + length, length, p)
+                p += length
+            elif wire_type == I64:
+                if p + 8 > end:
+                    raise self._corrupt("truncated fixed64", pos)
+                yield Field(number, wire_type, pos, p + 8)
+                p += 8
+            elif wire_type == I32:
+                if p + 4 > end:
+                    raise self._corrupt("truncated fixed32", pos)
+                yield Field(number, wire_type, pos, p + 4)
+                p += 4
+            else:
+                raise self._corrupt(f"unsupported wire type {wire_type} for field {number}", pos)
+            pos = p
+
+    def string(self, f: Field) -> str:
+        return bytes(self.buf[f.payload_start : f.end]).decode("utf-8", errors="replace")
+
+
+@dataclass
+class ExternalizeResult:
+    skeleton: bytes
+    spans: list[TensorSpan] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.spans)
+
+
+class _Externalizer:
+    """Rewrites a serialized ModelProto, moving large embedded raw_data to external references."""
+
+    def __init__(self, buf, file: str, location: str, inline_max_bytes: int, base_offset: int = 0):
+        self.r = WireReader(buf, file)
+        self.buf = buf
+        self.location = location
+        self.inline_max_bytes = inline_max_bytes
+        self.spans: list[TensorSpan] = []
+        # Which child messages of each message kind can contain tensors, and their kind.
+        self.children: dict[str, dict[int, Callable[[int, int], Optional[bytes]]]] = {
+            "model": {MODEL_GRAPH: self.graph, MODEL_TRAINING_INFO: self.training, MODEL_FUNCTIONS: self.function},
+            "training": {TRAINING_INITIALIZATION: self.graph, TRAINING_ALGORITHM: self.graph},
+            "function": {FUNCTION_NODE: self.node},
+            "graph": {GRAPH_NODE: self.node, GRAPH_INITIALIZER: self.tensor, GRAPH_SPARSE_INITIALIZER: self.sparse},
+            "node": {NODE_ATTRIBUTE: self.attribute},
+            "attribute": {
+                ATTR_T: self.tensor,
+                ATTR_G: self.graph,
+                ATTR_TENSORS: self.tensor,
+                ATTR_GRAPHS: self.graph,
+                ATTR_SPARSE_TENSOR: self.sparse,
+                ATTR_SPARSE_TENSORS: self.sparse,
+            },
+            "sparse": {SPARSE_VALUES: self.tensor, SPARSE_INDICES: self.tensor},
+        }
+
+    def message(self, kind: str, start: int, end: int) -> Optional[bytes]:
+        """Return the rewritten message, or None when it is unchanged (the caller copies the slice)."""
+        handlers = self.children[kind]
+        pieces: list[bytes] = []
+        changed = False
+        copy_from = start  # start of the run of fields copied verbatim
+        for f in self.r.fields(start, end):
+            handler = handlers.get(f.number) if f.wire_type == LEN else None
+            if handler is None:
+                continue
+            new = handler(f.payload_start, f.end)
+            if new is None:
+                continue
+            changed = True
+            pieces.append(bytes(self.buf[copy_from : f.start]))
+            pieces.append(encode_len_field(f.number, new))
+            copy_from = f.end
+        if not changed:
+            return None
+        pieces.append(bytes(self.buf[copy_from:end]))
+        return b"".join(pieces)
+
+    def model(self, start: int, end: int) -> Optional[bytes]:
+        return self.message("model", start, end)
+
+    def graph(self, start: int, end: int) -> Optional[bytes]:
+        return self.message("graph", start, end)
+
+    def training(self, start: int, end: int) -> Optional[bytes]:
+        return self.message("training", start, end)
+
+    def function(self, start: int, end: int) -> Optional[bytes]:
+        return self.message("function", start, end)
+
+    def node(self, start: int, end: int) -> Optional[bytes]:
+        return self.message("node", start, end)
+
+    def attribute(self, start: int, end: int) -> Optional[bytes]:
+        return self.message("attribute", start, end)
+
+    def sparse(self, start: int, end: int) -> Optional[bytes]:
+        return self.message("sparse", start, end)
+
+    def tensor(self, start: int, end: int) -> Optional[bytes]:
+        raw: Optional[Field] = None
+        name = ""
+        data_type = 0
+        dims: list[int] = []
+        external = False
+        for f in self.r.fields(start, end):
+            if f.number == TENSOR_RAW_DATA and f.wire_type == LEN:
+                raw = f
+            elif f.number == TENSOR_NAME and f.wire_type == LEN:
+                name = self.r.string(f)
+            elif f.number == TENSOR_DATA_TYPE and f.wire_type == VARINT:
+                data_type = f.value
+            elif f.number == TENSOR_DIMS:
+                if f.wire_type == VARINT:
+                    dims.append(_signed64(f.value))
+                elif f.wire_type == LEN:  # packed repeated int64
+                    p = f.payload_start
+                    while p < f.end:
+                        v, p = self.r.varint(p, f.end)
+                        dims.append(_signed64(v))
+            elif f.number == TENSOR_DATA_LOCATION and f.wire_type == VARINT:
+                external = f.value == DATA_LOCATION_EXTERNAL
+        if raw is None or external or raw.value <= self.inline_max_bytes:
+            return None
+        offset, length = raw.payload_start, raw.value
+        self.spans.append(TensorSpan(name, data_type, dims, offset, length))
+        kept = bytes(self.buf[start : raw.start]) + bytes(self.buf[raw.end : end])
+        return (
+            kept
+            + _key(TENSOR_DATA_LOCATION, VARINT)
+            + encode_varint(DATA_LOCATION_EXTERNAL)
+            + encode_string_entry(TENSOR_EXTERNAL_DATA, "location", self.location)
+            + encode_string_entry(TENSOR_EXTERNAL_DATA, "offset", str(offset))
+            + encode_string_entry(TENSOR_EXTERNAL_DATA, "length", str(length))
+        )
+
+
+def _signed64(v: int) -> int:
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
+def externalize_embedded(buf, *, file: str, location: str, inline_max_bytes: int = 1023) -> ExternalizeResult:
+    """Rewrite the ModelProto in ``buf`` so every embedded raw_data above ``inline_max_bytes`` becomes
+    an external-data reference (``location``, absolute offset in ``buf``, length).
+
+    ``buf`` is normally an mmap of the whole file: only the non-weight bytes are ever read from it.
+    Raises :class:`CorruptModelError` naming ``file`` when the bytes are not a well-formed protobuf.
+    """
+    ex = _Externalizer(buf, file, location, inline_max_bytes)
+    new = ex.model(0, len(buf))
+    skeleton = bytes(buf[:]) if new is None else new
+    return ExternalizeResult(skeleton, ex.spans)

@@ -1,0 +1,151 @@
+"""Small hand-built ONNX models for loader and session tests: each stresses one way weights are stored."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = [helper.make_opsetid("", 21)]
+IR_VERSION = 10  # onnx 1.23 writes IR 14 by default; ORT 1.31 reads up to 13
+
+
+def make_model(graph: onnx.GraphProto, **kw) -> onnx.ModelProto:
+    return helper.make_model(graph, ir_version=IR_VERSION, opset_imports=kw.pop("opset_imports", OPSET), **kw)
+
+
+def save(model: onnx.ModelProto, path: Path, *, external: bool = False) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if external:
+        model = _copy(model)  # onnx's external save rewrites the proto it is given
+        onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data", size_threshold=1024)
+    else:
+        onnx.save_model(model, path)
+    return path
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out
+
+
+def matmul_chain(rng: np.random.Generator, widths: list[int], *, name_prefix: str = "W") -> onnx.ModelProto:
+    """x -> MatMul(W0) -> Relu -> MatMul(W1) ... : fp32 weights of chosen sizes."""
+    nodes, inits = [], []
+    cur = "x"
+    for i, (k, n) in enumerate(zip(widths[:-1], widths[1:])):
+        w = rng.standard_normal((k, n), dtype=np.float32) / np.float32(np.sqrt(k))
+        inits.append(numpy_helper.from_array(w, f"{name_prefix}{i}"))
+        nodes.append(helper.make_node("MatMul", [cur, f"{name_prefix}{i}"], [f"h{i}"]))
+        nodes.append(helper.make_node("Relu", [f"h{i}"], [f"r{i}"]))
+        cur = f"r{i}"
+    g = helper.make_graph(
+        nodes, "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", widths[0]])],
+        [helper.make_tensor_value_info(cur, TensorProto.FLOAT, ["batch", widths[-1]])],
+        inits,
+    )
+    return make_model(g)
+
+
+def embedding_model(rng: np.random.Generator, vocab: int, hidden: int, out: int) -> onnx.ModelProto:
+    """Gather from a big fp32 table, then a MatMul: one huge tensor plus a medium one."""
+    table = rng.standard_normal((vocab, hidden), dtype=np.float32)
+    w = rng.standard_normal((hidden, out), dtype=np.float32) / np.float32(np.sqrt(hidden))
+    g = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["e"]), helper.make_node("MatMul", ["e", "W"], ["y"])],
+        "emb",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", out])],
+        [numpy_helper.from_array(table, "table"), numpy_helper.from_array(w, "W")],
+    )
+    return make_model(g)
+
+
+def many_small(rng: np.random.Generator, count: int, width: int = 16) -> onnx.ModelProto:
+    """Hundreds of small initializers (Add biases) of various sizes, some at or below 127 bytes."""
+    nodes, inits = [], []
+    cur = "x"
+    for i in range(count):
+        size = width if i % 3 else 4  # 4 floats = 16 bytes: stays inline everywhere
+        b = rng.standard_normal((size,), dtype=np.float32)
+        if size != width:
+            b = np.resize(b, (width,))
+        inits.append(numpy_helper.from_array(b.astype(np.float32), f"b{i}"))
+        nodes.append(helper.make_node("Add", [cur, f"b{i}"], [f"a{i}"]))
+        cur = f"a{i}"
+    g = helper.make_graph(
+        nodes, "small",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width])],
+        [helper.make_tensor_value_info(cur, TensorProto.FLOAT, [1, width])],
+        inits,
+    )
+    return make_model(g)
+
+
+def subgraph_model(rng: np.random.Generator, n: int = 128) -> onnx.ModelProto:
+    """If with an initializer inside each branch, a Loop body using an outer-scope weight, a Constant
+    node with a large tensor attribute, and a sparse initializer."""
+    w_then = numpy_helper.from_array(rng.standard_normal((n, n), dtype=np.float32), "W_then")
+    then_g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W_then"], ["t"])], "then", [],
+        [helper.make_tensor_value_info("t", TensorProto.FLOAT, [1, n])], [w_then])
+    w_else = numpy_helper.from_array(rng.standard_normal((n, n), dtype=np.float32), "W_else")
+    else_g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W_else"], ["e"])], "else", [],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, [1, n])], [w_else])
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["acc_in", "W_outer"], ["mm"]),
+         helper.make_node("Tanh", ["mm"], ["acc_out"]),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, [1, n])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, [1, n])])
+    dense = np.zeros((n, n), np.float32)
+    idx = rng.choice(n * n, size=300, replace=False)
+    dense.flat[idx] = rng.standard_normal(300).astype(np.float32)
+    sparse = helper.make_sparse_tensor(
+        numpy_helper.from_array(dense.flat[np.sort(idx)].astype(np.float32), "S"),
+        numpy_helper.from_array(np.sort(idx).astype(np.int64), "S_idx"), [n, n])
+    const = numpy_helper.from_array(rng.standard_normal((n, n), dtype=np.float32), "C")
+    nodes = [
+        helper.make_node("If", ["c"], ["branch"], then_branch=then_g, else_branch=else_g),
+        helper.make_node("Loop", ["trip", "", "branch"], ["looped"], body=body),
+        helper.make_node("Constant", [], ["Cval"], value=const),
+        helper.make_node("MatMul", ["looped", "Cval"], ["m1"]),
+        helper.make_node("MatMul", ["m1", "S"], ["y"]),
+    ]
+    g = helper.make_graph(
+        nodes, "sub",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n]),
+         helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("trip", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
+        [numpy_helper.from_array(rng.standard_normal((n, n), dtype=np.float32) / np.float32(n), "W_outer")],
+        sparse_initializer=[sparse],
+    )
+    return make_model(g)
+
+
+def int4_model(rng: np.random.Generator, k: int = 256, n: int = 128, block: int = 32) -> onnx.ModelProto:
+    """A blockwise int4 DequantizeLinear feeding MatMul (packed sub-byte weights)."""
+    codes = rng.integers(-8, 8, size=(k, n), dtype=np.int8)
+    flat = (codes.flatten() & 0x0F).astype(np.uint8)
+    packed = (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8)  # low nibble first, as ONNX packs int4
+    w = helper.make_tensor("Wq", TensorProto.INT4, [k, n], packed.tobytes(), raw=True)
+    scales = numpy_helper.from_array((rng.random((k // block, n), dtype=np.float32) * 0.02 + 0.01), "Ws")
+    g = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["Wq", "Ws"], ["W"], axis=0, block_size=block),
+         helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "q",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
+        [w, scales],
+    )
+    return make_model(g)

@@ -1,0 +1,282 @@
+"""ortmem.load on real files: every storage form, zero-copy views, the lifecycle, and bad input."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+import model_builders as mb
+import ortmem
+from ortmem.errors import CorruptModelError, ExternalDataError, TensorShapeError, UnsafePathError, UnsupportedDtypeError
+from ortmem.weights import WeightState
+
+
+def _reference_arrays(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_views_equal_onnx_and_are_zero_copy(tmp_path, rng, external):
+    m = mb.matmul_chain(rng, [64, 128, 32])
+    path = mb.save(m, tmp_path / "m.onnx", external=external)
+    ref = _reference_arrays(m)
+    with ortmem.load(path) as model:
+        assert {w.name for w in model.weights} == set(ref)
+        for w in model.weights:
+            view = w.array()
+            np.testing.assert_array_equal(view, ref[w.name])
+            assert not view.flags.owndata, "a weight view must not own a copy"
+            assert w.embedded is (not external)
+            assert w.state is WeightState.MAPPED
+        # the skeleton carries no weight bytes
+        assert model.skeleton.ByteSize() < 4096
+        assert all(not t.raw_data for t in model.skeleton.graph.initializer)
+
+
+def test_embedded_span_points_into_the_file(tmp_path, rng):
+    m = mb.matmul_chain(rng, [64, 64])
+    path = mb.save(m, tmp_path / "m.onnx")
+    with ortmem.load(path) as model:
+        w = model.weight("W0")
+        data = path.read_bytes()
+        assert data[w.offset : w.offset + w.length] == m.graph.initializer[0].raw_data
+        assert model.embedded_spans == 1 and not model.pristine
+
+
+def test_subgraphs_sparse_and_constants_are_all_found(tmp_path, rng):
+    m = mb.subgraph_model(rng)
+    path = mb.save(m, tmp_path / "s.onnx")
+    with ortmem.load(path) as model:
+        kinds = {(w.graph, w.kind, w.name) for w in model.weights}
+    assert ("", "initializer", "W_outer") in kinds
+    assert ("If#0/then_branch", "initializer", "W_then") in kinds
+    assert ("If#0/else_branch", "initializer", "W_else") in kinds
+    assert ("Constant#2.value", "attribute", "C") in kinds
+    assert ("", "sparse_values", "S") in kinds and ("", "sparse_indices", "S_idx") in kinds
+
+
+def test_small_tensors_stay_inline_and_nothing_is_dropped(tmp_path, rng):
+    m = mb.many_small(rng, 60)
+    path = mb.save(m, tmp_path / "small.onnx")
+    with ortmem.load(path) as model:
+        names = [t.name for t in model.skeleton.graph.initializer]
+        assert names == [t.name for t in m.graph.initializer]
+        for orig, skel in zip(m.graph.initializer, model.skeleton.graph.initializer):
+            np.testing.assert_array_equal(numpy_helper.to_array(orig), numpy_helper.to_array(skel))
+
+
+def test_int4_stays_packed_with_logical_shape(tmp_path, rng):
+    m = mb.int4_model(rng, k=256, n=128)
+    path = mb.save(m, tmp_path / "q.onnx")
+    with ortmem.load(path) as model:
+        w = model.weight("Wq")
+        assert w.shape == (256, 128) and w.dtype_name == "int4"
+        view = w.array()
+        assert view.dtype == np.uint8 and view.size == 256 * 128 // 2
+        assert view.tobytes() == m.graph.initializer[0].raw_data
+
+
+def _resident_bytes(start: int, length: int) -> int:
+    """Resident bytes of [start, start+length) in this process (mincore via /proc/self/pagemap-free smaps)."""
+    total = 0
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if lo < start + length and hi > start:
+                for j in range(i + 1, min(i + 30, len(lines))):
+                    if lines[j].startswith("Rss:"):
+                        total += int(lines[j].split()[1]) * 1024
+                        break
+    return total
+
+
+def test_release_really_drops_pages_and_blocks_reuse(tmp_path, rng):
+    m = mb.embedding_model(rng, vocab=4096, hidden=256, out=16)  # 4 MiB table
+    path = mb.save(m, tmp_path / "e.onnx", external=True)
+    model = ortmem.load(path)
+    table = model.weight("table")
+    view = table.array()
+    assert float(np.abs(view).sum()) > 0  # touch every page
+    addr = view.__array_interface__["data"][0]
+    mapped = next(mf for mf in model.store.files if mf.path == table.file)
+    before = _resident_bytes(addr, table.length)
+    assert before >= table.length * 0.9
+    del view
+    freed = model.store.release(table)
+    assert freed >= table.length - 2 * 4096
+    assert table.state is WeightState.RELEASED
+    with pytest.raises(ortmem.errors.WeightStateError, match="table"):
+        table.array()
+    # the table was the file's big span: the page range is gone from the resident set
+    assert _resident_bytes(addr, table.length) <= 3 * 4096 or not mapped.is_mapped
+    model.close()
+
+
+def test_models_over_2gb_external(tmp_path):
+    """External data past 2 GiB: offsets beyond int32 and a sparse file, no protobuf limit."""
+    from onnx import TensorProto, helper
+
+    data = tmp_path / "big.onnx.data"
+    size = (2 << 30) + (64 << 20)
+    with open(data, "wb") as f:
+        f.truncate(size)  # sparse: costs no disk
+        f.seek(size - 4096)
+        f.write(np.arange(1024, dtype=np.float32).tobytes())
+    t = TensorProto(name="W", data_type=TensorProto.FLOAT, dims=[1024])
+    t.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", data.name), ("offset", str(size - 4096)), ("length", "4096")):
+        e = t.external_data.add(); e.key, e.value = k, v
+    big = TensorProto(name="Big", data_type=TensorProto.FLOAT, dims=[(2 << 30) // 4])
+    big.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", data.name), ("offset", "0"), ("length", str(2 << 30))):
+        e = big.external_data.add(); e.key, e.value = k, v
+    g = helper.make_graph([helper.make_node("Identity", ["W"], ["y"])], "g", [],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1024])], [t, big])
+    path = tmp_path / "big.onnx"
+    onnx.save(mb.make_model(g), path)
+    with ortmem.load(path) as model:
+        np.testing.assert_array_equal(model.weight("W").array(), np.arange(1024, dtype=np.float32))
+        assert model.weight("Big").length == 2 << 30
+        assert model.weight_bytes == (2 << 30) + 4096
+
+
+# ---- bad input: each gets an OrtmemError naming the tensor and the file ----
+
+def _external(tmp_path, rng):
+    m = mb.matmul_chain(rng, [64, 64])
+    return mb.save(m, tmp_path / "m.onnx", external=True), m
+
+
+def _set_external(path: Path, **changes) -> None:
+    m = onnx.load(path, load_external_data=False)
+    t = m.graph.initializer[0]
+    for e in t.external_data:
+        if e.key in changes:
+            e.value = changes[e.key]
+    onnx.save(m, path)
+
+
+def test_truncated_protobuf(tmp_path, rng):
+    path = mb.save(mb.matmul_chain(rng, [64, 64]), tmp_path / "m.onnx")
+    data = path.read_bytes()
+    for cut in (len(data) // 2, len(data) - 3, 7):
+        bad = tmp_path / f"cut{cut}.onnx"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(CorruptModelError) as ei:
+            ortmem.load(bad)
+        assert str(bad) in str(ei.value)
+
+
+def test_garbage_and_empty_files(tmp_path):
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(os.urandom(4096))
+    with pytest.raises(CorruptModelError, match="junk.onnx"):
+        ortmem.load(junk)
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    with pytest.raises(CorruptModelError, match="empty"):
+        ortmem.load(empty)
+    with pytest.raises(CorruptModelError, match="not found"):
+        ortmem.load(tmp_path / "missing.onnx")
+
+
+def test_missing_external_file(tmp_path, rng):
+    path, _ = _external(tmp_path, rng)
+    (tmp_path / "m.onnx.data").unlink()
+    with pytest.raises(ExternalDataError) as ei:
+        ortmem.load(path)
+    assert ei.value.tensor == "W0" and "m.onnx.data" in str(ei.value)
+
+
+def test_short_external_file(tmp_path, rng):
+    path, _ = _external(tmp_path, rng)
+    data = tmp_path / "m.onnx.data"
+    data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(ExternalDataError, match="past the end") as ei:
+        ortmem.load(path)
+    assert ei.value.tensor == "W0"
+
+
+def test_offset_past_end(tmp_path, rng):
+    path, _ = _external(tmp_path, rng)
+    _set_external(path, offset=str(10**9))
+    with pytest.raises(ExternalDataError, match="W0"):
+        ortmem.load(path)
+
+
+@pytest.mark.parametrize("location", ["/etc/passwd", "../outside.data", "sub/../../outside.data"])
+def test_unsafe_locations(tmp_path, rng, location):
+    (tmp_path.parent / "outside.data").write_bytes(b"\0" * 64 * 64 * 4)
+    path, _ = _external(tmp_path, rng)
+    _set_external(path, location=location)
+    with pytest.raises(UnsafePathError) as ei:
+        ortmem.load(path)
+    assert ei.value.tensor == "W0" and ei.value.file == str(path)
+
+
+def test_symlink_leaving_folder(tmp_path, rng):
+    inner = tmp_path / "model"
+    path, _ = _external(inner, rng)
+    outside = tmp_path / "elsewhere.data"
+    os.replace(inner / "m.onnx.data", outside)
+    os.symlink(outside, inner / "m.onnx.data")
+    with pytest.raises(UnsafePathError, match="outside the model folder"):
+        ortmem.load(path)
+
+
+def test_symlink_inside_folder_is_fine(tmp_path, rng):
+    path, m = _external(tmp_path, rng)
+    os.replace(tmp_path / "m.onnx.data", tmp_path / "real.data")
+    os.symlink(tmp_path / "real.data", tmp_path / "m.onnx.data")
+    with ortmem.load(path) as model:
+        np.testing.assert_array_equal(model.weight("W0").array(), numpy_helper.to_array(m.graph.initializer[0]))
+
+
+def test_length_not_matching_dtype_and_shape(tmp_path, rng):
+    path, _ = _external(tmp_path, rng)
+    _set_external(path, length="100")
+    with pytest.raises(TensorShapeError, match="does not match") as ei:
+        ortmem.load(path)
+    assert ei.value.tensor == "W0"
+
+
+def test_embedded_raw_data_of_wrong_size(tmp_path, rng):
+    m = mb.matmul_chain(rng, [64, 64])
+    m.graph.initializer[0].dims[0] = 65
+    path = tmp_path / "bad.onnx"
+    onnx.save(m, path)
+    with pytest.raises(TensorShapeError) as ei:
+        ortmem.load(path)
+    assert ei.value.tensor == "W0" and "bad.onnx" in str(ei.value)
+
+
+def test_unknown_dtype(tmp_path, rng):
+    m = mb.matmul_chain(rng, [64, 64])
+    m.graph.initializer[0].data_type = 99
+    path = tmp_path / "u.onnx"
+    onnx.save(m, path)
+    with pytest.raises(UnsupportedDtypeError) as ei:
+        ortmem.load(path)
+    assert ei.value.tensor == "W0" and "u.onnx" in str(ei.value)
+
+
+def test_corrupt_inner_message_names_file(tmp_path, rng):
+    """Flip the length prefix of the big raw_data so it claims more bytes than its message holds."""
+    m = mb.matmul_chain(rng, [64, 64])
+    path = mb.save(m, tmp_path / "m.onnx")
+    data = bytearray(path.read_bytes())
+    raw = m.graph.initializer[0].raw_data
+    pos = bytes(data).find(raw)
+    # raw_data length varint for 16384 is two bytes right before the payload: make it huge
+    data[pos - 2] = 0xFF
+    data[pos - 1] = 0x7F
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptModelError, match="m.onnx"):
+        ortmem.load(path)
