@@ -9,7 +9,6 @@ silently wrong model.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 from pathlib import Path
 from typing import Union
@@ -21,7 +20,7 @@ from .dtypes import byte_size, dtype_info
 from .errors import CorruptModelError, ExternalDataError, TensorShapeError, UnsafePathError
 from .model import Model
 from .onnx_walk import external_data_dict, is_external, iter_tensor_sites
-from .protowire import externalize_embedded
+from .protowire import FileBytes, externalize_embedded
 from .weights import WeightRef, WeightStore
 
 log = logging.getLogger(__name__)
@@ -50,19 +49,14 @@ def load(path: PathLike, *, inline_max_bytes: int = INLINE_MAX_BYTES) -> Model:
     if size == 0:
         raise CorruptModelError("model file is empty", file=file)
     with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        result = externalize_embedded(mm, file=file, location=path.name, inline_max_bytes=inline_max_bytes)
-        skeleton = _parse(result.skeleton, file)
-    except BaseException:
-        mm.close()
-        raise
+        result = externalize_embedded(
+            FileBytes(f.fileno(), size), file=file, location=path.name, inline_max_bytes=inline_max_bytes
+        )
+    skeleton = _parse(result.skeleton, file)
     if not skeleton.HasField("graph"):
-        mm.close()
         raise CorruptModelError("not an ONNX model: no graph", file=file)
 
     store = WeightStore()
-    store.mapped_file(path.resolve(), mm)
     model = Model(path=path, skeleton=skeleton, store=store, embedded_spans=len(result.spans))
     try:
         _register_weights(model)

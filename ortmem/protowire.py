@@ -20,6 +20,7 @@ one slice, which keeps the skeleton build linear in the size of the graph, not o
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -64,6 +65,45 @@ def encode_string_entry(field_no: int, key: str, value: str) -> bytes:
     """A StringStringEntryProto (key=1, value=2) as a length-delimited field."""
     body = encode_len_field(1, key.encode()) + encode_len_field(2, value.encode())
     return encode_len_field(field_no, body)
+
+
+class FileBytes:
+    """Random access to a file's bytes through ``pread``, so nothing is mapped into the process.
+
+    Reading tensor headers through an mmap costs far more resident memory than the bytes read:
+    the kernel maps whole page-cache folios (up to 2 MiB) on each fault, so walking a model with a
+    few hundred tensors would transiently "use" hundreds of MiB. ``pread`` fills the page cache
+    (shared, reclaimable) without charging this process for it.
+    """
+
+    def __init__(self, fd: int, size: int, window: int = 64 * 1024):
+        self.fd = fd
+        self.size = size
+        self.window = window
+        self._start = 0
+        self._data = b""
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _load(self, pos: int) -> None:
+        start = pos - pos % 4096
+        self._data = os.pread(self.fd, self.window, start)
+        self._start = start
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, _ = key.indices(self.size)
+            if stop <= start:
+                return b""
+            if self._start <= start and stop <= self._start + len(self._data):
+                return self._data[start - self._start : stop - self._start]
+            return os.pread(self.fd, stop - start, start)
+        if not (self._start <= key < self._start + len(self._data)):
+            if not 0 <= key < self.size:
+                raise IndexError(key)
+            self._load(key)
+        return self._data[key - self._start]
 
 
 @dataclass
@@ -274,7 +314,7 @@ def externalize_embedded(buf, *, file: str, location: str, inline_max_bytes: int
     """Rewrite the ModelProto in ``buf`` so every embedded raw_data above ``inline_max_bytes`` becomes
     an external-data reference (``location``, absolute offset in ``buf``, length).
 
-    ``buf`` is normally an mmap of the whole file: only the non-weight bytes are ever read from it.
+    ``buf`` is normally a :class:`FileBytes` over the whole file: only the non-weight bytes are read.
     Raises :class:`CorruptModelError` naming ``file`` when the bytes are not a well-formed protobuf.
     """
     ex = _Externalizer(buf, file, location, inline_max_bytes)

@@ -42,10 +42,10 @@ class WeightState(str, enum.Enum):
 class MappedFile:
     """A read-only mapping of one file, shared by every weight stored in it."""
 
-    def __init__(self, path: Path, mm: Optional[mmap.mmap] = None):
+    def __init__(self, path: Path):
         self.path = path
-        self._mm = mm
-        self.size = os.path.getsize(path) if mm is None else len(mm)
+        self._mm: Optional[mmap.mmap] = None  # mapped on first view: handing a model to ORT needs none
+        self.size = os.path.getsize(path)
         self.live_spans = 0
 
     @property
@@ -145,10 +145,10 @@ class WeightStore:
         self._files: dict[Path, MappedFile] = {}
         self._refs: dict[tuple[str, str, str], WeightRef] = {}
 
-    def mapped_file(self, path: Path, mm: Optional[mmap.mmap] = None) -> MappedFile:
+    def mapped_file(self, path: Path) -> MappedFile:
         mf = self._files.get(path)
         if mf is None:
-            mf = self._files[path] = MappedFile(path, mm)
+            mf = self._files[path] = MappedFile(path)
         return mf
 
     def add(self, ref: WeightRef) -> WeightRef:
