@@ -8,11 +8,14 @@ The public API fits on one screen:
 - :class:`Model`, :class:`WeightRef`, :class:`WeightState` describe what was loaded;
 - :mod:`ortmem.errors` holds the exception hierarchy rooted at :class:`OrtmemError`.
 """
-from .errors import OrtmemError
+
+__version__ = "0.1.0"
+
+from .errors import OrtmemError  # noqa: E402
 from .loader import load
 from .model import Model
 from .session import InferenceSession
 from .weights import WeightRef, WeightState
 
 __all__ = ["InferenceSession", "Model", "OrtmemError", "WeightRef", "WeightState", "load"]
-__version__ = "0.1.0"
+

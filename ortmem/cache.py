@@ -1,14 +1,242 @@
-"""Where ortmem keeps what it generates or converts: ``$ORTMEM_CACHE_DIR``, else the platform cache dir."""
+"""A content-addressed cache of converted models, safe under concurrent creators.
+
+An entry is a folder ``<root>/<key>/`` holding ``model.onnx`` (a skeleton whose large tensors are
+external data), ``weights.bin`` (every weight, page-aligned, so ORT maps each tensor straight from the
+page cache) and ``manifest.json`` (what the entry claims, checked before use).
+
+Publishing is atomic: an entry is built in ``<root>/.tmp-<random>/`` and renamed into place; a
+rename onto an existing entry fails, so of two concurrent creators the first wins and the second
+throws its copy away and uses the winner's. A reader therefore never sees a half-written entry; an
+entry that fails verification (truncated, edited, from another ortmem/ORT version) is moved aside
+and rebuilt. Space for ``weights.bin`` is reserved with ``posix_fallocate`` before anything is
+written through a mapping, so a full disk is a clean ``CacheError``, never a SIGBUS.
+"""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
 
 import platformdirs
 
+from .errors import CacheError
+
+MANIFEST = "manifest.json"
+MODEL_FILE = "model.onnx"
+WEIGHTS_FILE = "weights.bin"
+FORMAT = 1
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
 
 def cache_root() -> Path:
+    """``$ORTMEM_CACHE_DIR``, else the platform's user cache dir; created on first use."""
     root = os.environ.get("ORTMEM_CACHE_DIR")
     path = Path(root) if root else Path(platformdirs.user_cache_dir("ortmem"))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def align(n: int, to: int = PAGE) -> int:
+    return -(-n // to) * to
+
+
+def make_key(parts: dict[str, Any]) -> str:
+    """A stable hex key over everything the cached bytes depend on (sources, options, versions)."""
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]
+
+
+def file_identity(path: Path) -> dict[str, Any]:
+    """Cheap identity of a source file: a replaced or rewritten file gets a new key."""
+    st = path.stat()
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+
+
+@dataclass
+class Entry:
+    key: str
+    path: Path
+
+    @property
+    def model_path(self) -> Path:
+        return self.path / MODEL_FILE
+
+    @property
+    def weights_path(self) -> Path:
+        return self.path / WEIGHTS_FILE
+
+    def manifest(self) -> dict[str, Any]:
+        return json.loads((self.path / MANIFEST).read_text())
+
+    def size_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
+
+
+def spot_digest(path: Path, spans: list[tuple[int, int]]) -> str:
+    """Hash the first and last page of every span: catches truncation, zeroed or swapped tensors
+    without reading gigabytes on every warm start."""
+    h = hashlib.blake2b(digest_size=16)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for offset, length in spans:
+            h.update(os.pread(fd, min(length, PAGE), offset))
+            if length > PAGE:
+                h.update(os.pread(fd, PAGE, offset + length - PAGE))
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+class Cache:
+    def __init__(self, root: Optional[Path] = None):
+        self.root = Path(root) if root is not None else cache_root()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def entry(self, key: str) -> Entry:
+        return Entry(key, self.root / key)
+
+    def lookup(self, key: str) -> Optional[Entry]:
+        """The verified entry for ``key``, or None (a broken one is moved aside for rebuilding)."""
+        e = self.entry(key)
+        if not e.path.exists():
+            return None
+        problem = self.verify(e)
+        if problem is None:
+            return e
+        self._discard(e.path, reason=problem)
+        return None
+
+    def verify(self, e: Entry) -> Optional[str]:
+        """None when the entry is whole and what its manifest says; else what is wrong."""
+        try:
+            m = e.manifest()
+        except (OSError, ValueError) as exc:
+            return f"manifest unreadable: {exc}"
+        if m.get("format") != FORMAT or m.get("key") != e.key:
+            return "manifest from another format or key"
+        for name, size in m.get("files", {}).items():
+            p = e.path / name
+            if not p.is_file() or p.stat().st_size != size:
+                return f"{name} missing or of the wrong size"
+        if hashlib.sha256(e.model_path.read_bytes()).hexdigest() != m.get("model_sha256"):
+            return "model.onnx changed"
+        spans = [tuple(s) for s in m.get("spans", [])]
+        if spans and spot_digest(e.weights_path, spans) != m.get("spot_digest"):
+            return "weights.bin content changed"
+        return None
+
+    def build(self, key: str, builder: Callable[[Path], dict[str, Any]]) -> Entry:
+        """Build an entry with ``builder(tmpdir) -> manifest extras`` and publish it atomically.
+
+        ``builder`` writes ``model.onnx`` and ``weights.bin`` into ``tmpdir`` and returns
+        ``{"spans": [(offset, length), ...], ...}``; the manifest is completed here.
+        """
+        tmp = self.root / f".tmp-{uuid.uuid4().hex}"
+        tmp.mkdir()
+        try:
+            extras = builder(tmp)
+            files = {f.name: f.stat().st_size for f in tmp.iterdir() if f.is_file()}
+            manifest = {
+                "format": FORMAT,
+                "key": key,
+                "created": time.time(),
+                "files": files,
+                "model_sha256": hashlib.sha256((tmp / MODEL_FILE).read_bytes()).hexdigest(),
+                **extras,
+            }
+            spans = [tuple(s) for s in manifest.get("spans", [])]
+            if spans:
+                manifest["spot_digest"] = spot_digest(tmp / WEIGHTS_FILE, spans)
+            _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            _fsync_dir(tmp)
+            final = self.root / key
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                # Another creator published first (rename onto a non-empty folder fails): use theirs.
+                winner = self.lookup(key)
+                if winner is None:
+                    raise CacheError("could not publish cache entry", file=str(final)) from None
+                shutil.rmtree(tmp, ignore_errors=True)
+                return winner
+            _fsync_dir(self.root)
+            return Entry(key, final)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CacheError(f"cache entry could not be written: {exc}", file=str(tmp)) from exc
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def get_or_build(self, key: str, builder: Callable[[Path], dict[str, Any]]) -> tuple[Entry, bool]:
+        """(entry, hit): a verified existing entry, or a freshly built one."""
+        e = self.lookup(key)
+        if e is not None:
+            return e, True
+        return self.build(key, builder), False
+
+    def entries(self) -> Iterator[Entry]:
+        for p in sorted(self.root.iterdir()):
+            if p.is_dir() and not p.name.startswith("."):
+                yield Entry(p.name, p)
+
+    def clear(self) -> int:
+        """Remove every entry and leftover temporary folder; returns bytes freed."""
+        freed = 0
+        for p in list(self.root.iterdir()):
+            if p.is_dir():
+                freed += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+                self._discard(p, reason="clear")
+        return freed
+
+    def _discard(self, path: Path, reason: str) -> None:
+        # Rename first so a concurrent reader never sees a half-deleted entry under the key.
+        trash = self.root / f".trash-{uuid.uuid4().hex}"
+        try:
+            os.rename(path, trash)
+        except OSError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def reserve(path: Path, size: int) -> int:
+    """Create ``path`` with ``size`` bytes of disk actually allocated; returns an open fd."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        if size:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            else:  # pragma: no cover - macOS: no fallocate; ftruncate is sparse
+                os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

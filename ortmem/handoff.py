@@ -25,8 +25,12 @@ from typing import Optional, Union
 
 import onnx
 
+from .cache import MODEL_FILE, Cache
+from .convert import convert_cached, write_converted
 from .loader import load
 from .model import Model
+from .passes.dq_matmul import ConversionReport, Progress, plan_conversion
+from .passes.dq_matmul_match import OrtSettings
 
 FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
@@ -56,17 +60,67 @@ class Handoff:
             self.tempdir = None
 
 
-def prepare(model: ModelInput) -> Handoff:
-    """Turn any supported model input into a :class:`Handoff` (may load, never copies weights)."""
+#: Execution providers for which ORT itself applies DQMatMulToMatMulNBits, so rewriting ahead of
+#: time builds the graph ORT would build. Others (TensorRT, OpenVINO, QNN, ...) consume QDQ natively.
+FUSING_PROVIDERS = {"CPUExecutionProvider", "CUDAExecutionProvider", "DmlExecutionProvider", "AzureExecutionProvider"}
+
+
+@dataclass
+class ConvertOptions:
+    """What the hook may do to the graph before ORT sees it."""
+
+    enabled: bool = True
+    settings: Optional[OrtSettings] = None
+    cache: Optional[Cache] = None  # None: a private temporary folder, removed after creation
+    progress: Optional[Progress] = None
+    report: Optional[ConversionReport] = None  # filled in: what was converted (None on a cache hit)
+    cache_hit: bool = False
+
+
+def prepare(model: ModelInput, convert: Optional[ConvertOptions] = None) -> Handoff:
+    """Turn any supported model input into a :class:`Handoff` (may load or convert; never copies weights)."""
     if isinstance(model, Model):
-        return from_model(model)
+        return _converted_or_as_is(model, convert)
     if isinstance(model, (str, os.PathLike)):
-        return from_model(load(model))
+        return _converted_or_as_is(load(model), convert)
     if isinstance(model, (bytes, bytearray, memoryview)):
-        return _spill(lambda f: f.write(model))
+        return _spill(lambda f: f.write(model), convert)
     if isinstance(model, onnx.ModelProto):
-        return _spill(lambda f: f.write(model.SerializeToString()))
+        return _spill(lambda f: f.write(model.SerializeToString()), convert)
     raise TypeError(f"ortmem cannot load a model from {type(model).__name__}; pass a path, bytes, ModelProto or ortmem.Model")
+
+
+def _converted_or_as_is(model: Model, convert: Optional[ConvertOptions]) -> Handoff:
+    if convert is None or not convert.enabled:
+        return from_model(model)
+    settings = convert.settings or OrtSettings()
+    if convert.cache is not None:
+        entry, hit, report = convert_cached(model, settings, convert.cache, progress=convert.progress)
+        convert.cache_hit, convert.report = hit, report
+        if entry is None:
+            return from_model(model)
+        _consume(model)
+        return from_model(load(entry.model_path))
+    plan = plan_conversion(model, settings)
+    if not plan.rewrites:
+        return from_model(model)
+    tempdir = Path(tempfile.mkdtemp(prefix="ortmem-"))
+    try:
+        convert.report = write_converted(model, plan, tempdir, progress=convert.progress)
+        _consume(model)
+        handoff = from_model(load(tempdir / MODEL_FILE))
+    except BaseException:
+        shutil.rmtree(tempdir, ignore_errors=True)
+        raise
+    handoff.tempdir = tempdir
+    return handoff
+
+
+def _consume(model: Model) -> None:
+    """The source model has been converted: give back every page of it before ORT starts."""
+    model.store.mark_handed()
+    model.release()
+    model.close()
 
 
 def from_model(model: Model) -> Handoff:
@@ -79,16 +133,19 @@ def from_model(model: Model) -> Handoff:
     )
 
 
-def _spill(write) -> Handoff:
+def _spill(write, convert: Optional[ConvertOptions] = None) -> Handoff:
     """Write an in-memory model to a private file so its weights can be mapped instead of copied."""
     tempdir = Path(tempfile.mkdtemp(prefix="ortmem-"))
     try:
         path = tempdir / "model.onnx"
         with open(path, "wb") as f:
             write(f)
-        handoff = from_model(load(path))
+        handoff = _converted_or_as_is(load(path), convert)
     except BaseException:
         shutil.rmtree(tempdir, ignore_errors=True)
         raise
-    handoff.tempdir = tempdir
+    if handoff.tempdir is not None:  # converted into its own temporary folder: ours is no longer read
+        shutil.rmtree(tempdir, ignore_errors=True)
+    else:
+        handoff.tempdir = tempdir
     return handoff

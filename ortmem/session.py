@@ -8,11 +8,15 @@ whatever ORT borrows must outlive it.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
 
 import onnxruntime as ort
 
 from . import handoff as _handoff
+from .cache import Cache
+from .convert import settings_from
 from .options import scoped_config
 
 log = logging.getLogger(__name__)
@@ -22,7 +26,17 @@ class InferenceSession(ort.InferenceSession):
     """Create an ORT session from a path, bytes, ``onnx.ModelProto`` or :class:`ortmem.Model`.
 
     ``sess_options``, ``providers`` and ``provider_options`` mean what they mean to ORT and are
-    never mutated; the remaining keyword arguments go to ORT as well.
+    never mutated; the remaining keyword arguments go to ORT as well, except ortmem's own:
+
+    - ``convert``: rewrite DequantizeLinear+MatMul into MatMulNBits ahead of time (default True),
+      exactly where ORT's own rule would for these options, so outputs equal ORT's on the QDQ model;
+    - ``cache``: True (default) keeps the converted model in the cache (``$ORTMEM_CACHE_DIR``) so the
+      next start converts nothing; a path picks the cache folder; False converts into a temporary
+      folder that is removed once the session exists;
+    - ``progress``: ``callable(done_bytes, total_bytes, name)`` called while converting.
+
+    ``self.ortmem_report`` tells what was converted (None when nothing was, or on a cache hit) and
+    ``self.ortmem_cache_hit`` whether the conversion came from the cache.
     """
 
     def __init__(
@@ -31,9 +45,21 @@ class InferenceSession(ort.InferenceSession):
         sess_options: Optional[ort.SessionOptions] = None,
         providers: Optional[Sequence[Any]] = None,
         provider_options: Optional[Sequence[dict[Any, Any]]] = None,
+        *,
+        convert: bool = True,
+        cache: Union[bool, str, os.PathLike] = True,
+        progress: Optional[Callable[[int, int, str], None]] = None,
         **kwargs: Any,
     ) -> None:
-        self._ortmem_handoff = _handoff.prepare(model)
+        options = _handoff.ConvertOptions(
+            enabled=convert and _fusing_providers_only(providers),
+            settings=settings_from(sess_options, disabled_optimizers=kwargs.get("disabled_optimizers")),
+            cache=None if cache is False else Cache(None if cache is True else Path(cache)),
+            progress=progress,
+        )
+        self._ortmem_handoff = _handoff.prepare(model, options)
+        self.ortmem_report = options.report
+        self.ortmem_cache_hit = options.cache_hit
         try:
             super().__init__(self._ortmem_handoff.model, sess_options, providers, provider_options, **kwargs)
         finally:
@@ -50,3 +76,9 @@ class InferenceSession(ort.InferenceSession):
             finally:
                 if self._sess_options is options and options is user_options:
                     self._sess_options = user_options
+
+
+def _fusing_providers_only(providers: Optional[Sequence[Any]]) -> bool:
+    """True when every requested provider is one for which ORT fuses DQ+MatMul itself."""
+    names = [p if isinstance(p, str) else p[0] for p in (providers or ort.get_available_providers())]
+    return all(n in _handoff.FUSING_PROVIDERS for n in names)

@@ -10,3 +10,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    """Every test gets its own conversion cache: no test reads another's entries or the user's."""
+    monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path_factory.mktemp("ortmem-cache")))

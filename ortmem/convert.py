@@ -1,0 +1,136 @@
+"""Conversion as a stage: a loaded model in, a self-contained MatMulNBits model folder out.
+
+The output folder holds ``model.onnx`` (the rewritten skeleton) and ``weights.bin`` (every weight,
+page-aligned). It is what ``ortmem convert`` writes and what a cache entry holds; ORT loads it by
+path and memory-maps each tensor, so nothing is copied again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import onnx
+import onnxruntime as ort
+
+from . import __version__
+from .cache import MODEL_FILE, WEIGHTS_FILE, Cache, Entry, file_identity, make_key, reserve
+from .errors import ConversionError
+from .model import Model
+from .passes.dq_matmul import ConversionPlan, ConversionReport, Progress, plan_conversion, rewrite_skeleton, write_weights
+from .passes.dq_matmul_match import OrtSettings
+
+
+def settings_from(sess_options: Optional[ort.SessionOptions] = None, *, accuracy_level: Optional[int] = None,
+                  disabled_optimizers=None) -> OrtSettings:
+    """The session settings ORT's fusion decision depends on, read from the user's options."""
+    from .options import get_config
+
+    config: dict[str, str] = {}
+    level = 99
+    if sess_options is not None:
+        level = int(sess_options.graph_optimization_level)
+        for key in ("session.qdq_matmulnbits_accuracy_level", "session.qdq_matmulnbits_block_size",
+                    "session.disable_quant_qdq"):
+            v = get_config(sess_options, key)
+            if v is not None and v != "":
+                config[key] = v
+    if accuracy_level is not None:
+        config["session.qdq_matmulnbits_accuracy_level"] = str(accuracy_level)
+    return OrtSettings(level, config, frozenset(disabled_optimizers or ()))
+
+
+def write_converted(model: Model, plan: ConversionPlan, out_dir: Path, *, progress: Optional[Progress] = None) -> ConversionReport:
+    """Write ``model.onnx`` + ``weights.bin`` for ``plan`` into the existing folder ``out_dir``."""
+    start = time.perf_counter()
+    weights = out_dir / WEIGHTS_FILE
+    fd = reserve(weights, plan.size)  # a full disk fails here, before anything is mapped
+    os.close(fd)
+    write_weights(model, plan, weights, progress=progress)
+    skeleton = rewrite_skeleton(model, plan, WEIGHTS_FILE)
+    with open(out_dir / MODEL_FILE, "wb") as f:
+        f.write(skeleton.SerializeToString())
+    return ConversionReport(
+        converted=len(plan.rewrites),
+        skipped=plan.skipped,
+        source_bytes=plan.converted_source_bytes,
+        output_bytes=plan.size,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def cache_key(model: Model, settings: OrtSettings, extra: Optional[Mapping[str, Any]] = None) -> str:
+    sources = sorted({str(w.file) for w in model.weights} | {str(model.path.resolve())})
+    return make_key({
+        "what": "dq-matmulnbits",
+        "sources": [file_identity(Path(s)) for s in sources],
+        "settings": {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
+                     "disabled": sorted(settings.disabled_optimizers)},
+        "ortmem": __version__,
+        "onnxruntime": ort.__version__,
+        "onnx": onnx.__version__,
+        **(extra or {}),
+    })
+
+
+def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progress: Optional[Progress] = None,
+                   ) -> tuple[Optional[Entry], bool, Optional[ConversionReport]]:
+    """(entry, hit, report): the cached conversion of ``model``, built if missing.
+
+    Returns ``(None, False, None)`` when nothing in the model is convertible: the caller then hands
+    the original model to ORT.
+    """
+    key = cache_key(model, settings)
+    hit = cache.lookup(key)
+    if hit is not None:
+        return hit, True, None
+    plan = plan_conversion(model, settings)
+    if not plan.rewrites:
+        return None, False, None
+    reports: list[ConversionReport] = []
+
+    def build(tmp: Path) -> dict[str, Any]:
+        report = write_converted(model, plan, tmp, progress=progress)
+        reports.append(report)
+        spans = [(t.offset, t.nbytes) for t in _all_out(plan) if t.nbytes]
+        return {"spans": spans, "source": str(model.path), "report": report.summary()}
+
+    entry = cache.build(key, build)
+    return entry, False, reports[0] if reports else None
+
+
+def _all_out(plan: ConversionPlan):
+    for r in plan.rewrites:
+        yield r.B
+        yield r.scales
+        if r.zero_points is not None:
+            yield r.zero_points
+    for _, t in plan.copied:
+        yield t
+
+
+def convert_to(model: Model, out_dir: Path, settings: OrtSettings, *, progress: Optional[Progress] = None) -> ConversionReport:
+    """``ortmem convert``: write the converted model into ``out_dir`` (created; must be empty or new).
+
+    Written into a temporary sibling folder and renamed, so a failure leaves no half-written output.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConversionError("output folder is not empty", file=str(out_dir))
+    plan = plan_conversion(model, settings)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True)
+    try:
+        report = write_converted(model, plan, tmp, progress=progress)
+        (tmp / "conversion.json").write_text(json.dumps({"summary": report.summary()}, indent=1))
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.rename(tmp, out_dir)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report

@@ -1,0 +1,206 @@
+"""Entry point of the measured process: ``python -m ortmem.measure._child < spec.json``.
+
+Runs exactly one strategy (or one preparation step) and writes a JSON result to
+``spec["result_path"]`` (a file, not stdout, because strategies may print). Events are stamped
+with ``time.monotonic()`` so the parent's sampler can align its samples with them.
+
+Order inside the process, and why:
+1. imports (numpy, onnxruntime, ortmem, the strategy's own module, memray if asked): the baseline,
+   reported separately because it is the same for every strategy;
+2. ``VmHWM`` reset, so the creation peak excludes the imports;
+3. creation (optionally under ``memray.Tracker``), then RSS/VmHWM read at once;
+4. feeds built, ``VmHWM`` reset again, first run, RSS/VmHWM read: the run's own peak;
+5. output hash, memray report (after every measurement, so its parsing costs nothing measured).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from typing import Any
+
+
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _children_maxrss() -> int:
+    """Largest peak RSS of any helper this process has waited for (bytes; Linux reports kB).
+
+    It catches a helper too short-lived for the 10 ms sampler; it cannot be reset, but nothing
+    has been spawned before creation starts.
+    """
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+
+
+def _mem(status: dict[str, int] | None) -> dict[str, int]:
+    status = status or {}
+    return {
+        "rss": status.get("VmRSS", 0),
+        "anon": status.get("RssAnon", 0) + status.get("RssShmem", 0),
+        "file": status.get("RssFile", 0),
+        "hwm": status.get("VmHWM", 0),
+    }
+
+
+def _frame(frame: tuple[str, str, int]) -> str:
+    func, filename, line = frame
+    if not filename or filename == "<unknown>":
+        return str(func)
+    return f"{func} ({os.path.basename(filename)}:{line})"
+
+
+def _readable_stack(stack: list[tuple[str, str, int]], depth: int) -> list[str]:
+    """Allocation site first; CPython's own C frames dropped, unresolved native frames collapsed.
+
+    ORT's shared library is stripped, so most of its frames come back as ``<unknown>``; what is
+    left to read is the allocator call at the top and the Python frames that led into ORT.
+    """
+    out: list[str] = []
+    unknown = 0
+    for i, (func, filename, line) in enumerate(stack):
+        if func == "<unknown>" or not func:
+            unknown += 1
+            continue
+        if i > 0 and filename.endswith((".c", ".h")):
+            continue  # the interpreter's own machinery (ceval.c, call.c, ...) above the site
+        if unknown:
+            out.append(f"[{unknown} unresolved native frame{'s' if unknown > 1 else ''}]")
+            unknown = 0
+        out.append(_frame((func, filename, line)))
+    if unknown:
+        out.append(f"[{unknown} unresolved native frame{'s' if unknown > 1 else ''}]")
+    return out[:depth]
+
+
+def memray_report(path: str, top: int = 10, depth: int = 16) -> dict[str, Any]:
+    """Heap high-water mark and its largest allocation sites, via memray's own FileReader."""
+    import memray
+
+    reader = memray.FileReader(path)
+    try:
+        records = sorted(
+            reader.get_high_watermark_allocation_records(merge_threads=True),
+            key=lambda r: r.size,
+            reverse=True,
+        )
+        sites = []
+        for rec in records[:top]:
+            try:
+                stack = rec.hybrid_stack_trace()
+            except NotImplementedError:  # no native traces recorded
+                stack = rec.stack_trace()
+            sites.append(
+                {
+                    "bytes": int(rec.size),
+                    "count": int(rec.n_allocations),
+                    "allocator": memray.AllocatorType(rec.allocator).name,
+                    "stack": _readable_stack(stack, depth),
+                }
+            )
+        meta = reader.metadata
+        return {
+            "peak_bytes": int(meta.peak_memory),
+            "total_allocations": int(meta.total_allocations),
+            "native_traces": bool(meta.has_native_traces),
+            "top": sites,
+        }
+    finally:
+        reader.close()
+
+
+def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
+    import numpy  # noqa: F401  (part of the baseline on purpose)
+    import onnxruntime  # noqa: F401
+
+    import ortmem  # noqa: F401
+    from ortmem.measure import procfs
+    from ortmem.measure.inputs import describe_outputs, hash_outputs, make_inputs
+    from ortmem.measure.strategies import resolve
+
+    create = resolve(spec["create"])
+    options = spec.get("options") or {}
+    memray_path = spec.get("memray_path")
+    if memray_path:
+        import memray
+
+    events: dict[str, float] = {}
+    baseline = _mem(procfs.read_status("self"))
+    hwm_reset = procfs.reset_hwm()
+    events["imports_done"] = time.monotonic()
+
+    cpu0, ccpu0 = time.process_time(), _children_cpu()
+    events["create_start"] = t0 = time.monotonic()
+    if memray_path:
+        with memray.Tracker(memray_path, native_traces=True):
+            session = create(spec["model"], options)
+    else:
+        session = create(spec["model"], options)
+    events["create_end"] = t1 = time.monotonic()
+    create_cpu = (time.process_time() - cpu0) + (_children_cpu() - ccpu0)
+    after_create = _mem(procfs.read_status("self"))
+    after_create["children_maxrss"] = _children_maxrss()
+
+    result: dict[str, Any] = {
+        "pid": os.getpid(),
+        "hwm_reset": hwm_reset,
+        "baseline": baseline,
+        "after_create": after_create,
+        "create_wall_s": t1 - t0,
+        "create_cpu_s": create_cpu,
+    }
+    if spec.get("run", True):
+        feeds = make_inputs(session, options)
+        names = [o.name for o in session.get_outputs()]
+        procfs.reset_hwm()
+        cpu0, ccpu0 = time.process_time(), _children_cpu()
+        events["run_start"] = t2 = time.monotonic()
+        outputs = session.run(None, feeds)
+        events["run_end"] = t3 = time.monotonic()
+        result["run_cpu_s"] = (time.process_time() - cpu0) + (_children_cpu() - ccpu0)
+        result["run_wall_s"] = t3 - t2
+        result["after_run"] = _mem(procfs.read_status("self"))
+        result["after_run"]["children_maxrss"] = _children_maxrss()
+        result["output_hash"] = hash_outputs(names, outputs)
+        result["outputs"] = describe_outputs(names, outputs)
+    result["events"] = events
+    if memray_path:
+        result["memray"] = memray_report(memray_path, top=int(spec.get("memray_top", 10)))
+    return result
+
+
+def run_prepare(spec: dict[str, Any]) -> dict[str, Any]:
+    from ortmem.measure.strategies import resolve
+
+    prepare = resolve(spec["prepare"])
+    t0 = time.monotonic()
+    prepared = prepare(spec["model"], spec.get("options") or {}, spec["workdir"])
+    return {"prepared_model": os.fspath(prepared), "wall_s": time.monotonic() - t0}
+
+
+def main() -> int:
+    spec = json.loads(sys.stdin.read())
+    # Shift the heap layout by a chosen amount before anything else allocates (see
+    # ``probe(heap_jitter=...)``): kept alive for the whole process, so it is part of the baseline.
+    heap_pad = bytearray(int(spec.get("heap_jitter", 0)))  # noqa: F841
+    for p in reversed(spec.get("sys_path") or []):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    try:
+        result = run_prepare(spec) if spec.get("mode") == "prepare" else run_probe(spec)
+    except BaseException:  # report everything, including SystemExit from a strategy
+        traceback.print_exc()
+        return 1
+    tmp = spec["result_path"] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, spec["result_path"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""Benchmark runner: interleaved fresh-process probes, table / JSON / plot.
+
+Why vary the heap layout between rounds: under glibc, ORT's peak depends on where the heap
+starts (a few KiB of padding before the imports moves the peak by whole weight tensors), and two
+identical fresh processes start from the same layout. Round ``i`` therefore pads every strategy's
+child by the same ``heap_jitter`` (seeded, 0-64 KiB): strategies are compared on equal layouts and
+the repeats sample the distribution instead of one point of it. ``jitter=False`` turns this off.
+
+Why interleave (A B C A B C ...) rather than repeat each strategy in a block: the machine drifts
+(page cache, other tenants, thermal state); interleaving spreads the drift over every strategy
+instead of biasing whichever ran last.
+
+Results, their JSON schema (``"ortmem.bench/1"``) and the table live in
+:mod:`ortmem.measure.report`; they are re-exported here.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import platform
+import random
+import sys
+import tempfile
+from typing import Any, Sequence
+
+from .errors import ProbeError
+from .probe import MiB, Prepared, ProbeResult, prepare, probe
+from .report import (  # noqa: F401  (re-exported: the bench's public API)
+    BIMODAL_SPREAD,
+    METRICS,
+    SCHEMA,
+    BenchReport,
+    ModelReport,
+    Stat,
+    StrategyResult,
+    read_json,
+    render_table,
+    to_json_dict,
+    write_json,
+)
+from .strategies import default_strategies, get_strategy
+
+JITTER_MAX = 64 * 1024
+
+
+def schedule(models: Sequence[str], strategies: Sequence[str], repeat: int) -> list[tuple[str, str, int]]:
+    """Execution order: per model, ``repeat`` rounds, each round every strategy once (A B C A B C)."""
+    return [(m, s, i) for m in models for i in range(repeat) for s in strategies]
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers depend on, so two reports can be compared knowingly."""
+    import numpy
+    import onnxruntime
+
+    import ortmem
+
+    mem_total = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_total = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return {
+        "python": platform.python_version(),
+        "onnxruntime": onnxruntime.__version__,
+        "numpy": numpy.__version__,
+        "ortmem": getattr(ortmem, "__version__", None),
+        "platform": platform.platform(),
+        "libc": " ".join(platform.libc_ver()),
+        "cpu_count": os.cpu_count(),
+        "mem_total_bytes": mem_total,
+    }
+
+
+def _progress_line(i: int, n: int, model: str, strategy: str, rep: int, r: ProbeResult | None, err: str = "") -> str:
+    head = f"[{i}/{n}] {os.path.basename(model)} {strategy} #{rep + 1}"
+    if r is None:
+        return f"{head}: FAILED {err.splitlines()[0] if err else ''}"
+    run = f", first run {r.run_wall_s:.3f} s" if r.run_wall_s is not None else ""
+    return (
+        f"{head}: peak {r.peak_bytes / MiB:.1f} MiB (+{r.peak_above_baseline_bytes / MiB:.1f} over "
+        f"baseline), steady {r.steady_bytes / MiB:.1f} MiB, init {r.create_wall_s:.3f} s{run}"
+    )
+
+
+def run_bench(
+    models: Sequence[str | os.PathLike],
+    strategies: Sequence[str] | None = None,
+    repeat: int = 3,
+    *,
+    memray: bool = False,
+    progress: bool = True,
+    options: dict[str, Any] | None = None,
+    timeout: float = 600.0,
+    sample_interval: float = 0.01,
+    jitter: bool = True,
+    seed: int = 0,
+) -> BenchReport:
+    """Probe every (model, strategy) ``repeat`` times, interleaved, each in a fresh process.
+
+    Preparation steps with ``prepare_scope="once"`` run once per model before its repeats (not
+    measured); ``"each"`` ones run inside every probe. With ``memray=True`` one extra probe per
+    (model, strategy) runs under memray after the clean repeats and is kept apart from the
+    statistics, because memray's own bookkeeping inflates RSS.
+    A failing probe is recorded in ``errors`` and the bench goes on. Round ``i`` pads every
+    child's heap by ``jitters[i]`` bytes (module docstring) unless ``jitter=False``.
+    """
+    names = list(dict.fromkeys(strategies)) if strategies else default_strategies()
+    rng = random.Random(seed)
+    jitters = [rng.randrange(0, JITTER_MAX, 16) if jitter else 0 for _ in range(repeat)]
+    paths = [os.path.abspath(os.fspath(m)) for m in models]
+    report = BenchReport(
+        repeat=repeat,
+        order=schedule(paths, names, repeat),
+        environment=environment(),
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        memray=memray,
+    )
+    total = len(report.order) + (len(paths) * len(names) if memray else 0)
+    done = 0
+
+    def say(line: str) -> None:
+        if progress:
+            print(line, file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="ortmem-bench-") as workdir:
+        for path in paths:
+            mr = ModelReport(path, {s: StrategyResult(get_strategy(s).name) for s in names})
+            report.models.append(mr)
+            prepared: dict[str, Prepared | None] = {}
+            for s in names:
+                strat = get_strategy(s)
+                prepared[s] = None
+                if strat.prepare is not None and strat.prepare_scope == "once":
+                    try:
+                        sub = tempfile.mkdtemp(prefix=f"prep-{len(prepared)}-", dir=workdir)
+                        prepared[s] = prepare(strat, path, options=options, workdir=sub, timeout=timeout)
+                        mr.strategies[s].prepared_model = prepared[s].model_path
+                        say(f"prepared {os.path.basename(path)} for {s} in {prepared[s].wall_s:.1f} s")
+                    except ProbeError as e:
+                        mr.strategies[s].errors.append(f"prepare: {e}")
+                        say(f"prepare {os.path.basename(path)} for {s}: FAILED {str(e).splitlines()[0]}")
+            todo = [(m, s, i) for (m, s, i) in report.order if m == path]
+            extra = [(path, s, -1) for s in names] if memray else []
+            for m, s, i in todo + extra:
+                sr = mr.strategies[s]
+                done += 1
+                if any(e.startswith("prepare:") for e in sr.errors):
+                    continue
+                try:
+                    r = probe(
+                        s,
+                        path,
+                        options=options,
+                        memray=i < 0,
+                        sample_interval=sample_interval,
+                        timeout=timeout,
+                        prepared=prepared[s],
+                        workdir=workdir,
+                        heap_jitter=jitters[i] if i >= 0 else 0,
+                    )
+                except ProbeError as e:
+                    sr.errors.append(str(e))
+                    say(_progress_line(done, total, m, s, i, None, str(e)))
+                    continue
+                if i < 0:
+                    sr.memray_run = r
+                    say(f"[{done}/{total}] {os.path.basename(m)} {s} memray: heap peak "
+                        f"{(r.memray or {}).get('peak_bytes', 0) / MiB:.1f} MiB")
+                else:
+                    sr.runs.append(r)
+                    say(_progress_line(done, total, m, s, i, r))
+    return report
+
+
+
+def plot(report: BenchReport, path_png: str | os.PathLike) -> None:
+    """Resident memory over time per strategy (median run); see :mod:`ortmem.measure.plotting`."""
+    from .plotting import plot as _plot
+
+    _plot(report, path_png)
+
+
+# --- command line --------------------------------------------------------------------------------
+
+
+def _kv(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``ortmem bench MODEL... [--strategy S]... [--repeat N] [--json F] [--plot F]``."""
+    parser.add_argument("models", nargs="+", metavar="MODEL", help="ONNX model file(s)")
+    parser.add_argument(
+        "--strategy", "-s", action="append", dest="strategies", metavar="S",
+        help="strategy name or module:function (repeatable; default: "
+        + ", ".join(default_strategies()) + ")",
+    )
+    parser.add_argument("--repeat", "-n", type=int, default=3, help="fresh processes per strategy (default 3)")
+    parser.add_argument("--json", metavar="FILE", help="write the report (schema ortmem.bench/1)")
+    parser.add_argument("--plot", metavar="FILE.png", help="plot resident memory over time")
+    parser.add_argument("--memray", action="store_true", help="one extra probe per strategy under memray")
+    parser.add_argument("--dim", action="append", type=_kv, default=[], metavar="NAME=N",
+                        help="size of a symbolic input dimension (default batch=1, others 8)")
+    parser.add_argument("--session-config", action="append", type=_kv, default=[], metavar="KEY=VALUE",
+                        help="ORT session config entry passed to the strategies")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per probe (default 600)")
+    parser.add_argument("--no-jitter", action="store_true",
+                        help="start every repeat from the same heap layout (default: vary it per round)")
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the bench, print the table; 1 if any probe failed, 2 for an unknown strategy, else 0."""
+    options: dict[str, Any] = {}
+    if args.dim:
+        options["dims"] = {k: int(v) for k, v in args.dim}
+    if args.session_config:
+        options["session_config"] = dict(args.session_config)
+    for s in args.strategies or []:
+        try:
+            get_strategy(s)
+        except KeyError as e:
+            print(f"ortmem bench: {e.args[0]}", file=sys.stderr)
+            return 2
+    report = run_bench(
+        args.models, args.strategies, args.repeat,
+        memray=args.memray, progress=not args.quiet, options=options, timeout=args.timeout,
+        jitter=not args.no_jitter,
+    )
+    print(render_table(report))
+    if args.json:
+        write_json(report, args.json)
+    if args.plot:
+        plot(report, args.plot)
+    failed = any(sr.errors for mr in report.models for sr in mr.strategies.values())
+    return 1 if failed else 0

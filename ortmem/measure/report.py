@@ -1,0 +1,324 @@
+"""Bench results: per-strategy statistics, ratios, the JSON file format and the text table.
+
+Why medians with min-max: under default glibc one model's peak can flip between modes from run
+to run, so the spread is reported and a ``bimodal`` flag is raised when max/min of the peak
+exceeds ``BIMODAL_SPREAD`` (1.03).
+
+JSON schema ``"ortmem.bench/1"`` (all sizes in bytes, times in seconds)::
+
+    {
+      "schema": "ortmem.bench/1",
+      "created": "2025-01-01T12:00:00+00:00",        # ISO 8601, UTC
+      "environment": {"python", "onnxruntime", "numpy", "ortmem", "platform", "libc",
+                      "cpu_count", "mem_total_bytes"},
+      "repeat": 3,
+      "memray": false,                               # whether an extra memray probe was made
+      "order": [[model_path, strategy, repeat_index], ...],   # the execution order
+      "models": [
+        {"model": "/abs/model.onnx", "name": "model.onnx",
+         "strategies": [
+           {"strategy": "ort",
+            "prepared_model": null,                  # made by a "once" preparation step (in a
+                                                     # temporary folder, gone after the bench)
+            "summary": {METRIC: {"median", "min", "max", "n"}},  # METRICS below
+            "spread": 1.01,                          # max/min of peak_bytes
+            "bimodal": false,                        # spread > 1.03
+            "same_output_as_ort": true,              # null when there is no ort result
+            "ratios": {"ort": {"peak_bytes", "steady_bytes", "create_wall_s"},
+                       "twin": {...}},               # median / reference median; absent refs omitted
+            "median_run": 1,                         # index into runs of the median-peak run
+            "runs": [ProbeResult.to_dict(), ...],    # every field of ortmem.measure.ProbeResult,
+                                                     # incl. timeline [[t, anon, file]], events,
+                                                     # output_hash, heap_jitter_bytes
+            "memray_run": ProbeResult.to_dict() | null,   # not part of the statistics
+            "errors": ["..."]}
+         ]}
+      ]
+    }
+
+``summary``/``ratios``/``spread`` are derived from ``runs``: :func:`read_json` recomputes them.
+A reader must reject a different ``schema`` string; fields may be added within version 1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from .probe import MiB, ProbeResult
+
+SCHEMA = "ortmem.bench/1"
+BIMODAL_SPREAD = 1.03
+REFERENCES = ("ort", "twin")
+METRICS = (
+    "peak_bytes",
+    "peak_create_bytes",
+    "peak_run_bytes",
+    "steady_bytes",
+    "rss_after_create_bytes",
+    "peak_anon_bytes",
+    "peak_file_bytes",
+    "baseline_rss_bytes",
+    "create_wall_s",
+    "create_cpu_s",
+    "run_wall_s",
+)
+RATIO_METRICS = ("peak_bytes", "steady_bytes", "create_wall_s")
+
+
+@dataclass
+class Stat:
+    median: float
+    min: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Iterable[float | None]) -> "Stat | None":
+        vals = [float(v) for v in values if v is not None]
+        if not vals:
+            return None
+        return cls(statistics.median(vals), min(vals), max(vals), len(vals))
+
+
+@dataclass
+class StrategyResult:
+    """All probes of one strategy on one model, plus what is derived from them."""
+
+    strategy: str
+    runs: list[ProbeResult] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    prepared_model: str | None = None
+    memray_run: ProbeResult | None = None
+
+    def stat(self, metric: str) -> Stat | None:
+        return Stat.of(_metric(r, metric) for r in self.runs)
+
+    @property
+    def spread(self) -> float | None:
+        s = self.stat("peak_bytes")
+        return s.max / s.min if s and s.min > 0 else None
+
+    @property
+    def bimodal(self) -> bool:
+        return bool(self.spread and self.spread > BIMODAL_SPREAD)
+
+    @property
+    def median_run(self) -> int | None:
+        """Index of the run whose peak is the median (lower middle for an even count)."""
+        if not self.runs:
+            return None
+        order = sorted(range(len(self.runs)), key=lambda i: self.runs[i].peak_bytes)
+        return order[(len(order) - 1) // 2]
+
+
+@dataclass
+class ModelReport:
+    model: str
+    strategies: dict[str, StrategyResult] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.model)
+
+    def ratios(self, strategy: str) -> dict[str, dict[str, float]]:
+        """Median of each ratio metric over the reference strategy's median, per reference."""
+        out: dict[str, dict[str, float]] = {}
+        mine = self.strategies[strategy]
+        for ref in REFERENCES:
+            other = self.strategies.get(ref)
+            if other is None or not other.runs or not mine.runs:
+                continue
+            r = {}
+            for m in RATIO_METRICS:
+                a, b = mine.stat(m), other.stat(m)
+                if a and b and b.median:
+                    r[m] = a.median / b.median
+            out[ref] = r
+        return out
+
+    def same_output_as_ort(self, strategy: str) -> bool | None:
+        ref = self.strategies.get("ort")
+        if ref is None or not ref.runs or not self.strategies[strategy].runs:
+            return None
+        ref_hashes = {r.output_hash for r in ref.runs}
+        return all(r.output_hash in ref_hashes for r in self.strategies[strategy].runs)
+
+
+@dataclass
+class BenchReport:
+    repeat: int
+    models: list[ModelReport] = field(default_factory=list)
+    order: list[tuple[str, str, int]] = field(default_factory=list)
+    environment: dict[str, Any] = field(default_factory=dict)
+    created: str = ""
+    memray: bool = False
+
+
+def _metric(run: ProbeResult, metric: str) -> float | None:
+    value = getattr(run, metric)
+    return None if value is None else float(value)
+
+
+# --- JSON ----------------------------------------------------------------------------------------
+
+
+def to_json_dict(report: BenchReport) -> dict[str, Any]:
+    models = []
+    for mr in report.models:
+        strategies = []
+        for name, sr in mr.strategies.items():
+            summary = {m: vars(st) for m in METRICS if (st := sr.stat(m)) is not None}
+            strategies.append(
+                {
+                    "strategy": name,
+                    "prepared_model": sr.prepared_model,
+                    "summary": summary,
+                    "spread": sr.spread,
+                    "bimodal": sr.bimodal,
+                    "same_output_as_ort": mr.same_output_as_ort(name),
+                    "ratios": mr.ratios(name),
+                    "median_run": sr.median_run,
+                    "runs": [r.to_dict() for r in sr.runs],
+                    "memray_run": sr.memray_run.to_dict() if sr.memray_run else None,
+                    "errors": list(sr.errors),
+                }
+            )
+        models.append({"model": mr.model, "name": mr.name, "strategies": strategies})
+    return {
+        "schema": SCHEMA,
+        "created": report.created,
+        "environment": report.environment,
+        "repeat": report.repeat,
+        "memray": report.memray,
+        "order": [list(o) for o in report.order],
+        "models": models,
+    }
+
+
+def write_json(report: BenchReport, path: str | os.PathLike) -> None:
+    """Write the report in schema ``ortmem.bench/1`` (see the module docstring)."""
+    with open(path, "w") as f:
+        json.dump(to_json_dict(report), f, indent=1)
+        f.write("\n")
+
+
+def read_json(path: str | os.PathLike) -> BenchReport:
+    """Load a report written by :func:`write_json`; derived fields are recomputed from the runs."""
+    with open(path) as f:
+        d = json.load(f)
+    if d.get("schema") != SCHEMA:
+        raise ValueError(f"{os.fspath(path)}: schema {d.get('schema')!r}, expected {SCHEMA!r}")
+    report = BenchReport(
+        repeat=int(d["repeat"]),
+        order=[tuple(o) for o in d.get("order", [])],
+        environment=d.get("environment", {}),
+        created=d.get("created", ""),
+        memray=bool(d.get("memray", False)),
+    )
+    for md in d["models"]:
+        mr = ModelReport(md["model"])
+        for sd in md["strategies"]:
+            mr.strategies[sd["strategy"]] = StrategyResult(
+                strategy=sd["strategy"],
+                runs=[ProbeResult.from_dict(r) for r in sd.get("runs", [])],
+                errors=list(sd.get("errors", [])),
+                prepared_model=sd.get("prepared_model"),
+                memray_run=ProbeResult.from_dict(sd["memray_run"]) if sd.get("memray_run") else None,
+            )
+        report.models.append(mr)
+    return report
+
+
+# --- table ---------------------------------------------------------------------------------------
+
+
+def _mib_range(st: Stat | None) -> str:
+    if st is None:
+        return "-"
+    if st.n == 1 or round(st.min / MiB) == round(st.max / MiB):
+        return f"{st.median / MiB:.0f}"
+    return f"{st.median / MiB:.0f} ({st.min / MiB:.0f}-{st.max / MiB:.0f})"
+
+
+def _s_range(st: Stat | None) -> str:
+    if st is None:
+        return "-"
+    if st.n == 1:
+        return f"{st.median:.3f}"
+    return f"{st.median:.3f} ({st.min:.3f}-{st.max:.3f})"
+
+
+def _mib(st: Stat | None) -> str:
+    return "-" if st is None else f"{st.median / MiB:.0f}"
+
+
+def _memray_line(name: str, mem: dict[str, Any]) -> str:
+    """One line: memray's heap high-water mark and its largest site, named by its first caller."""
+    line = f"memray {name}: heap high-water {mem['peak_bytes'] / MiB:.0f} MiB"
+    if mem.get("top"):
+        top = mem["top"][0]
+        callers = [f for f in top["stack"][1:] if not f.startswith("[")]
+        via = f" via {callers[0]}" if callers else ""
+        line += (
+            f"; largest site {top['bytes'] / MiB:.0f} MiB in {top['count']} {top['allocator']} "
+            f"call(s) at {top['stack'][0] if top['stack'] else '?'}{via}"
+        )
+    return line
+
+
+def render_table(report: BenchReport) -> str:
+    """Plain-text table per model: medians with (min-max) and ratios to ``ort`` / ``twin``."""
+    header = [
+        "strategy", "peak MiB", "steady MiB", "anon pk", "file pk", "base MiB",
+        "init s", "first run s", "peak/ort", "peak/twin", "out", "flags",
+    ]
+    blocks = []
+    for mr in report.models:
+        rows = [header]
+        for name, sr in mr.strategies.items():
+            ratios = mr.ratios(name)
+            same = mr.same_output_as_ort(name)
+            flags = []
+            if sr.bimodal:
+                flags.append(f"bimodal x{sr.spread:.2f}")
+            if sr.errors:
+                flags.append(f"{len(sr.errors)} failed")
+            if any(not r.hwm_reset for r in sr.runs):
+                flags.append("hwm not reset")
+            if any(r.helper_pids for r in sr.runs):
+                flags.append("helpers")
+            rows.append(
+                [
+                    name,
+                    _mib_range(sr.stat("peak_bytes")),
+                    _mib_range(sr.stat("steady_bytes")),
+                    _mib(sr.stat("peak_anon_bytes")),
+                    _mib(sr.stat("peak_file_bytes")),
+                    _mib(sr.stat("baseline_rss_bytes")),
+                    _s_range(sr.stat("create_wall_s")),
+                    _s_range(sr.stat("run_wall_s")),
+                    f"{ratios['ort']['peak_bytes']:.2f}" if "peak_bytes" in ratios.get("ort", {}) else "-",
+                    f"{ratios['twin']['peak_bytes']:.2f}" if "peak_bytes" in ratios.get("twin", {}) else "-",
+                    "-" if same is None else ("=ort" if same else "DIFF"),
+                    ", ".join(flags),
+                ]
+            )
+        widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+        lines = [f"{mr.name}  ({mr.model}), {report.repeat} fresh process(es) per strategy, medians (min-max)"]
+        for k, row in enumerate(rows):
+            cells = [row[0].ljust(widths[0])] + [row[c].rjust(widths[c]) for c in range(1, len(row) - 1)]
+            lines.append("  ".join(cells + [row[-1]]).rstrip())
+            if k == 0:
+                lines.append("  ".join("-" * w for w in widths).rstrip())
+        for name, sr in mr.strategies.items():
+            if sr.memray_run and sr.memray_run.memray:
+                lines.append(_memray_line(name, sr.memray_run.memray))
+        blocks.append("\n".join(lines))
+    legend = (
+        "peak: VmHWM over creation and first run (+helpers); steady: RSS after the first run; "
+        "anon/file pk: sampled RssAnon/RssFile peaks; base: RSS after imports"
+    )
+    return "\n\n".join(blocks + [legend])

@@ -1,0 +1,233 @@
+"""Registry of ways to create a session, each measured in its own fresh process.
+
+A strategy is ``create(model_path: str, options: dict) -> session``, run in the measured child
+process. ``session`` only needs ``get_inputs()``, ``get_outputs()`` and ``run(None, feeds)``.
+An optional ``prepare(model_path, options, workdir) -> prepared_model_path`` runs *before*
+measurement, in its own process, and is not measured (e.g. converting a QDQ model to its native
+twin ahead of time, or filling a cache for a warm start). ``prepare_scope="once"`` lets the bench
+prepare once per model and reuse the result across repeats; ``"each"`` prepares before every probe
+(a cold-cache strategy that must start clean each time).
+
+Callables are referred to as ``"module:function"`` strings (or ``"/path/file.py:function"``) so the
+child can import them; the registry stores such references, and adding a strategy is one line::
+
+    register("twin", "ortmem.twin:create_session", prepare="ortmem.twin:prepare_twin")
+
+Strings that are not registered names but contain ``":"`` are user strategies, imported in the child.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Literal, Union
+
+CreateFn = Callable[[str, dict], Any]
+PrepareFn = Callable[[str, dict, str], str]
+Ref = Union[str, Callable[..., Any]]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way of creating a session. ``create``/``prepare`` are ``module:function`` references."""
+
+    name: str
+    create: str
+    prepare: str | None = None
+    prepare_scope: Literal["once", "each"] = "once"
+    description: str = ""
+    default: bool = False  # measured by ``ortmem bench`` when no --strategy is given
+
+
+STRATEGIES: dict[str, Strategy] = {}
+
+
+def to_ref(fn: Ref) -> str:
+    """``module:qualname`` for a callable (it must be importable by that name in the child)."""
+    if isinstance(fn, str):
+        return fn
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    if not module or not qualname or "<locals>" in qualname or "<lambda>" in qualname:
+        raise ValueError(f"{fn!r} is not importable by name; pass a 'module:function' string")
+    if module == "__main__":
+        main_file = getattr(sys.modules["__main__"], "__file__", None)
+        if not main_file:
+            raise ValueError(f"{fn!r} lives in an interactive __main__; put it in a module")
+        module = os.path.abspath(main_file)
+    return f"{module}:{qualname}"
+
+
+def register(
+    name: str,
+    create: Ref,
+    *,
+    prepare: Ref | None = None,
+    prepare_scope: Literal["once", "each"] = "once",
+    description: str = "",
+    default: bool = False,
+) -> Strategy:
+    """Add (or replace) a named strategy; returns it."""
+    strat = Strategy(
+        name=name,
+        create=to_ref(create),
+        prepare=to_ref(prepare) if prepare is not None else None,
+        prepare_scope=prepare_scope,
+        description=description,
+        default=default,
+    )
+    STRATEGIES[name] = strat
+    return strat
+
+
+def get_strategy(spec: str | Strategy) -> Strategy:
+    """A registered name, a ``module:function`` user strategy, or a :class:`Strategy` as is."""
+    if isinstance(spec, Strategy):  # normalise callables given directly to references
+        prep = to_ref(spec.prepare) if spec.prepare is not None else None
+        return replace(spec, create=to_ref(spec.create), prepare=prep)
+    if spec in STRATEGIES:
+        return STRATEGIES[spec]
+    if ":" in spec:
+        return Strategy(name=spec, create=spec, description="user strategy")
+    known = ", ".join(sorted(STRATEGIES))
+    raise KeyError(f"unknown strategy {spec!r}; known: {known}; or give 'module:function'")
+
+
+def default_strategies() -> list[str]:
+    return [name for name, s in STRATEGIES.items() if s.default]
+
+
+def resolve(ref: str) -> Callable[..., Any]:
+    """Import ``module:function`` (dotted attribute paths allowed) or ``/path/file.py:function``."""
+    mod_name, sep, attr = ref.rpartition(":")
+    if not sep or not mod_name or not attr:
+        raise ValueError(f"strategy reference {ref!r} is not 'module:function'")
+    if mod_name.endswith(".py") or os.sep in mod_name:
+        module = _import_file(mod_name)
+    else:
+        module = importlib.import_module(mod_name)
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{ref!r} is not callable")
+    return obj
+
+
+def _import_file(path: str) -> Any:
+    """Import a module from a file path once; register it so pickling/relative lookups work."""
+    path = os.path.abspath(path)
+    mod_name = "_ortmem_user_" + os.path.splitext(os.path.basename(path))[0]
+    if mod_name in sys.modules and getattr(sys.modules[mod_name], "__file__", None) == path:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import strategy module from {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- built-in strategies -------------------------------------------------------------------------
+
+
+def _session_options(options: dict) -> Any:
+    """SessionOptions from the JSON options: ``session_config`` entries and thread count."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    for key, value in (options.get("session_config") or {}).items():
+        so.add_session_config_entry(str(key), str(value))
+    if "intra_op_num_threads" in options:
+        so.intra_op_num_threads = int(options["intra_op_num_threads"])
+    return so
+
+
+def create_ort(model_path: str, options: dict) -> Any:
+    """Plain ``onnxruntime.InferenceSession(path)``: the reference every ratio is taken against."""
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model_path, _session_options(options), providers=["CPUExecutionProvider"])
+
+
+def create_ort_noopt(model_path: str, options: dict) -> Any:
+    """ORT with graph optimizations off: shows what fusions (e.g. DQ+MatMul) cost at load time."""
+    import onnxruntime as ort
+
+    so = _session_options(options)
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model_path, so, providers=["CPUExecutionProvider"])
+
+
+def _bench_cache(kind: str):
+    """A cache folder private to one bench strategy, under ortmem's cache root."""
+    from ..cache import cache_root
+
+    return cache_root() / "bench" / kind
+
+
+def prepare_cold(model_path: str, options: dict, workdir: str) -> str:
+    """Empty the cold strategy's cache so the measured start converts from scratch."""
+    from ..cache import Cache
+
+    Cache(_bench_cache("cold")).clear()
+    return model_path
+
+
+def create_ortmem(model_path: str, options: dict) -> Any:
+    """``ortmem.InferenceSession`` with an empty cache: conversion included in the measurement."""
+    import ortmem
+
+    return ortmem.InferenceSession(model_path, _session_options(options), providers=["CPUExecutionProvider"],
+                                   cache=_bench_cache("cold"))
+
+
+def prepare_warm(model_path: str, options: dict, workdir: str) -> str:
+    """Fill the warm strategy's cache (in this unmeasured process)."""
+    create_ortmem_warm(model_path, options)
+    return model_path
+
+
+def create_ortmem_warm(model_path: str, options: dict) -> Any:
+    """``ortmem.InferenceSession`` on a cache hit: nothing is converted."""
+    import ortmem
+
+    return ortmem.InferenceSession(model_path, _session_options(options), providers=["CPUExecutionProvider"],
+                                   cache=_bench_cache("warm"))
+
+
+def create_ortmem_nocache(model_path: str, options: dict) -> Any:
+    """``ortmem.InferenceSession(cache=False)``: converted for this session only."""
+    import ortmem
+
+    return ortmem.InferenceSession(model_path, _session_options(options), providers=["CPUExecutionProvider"],
+                                   cache=False)
+
+
+def prepare_twin(model_path: str, options: dict, workdir: str) -> str:
+    """Convert the model to its native MatMulNBits form ahead of time; plain ORT then loads that."""
+    import hashlib
+    from pathlib import Path
+
+    import ortmem
+    from ..convert import convert_to, settings_from
+
+    out = Path(workdir) / ("twin-" + hashlib.sha1(os.path.abspath(model_path).encode()).hexdigest()[:12])
+    if not (out / "model.onnx").exists():
+        with ortmem.load(model_path) as model:
+            convert_to(model, out, settings_from(_session_options(options)))
+    return str(out / "model.onnx")
+
+
+register("ort", create_ort, default=True, description="onnxruntime.InferenceSession(path)")
+register("ort-noopt", create_ort_noopt, description="ORT_DISABLE_ALL optimizations")
+register("twin", create_ort, prepare=prepare_twin, default=True,
+         description="plain ORT on the model converted to native MatMulNBits ahead of time: the floor ORT reaches")
+register("ortmem", create_ortmem, prepare=prepare_cold, prepare_scope="each", default=True,
+         description="ortmem.InferenceSession, cold cache (converts)")
+register("ortmem-warm", create_ortmem_warm, prepare=prepare_warm, default=True,
+         description="ortmem.InferenceSession, cache hit")
+register("ortmem-nocache", create_ortmem_nocache, description="ortmem.InferenceSession(cache=False)")
