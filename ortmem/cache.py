@@ -94,8 +94,10 @@ def spot_digest(path: Path, spans: list[tuple[int, int]]) -> str:
 
 
 class Cache:
+    """Converted models, under ``<cache root>/converted`` unless another folder is given."""
+
     def __init__(self, root: Optional[Path] = None):
-        self.root = Path(root) if root is not None else cache_root()
+        self.root = Path(root) if root is not None else cache_root() / "converted"
         self.root.mkdir(parents=True, exist_ok=True)
 
     def entry(self, key: str) -> Entry:
@@ -183,7 +185,7 @@ class Cache:
 
     def entries(self) -> Iterator[Entry]:
         for p in sorted(self.root.iterdir()):
-            if p.is_dir() and not p.name.startswith("."):
+            if p.is_dir() and not p.name.startswith(".") and (p / MANIFEST).exists():
                 yield Entry(p.name, p)
 
     def clear(self) -> int:

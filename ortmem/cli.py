@@ -25,10 +25,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _demo_model_path() -> str:
-    from .cache import cache_root
-    from .synth import SynthConfig, cached_model
+    from .measure.bench import demo_model
 
-    return str(cached_model(SynthConfig.demo(), cache_root() / "synth"))
+    return demo_model()
 
 
 def _add_inspect(sub) -> None:
@@ -39,7 +38,63 @@ def _add_inspect(sub) -> None:
     p.set_defaults(func=_cmd_inspect)
 
 
-SUBCOMMANDS: list[Callable] = [_add_inspect]
+def _add_bench(sub) -> None:
+    from .measure import bench
+
+    p = sub.add_parser("bench", help="measure session creation (memory, time) per strategy, each in fresh processes")
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.main)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .convert import convert_to, settings_from
+    from .loader import load
+    from .progress import progress_bar
+
+    with load(args.input) as model, progress_bar("converting") as bar:
+        report = convert_to(model, Path(args.output), settings_from(accuracy_level=args.accuracy_level), progress=bar)
+    print(report.summary())
+    print(f"wrote {Path(args.output) / 'model.onnx'}")
+    return 0
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="rewrite DQ+MatMul into MatMulNBits offline (model.onnx + weights.bin)")
+    p.add_argument("input", help="QDQ .onnx model")
+    p.add_argument("output", help="output folder (created; must not exist or be empty)")
+    p.add_argument("--accuracy-level", type=int, default=None, choices=range(5), metavar="N",
+                   help="MatMulNBits accuracy_level (default 4, as ORT's own fusion)")
+    p.set_defaults(func=_cmd_convert)
+
+
+def _cmd_cache(args: argparse.Namespace) -> int:
+    from .cache import Cache
+
+    cache = Cache()
+    if args.action == "clear":
+        freed = cache.clear()
+        print(f"cleared {cache.root} ({freed / 2**20:.1f} MiB)")
+        return 0
+    rows = list(cache.entries())
+    print(f"{cache.root}: {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}")
+    for e in rows:
+        try:
+            source = e.manifest().get("source", "?")
+        except (OSError, ValueError):
+            source = "(unreadable manifest)"
+        print(f"  {e.key}  {e.size_bytes() / 2**20:9.1f} MiB  {source}")
+    return 0
+
+
+def _add_cache(sub) -> None:
+    p = sub.add_parser("cache", help="list or clear converted models in the cache ($ORTMEM_CACHE_DIR)")
+    p.add_argument("action", choices=["list", "clear"])
+    p.set_defaults(func=_cmd_cache)
+
+
+SUBCOMMANDS: list[Callable] = [_add_inspect, _add_convert, _add_bench, _add_cache]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,6 +22,7 @@ import platform
 import random
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import ProbeError
@@ -197,7 +198,10 @@ def _kv(text: str) -> tuple[str, str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``ortmem bench MODEL... [--strategy S]... [--repeat N] [--json F] [--plot F]``."""
-    parser.add_argument("models", nargs="+", metavar="MODEL", help="ONNX model file(s)")
+    parser.add_argument("models", nargs="*", metavar="MODEL", help="ONNX model file(s)")
+    parser.add_argument("--demo", action="store_true",
+                        help="generate (once) the built-in synthetic Llama-shaped int4 QDQ model (~0.3 GB) and "
+                        "compare ort, twin, ortmem and ortmem-warm on it")
     parser.add_argument(
         "--strategy", "-s", action="append", dest="strategies", metavar="S",
         help="strategy name or module:function (repeatable; default: "
@@ -219,6 +223,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the bench, print the table; 1 if any probe failed, 2 for an unknown strategy, else 0."""
+    if args.demo:
+        args.models = list(args.models) + [demo_model()]
+        args.strategies = args.strategies or ["ort", "twin", "ortmem", "ortmem-warm"]
+        args.plot = args.plot or str(Path(args.models[-1]).with_name("demo-bench.png"))
+    if not args.models:
+        print("ortmem bench: give MODEL path(s) or --demo", file=sys.stderr)
+        return 2
     options: dict[str, Any] = {}
     if args.dim:
         options["dims"] = {k: int(v) for k, v in args.dim}
@@ -240,5 +251,21 @@ def main(args: argparse.Namespace) -> int:
         write_json(report, args.json)
     if args.plot:
         plot(report, args.plot)
+        print(f"plot: {args.plot}")
+    if args.json:
+        print(f"json: {args.json}")
     failed = any(sr.errors for mr in report.models for sr in mr.strategies.values())
     return 1 if failed else 0
+
+
+def demo_model() -> str:
+    """The demo's model: SynthConfig.demo() as external data, generated once into the cache."""
+    from ..cache import cache_root
+    from ..synth import SynthConfig, cached_model
+
+    return str(cached_model(SynthConfig.demo(storage="external"), cache_root() / "synth", progress=_say))
+
+
+def _say(done: int, total: int, name: str = "") -> None:
+    print(f"\rgenerating the demo model: {100 * done // max(total, 1):3d}%", end="" if done < total else "\n",
+          file=sys.stderr, flush=True)
