@@ -19,7 +19,8 @@ from . import __version__
 from .cache import MODEL_FILE, WEIGHTS_FILE, Cache, Entry, file_identity, make_key, reserve
 from .errors import ConversionError
 from .model import Model
-from .passes.dq_matmul import ConversionPlan, ConversionReport, Progress, plan_conversion, rewrite_skeleton, write_weights
+from .passes.dq_matmul import (ConversionPlan, ConversionReport, Progress, plan_conversion, relocate_carried,
+                               rewrite_skeleton, write_weights)
 from .passes.dq_matmul_match import OrtSettings
 
 
@@ -42,9 +43,16 @@ def settings_from(sess_options: Optional[ort.SessionOptions] = None, *, accuracy
     return OrtSettings(level, config, frozenset(disabled_optimizers or ()))
 
 
-def write_converted(model: Model, plan: ConversionPlan, out_dir: Path, *, progress: Optional[Progress] = None) -> ConversionReport:
-    """Write ``model.onnx`` + ``weights.bin`` for ``plan`` into the existing folder ``out_dir``."""
+def write_converted(model: Model, plan: ConversionPlan, out_dir: Path, *, progress: Optional[Progress] = None,
+                    link: bool = False) -> ConversionReport:
+    """Write ``model.onnx`` + ``weights.bin`` for ``plan`` into the existing folder ``out_dir``.
+
+    ``link``: hard-link source files instead of copying unchanged tensors (cache entries: free and
+    instant; not for ``ortmem convert``, whose output must not change if the source is edited in place).
+    """
     start = time.perf_counter()
+    if link:
+        relocate_carried(plan, link_sources(plan, out_dir))
     weights = out_dir / WEIGHTS_FILE
     fd = reserve(weights, plan.size)  # a full disk fails here, before anything is mapped
     os.close(fd)
@@ -59,6 +67,26 @@ def write_converted(model: Model, plan: ConversionPlan, out_dir: Path, *, progre
         output_bytes=plan.size,
         seconds=time.perf_counter() - start,
     )
+
+
+def link_sources(plan: ConversionPlan, out_dir: Path) -> dict[Path, str]:
+    """Hard-link each source file whose tensors are carried unchanged into ``out_dir``.
+
+    A link costs nothing and keeps the output self-contained (ORT only reads external data inside the
+    model's folder); where linking is impossible (another filesystem, no permission) the tensors are
+    copied into weights.bin instead.
+    """
+    links: dict[Path, str] = {}
+    for ref, _ in plan.copied:
+        if ref.file in links:
+            continue
+        name = f"source-{len(links)}{ref.file.suffix or '.bin'}"
+        try:
+            os.link(ref.file, out_dir / name)
+        except OSError:
+            continue
+        links[ref.file] = name
+    return links
 
 
 def cache_key(model: Model, settings: OrtSettings, extra: Optional[Mapping[str, Any]] = None) -> str:
@@ -92,9 +120,9 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
     reports: list[ConversionReport] = []
 
     def build(tmp: Path) -> dict[str, Any]:
-        report = write_converted(model, plan, tmp, progress=progress)
+        report = write_converted(model, plan, tmp, progress=progress, link=True)
         reports.append(report)
-        spans = [(t.offset, t.nbytes) for t in _all_out(plan) if t.nbytes]
+        spans = [(t.offset, t.nbytes) for t in _all_out(plan) if t.nbytes and t.location is None]
         return {"spans": spans, "source": str(model.path), "report": report.summary()}
 
     entry = cache.build(key, build)

@@ -16,6 +16,7 @@ skeleton whose large tensors are external data:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -25,8 +26,9 @@ from typing import Optional, Union
 
 import onnx
 
-from .cache import MODEL_FILE, Cache
-from .convert import convert_cached, write_converted
+from .cache import Cache
+from .convert import convert_cached
+from .inmemory import InMemoryConversion, convert_in_memory
 from .loader import load
 from .model import Model
 from .passes.dq_matmul import ConversionReport, Progress, plan_conversion
@@ -39,19 +41,28 @@ ModelInput = Union[str, os.PathLike, bytes, onnx.ModelProto, Model]
 
 @dataclass
 class Handoff:
-    """What ORT is given: a path or skeleton bytes, and the session config entries it needs."""
+    """What ORT is given: a path or skeleton bytes, the session config entries it needs, and (for a
+    conversion done in memory) the buffer ORT borrows, which this object keeps alive."""
 
     model: Union[str, bytes]
     config: dict[str, str] = field(default_factory=dict)
     source: Optional[Model] = None
     tempdir: Optional[Path] = None
+    memory: Optional[InMemoryConversion] = None
+
+    def register(self, options) -> None:
+        if self.memory is not None:
+            self.memory.register(options)
 
     def after_create(self) -> None:
-        """ORT has mapped what it needs: give back our own mappings and temporary files."""
+        """ORT has mapped what it needs: give back our own mappings, pages ORT no longer reads, and
+        temporary files."""
         if self.source is not None:
             self.source.store.mark_handed()
             self.source.release()
             self.source.close()
+        if self.memory is not None:
+            self.memory.release_unread()
         self.cleanup()
 
     def cleanup(self) -> None:
@@ -73,6 +84,7 @@ class ConvertOptions:
     settings: Optional[OrtSettings] = None
     cache: Optional[Cache] = None  # None: a private temporary folder, removed after creation
     progress: Optional[Progress] = None
+    prepacking: bool = True  # False when the user disabled ORT's pre-packing: nothing is released
     report: Optional[ConversionReport] = None  # filled in: what was converted (None on a cache hit)
     cache_hit: bool = False
 
@@ -91,6 +103,9 @@ def prepare(model: ModelInput, convert: Optional[ConvertOptions] = None) -> Hand
 
 
 def _converted_or_as_is(model: Model, convert: Optional[ConvertOptions]) -> Handoff:
+    """With a cache: a hit is loaded by path, a miss is converted into a new entry first, so ORT maps
+    each converted tensor from the page cache and drops it after pre-packing, exactly as it does for
+    a native MatMulNBits model. Without one: converted in memory and borrowed by ORT (ortmem.inmemory)."""
     if convert is None or not convert.enabled:
         return from_model(model)
     settings = convert.settings or OrtSettings()
@@ -101,19 +116,14 @@ def _converted_or_as_is(model: Model, convert: Optional[ConvertOptions]) -> Hand
             return from_model(model)
         _consume(model)
         return from_model(load(entry.model_path))
-    plan = plan_conversion(model, settings)
+    plan = plan_conversion(model, settings, carry_unchanged=True)
     if not plan.rewrites:
         return from_model(model)
-    tempdir = Path(tempfile.mkdtemp(prefix="ortmem-"))
-    try:
-        convert.report = write_converted(model, plan, tempdir, progress=convert.progress)
-        _consume(model)
-        handoff = from_model(load(tempdir / MODEL_FILE))
-    except BaseException:
-        shutil.rmtree(tempdir, ignore_errors=True)
-        raise
-    handoff.tempdir = tempdir
-    return handoff
+    memory = convert_in_memory(model, plan, progress=convert.progress, prepacking=convert.prepacking)
+    convert.report = ConversionReport(len(plan.rewrites), plan.skipped, plan.converted_source_bytes,
+                                      plan.size, memory.seconds)
+    model.store.release_all()  # source pages read for conversion go back now
+    return Handoff(model=memory.skeleton, config=memory.config, source=model, memory=memory)
 
 
 def _consume(model: Model) -> None:
@@ -140,6 +150,10 @@ def _spill(write, convert: Optional[ConvertOptions] = None) -> Handoff:
         path = tempdir / "model.onnx"
         with open(path, "wb") as f:
             write(f)
+        if convert is not None and convert.cache is not None:
+            # a temporary file has no identity worth caching under (and is gone before a background
+            # cache write could read it)
+            convert = dataclasses.replace(convert, cache=None)
         handoff = _converted_or_as_is(load(path), convert)
     except BaseException:
         shutil.rmtree(tempdir, ignore_errors=True)

@@ -17,7 +17,7 @@ import onnxruntime as ort
 from . import handoff as _handoff
 from .cache import Cache
 from .convert import settings_from
-from .options import scoped_config
+from .options import get_config, scoped_config
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,8 @@ class InferenceSession(ort.InferenceSession):
     - ``convert``: rewrite DequantizeLinear+MatMul into MatMulNBits ahead of time (default True),
       exactly where ORT's own rule would for these options, so outputs equal ORT's on the QDQ model;
     - ``cache``: True (default) keeps the converted model in the cache (``$ORTMEM_CACHE_DIR``) so the
-      next start converts nothing; a path picks the cache folder; False converts into a temporary
-      folder that is removed once the session exists;
+      next start converts nothing; a path picks the cache folder; False converts into memory that
+      ORT borrows (no file written; a higher peak, see ``ortmem.inmemory``);
     - ``progress``: ``callable(done_bytes, total_bytes, name)`` called while converting.
 
     ``self.ortmem_report`` tells what was converted (None when nothing was, or on a cache hit) and
@@ -56,6 +56,7 @@ class InferenceSession(ort.InferenceSession):
             settings=settings_from(sess_options, disabled_optimizers=kwargs.get("disabled_optimizers")),
             cache=None if cache is False else Cache(None if cache is True else Path(cache)),
             progress=progress,
+            prepacking=get_config(sess_options, "session.disable_prepacking") != "1" if sess_options else True,
         )
         self._ortmem_handoff = _handoff.prepare(model, options)
         self.ortmem_report = options.report
@@ -70,6 +71,7 @@ class InferenceSession(ort.InferenceSession):
         # handoff's config entries, and neither may leave them in the user's options.
         user_options = self._sess_options_initial
         with scoped_config(user_options, self._ortmem_handoff.config) as options:
+            self._ortmem_handoff.register(options)
             self._sess_options = options
             try:
                 super()._create_inference_session(providers, provider_options, disabled_optimizers)

@@ -48,6 +48,7 @@ class OutTensor:
     shape: tuple[int, ...]
     nbytes: int
     offset: int = 0
+    location: Optional[str] = None  # None: weights.bin; else a file beside it (a linked source)
 
 
 @dataclass
@@ -132,12 +133,27 @@ def plan_conversion(model: Model, settings: Optional[OrtSettings] = None, *, car
             if (w.graph, w.name) in consumed and w.kind == "initializer":
                 continue
             plan.copied.append((w, OutTensor(w.name, w.data_type, w.shape, w.nbytes)))
+    _layout(plan)
+    return plan
+
+
+def _layout(plan: ConversionPlan) -> None:
+    """Page-aligned offsets in weights.bin for every output tensor that lives there."""
     offset = 0
     for t in _out_tensors(plan):
-        t.offset = offset
-        offset = _align(offset + t.nbytes)
+        if t.location is None:
+            t.offset = offset
+            offset = _align(offset + t.nbytes)
     plan.size = offset
-    return plan
+
+
+def relocate_carried(plan: ConversionPlan, locations: dict[Path, str]) -> None:
+    """Carried tensors of these source files stay where they are, in a file named ``locations[file]``
+    beside weights.bin (a hard link to the source): nothing of them is copied."""
+    for ref, t in plan.copied:
+        if ref.file in locations:
+            t.location, t.offset = locations[ref.file], ref.offset
+    _layout(plan)
 
 
 def _out_tensors(plan: ConversionPlan) -> list[OutTensor]:
@@ -216,35 +232,57 @@ def write_weights(model: Model, plan: ConversionPlan, out_path: Path, *, progres
     """Fill ``out_path`` (``plan.size`` bytes, already reserved) with every output tensor; returns seconds.
 
     Each tensor is converted into a scratch buffer that is reused from tensor to tensor (so its pages
-    stay faulted in and cached) and written to its final offset with ``pwrite``. Writing through a
-    shared mapping of the fresh file instead costs a page fault per 4 KiB, which measured 2.5x slower
-    than the conversion itself; ``pwrite`` fills the page cache in the kernel and charges nothing to
-    this process's resident set. Each source span is released as soon as its tensor is written.
+    stay faulted in and cached) and written to its final offset with ``pwrite``: writing through a
+    shared mapping of a fresh file costs a page fault per 4 KiB instead, and charges every written
+    page to this process's resident set. Each source span is released as soon as its tensor is done.
     """
     start = time.perf_counter()
-    total = plan.converted_source_bytes + sum(t.nbytes for _, t in plan.copied)
-    done = 0
     fd = os.open(out_path, os.O_RDWR)
     try:
         scratch = [_Scratch() for _ in range(max(1, threads))]
-        with ThreadPoolExecutor(max_workers=len(scratch)) as pool:
-            order = sorted(range(len(plan.rewrites)), key=lambda i: -plan.rewrites[i].B.nbytes)
-            futures = {}
-            for n, i in enumerate(order):
-                futures[i] = pool.submit(_convert_one, model, plan.rewrites[i], fd, scratch, n % len(scratch))
-            for i in order:
-                futures[i].result()
-                done += plan.rewrites[i].source_bytes
-                if progress:
-                    progress(done, total, plan.rewrites[i].candidate.node)
+
+        def sink(r: Rewrite, slot: int):
+            return _FileSink(fd, scratch[slot])
+
+        done = _convert_all(model, plan, sink, len(scratch), progress)
         for ref, t in plan.copied:
-            _copy_span(ref, fd, t.offset)
+            if t.location is None:
+                copy_span(ref, fd, t.offset)
             done += t.nbytes
             if progress:
-                progress(done, total, ref.name)
+                progress(done, _total(plan), ref.name)
     finally:
         os.close(fd)
     return time.perf_counter() - start
+
+
+def convert_into_memory(model: Model, plan: ConversionPlan, buffer, *, progress: Optional[Progress] = None,
+                        threads: int = 2) -> float:
+    """Convert every rewrite straight into ``buffer`` (``plan.size`` bytes, e.g. an anonymous mmap) at
+    the same offsets weights.bin would use; carried tensors are not touched (their pages stay unused).
+    Returns seconds."""
+    start = time.perf_counter()
+    _convert_all(model, plan, lambda r, slot: _MemorySink(buffer), max(1, threads), progress)
+    return time.perf_counter() - start
+
+
+def _total(plan: ConversionPlan) -> int:
+    return plan.converted_source_bytes + sum(t.nbytes for _, t in plan.copied)
+
+
+def _convert_all(model: Model, plan: ConversionPlan, sink_for, workers: int, progress: Optional[Progress]) -> int:
+    """Convert the rewrites on ``workers`` threads (numpy releases the GIL in the kernels), biggest first."""
+    done = 0
+    order = sorted(range(len(plan.rewrites)), key=lambda i: -plan.rewrites[i].B.nbytes)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {i: pool.submit(_convert_one, model, plan.rewrites[i], sink_for(plan.rewrites[i], n % workers))
+                   for n, i in enumerate(order)}
+        for i in order:
+            futures[i].result()
+            done += plan.rewrites[i].source_bytes
+            if progress:
+                progress(done, _total(plan), plan.rewrites[i].candidate.node)
+    return done
 
 
 class _Scratch:
@@ -262,7 +300,53 @@ class _Scratch:
         return self.buf[:nbytes]
 
 
-def _convert_one(model: Model, r: Rewrite, fd: int, scratch: list[_Scratch], slot: int) -> None:
+class _FileSink:
+    """Outputs go to a scratch buffer, then to their offsets in the file."""
+
+    def __init__(self, fd: int, scratch: _Scratch):
+        self.fd, self.scratch = fd, scratch
+
+    def __enter__(self):
+        self.scratch.lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.scratch.lock.release()
+
+    def views(self, outs: list[OutTensor], dtypes: list) -> list[np.ndarray]:
+        buf = self.scratch.take(sum(_align(t.nbytes) for t in outs))
+        views, pos = [], 0
+        for t, dt in zip(outs, dtypes):
+            views.append(buf[pos : pos + t.nbytes].view(dt).reshape(t.shape))
+            pos += _align(t.nbytes)
+        return views
+
+    def commit(self, outs: list[OutTensor], views: list[np.ndarray]) -> None:
+        for t, v in zip(outs, views):
+            _pwrite_all(self.fd, v.reshape(-1).view(np.uint8), t.offset)
+
+
+class _MemorySink:
+    """Outputs are written in place, in the final buffer."""
+
+    def __init__(self, buffer):
+        self.buffer = buffer
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def views(self, outs: list[OutTensor], dtypes: list) -> list[np.ndarray]:
+        return [np.frombuffer(self.buffer, dtype=dt, count=t.nbytes // np.dtype(dt).itemsize, offset=t.offset).reshape(t.shape)
+                for t, dt in zip(outs, dtypes)]
+
+    def commit(self, outs: list[OutTensor], views: list[np.ndarray]) -> None:
+        pass
+
+
+def _convert_one(model: Model, r: Rewrite, sink) -> None:
     c = r.candidate
     s_dtype = dtype_info(c.scale_dtype).numpy
     w = _source(model, c.graph_path, c.weight)
@@ -274,31 +358,27 @@ def _convert_one(model: Model, r: Rewrite, fd: int, scratch: list[_Scratch], slo
     else:
         scales = scales.reshape(-(-c.K // c.block_size), c.N)
     outs = [t for t in (r.B, r.scales, r.zero_points) if t is not None]
-    sc = scratch[slot]
-    with sc.lock:
-        buf = sc.take(sum(_align(t.nbytes) for t in outs))
-        views, pos = [], 0
-        for t in outs:
-            dtype = s_dtype if t is r.scales else np.uint8
-            views.append(buf[pos : pos + t.nbytes].view(dtype).reshape(t.shape))
-            pos += _align(t.nbytes)
+    dtypes = [s_dtype if t is r.scales else np.uint8 for t in outs]
+    with sink:
+        views = sink.views(outs, dtypes)
         nb.convert_dq_weights(w, scales, zp, K=c.K, N=c.N, bits=c.bits, signed=c.signed, block_size=c.block_size,
-                              out_B=views[0], out_scales=views[1], out_zero_points=views[2] if r.zero_points else None)
-        for t, v in zip(outs, views):
-            _pwrite_all(fd, v.reshape(-1).view(np.uint8), t.offset)
+                              out_B=views[0], out_scales=views[1],
+                              out_zero_points=views[2] if r.zero_points is not None else None)
+        sink.commit(outs, views)
+    del views, w, scales, zp
     ref = _source_ref(model, c.graph_path, c.weight)
     if ref is not None:
         model.store.release(ref)
 
 
-def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
-    mv = memoryview(data)
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    mv = memoryview(data).cast("B")
     while mv:
         n = os.pwrite(fd, mv, offset)
         mv, offset = mv[n:], offset + n
 
 
-def _copy_span(ref: WeightRef, out_fd: int, out_offset: int) -> None:
+def copy_span(ref: WeightRef, out_fd: int, out_offset: int) -> None:
     """Copy an unchanged weight file-to-file in the kernel: no byte passes through this process."""
     in_fd = os.open(ref.file, os.O_RDONLY)
     try:
@@ -323,9 +403,13 @@ def _copy_span(ref: WeightRef, out_fd: int, out_offset: int) -> None:
 # ----------------------------------------------------------------------------- the new graph
 
 
-def rewrite_skeleton(model: Model, plan: ConversionPlan, location: str = WEIGHTS_FILE) -> onnx.ModelProto:
-    """A copy of the skeleton with MatMulNBits in place of each rewritten DQ+MatMul(+Add)/Gemm, and
-    every large tensor pointing into ``location``."""
+def rewrite_skeleton(model: Model, plan: ConversionPlan, location: str = WEIGHTS_FILE, *,
+                     move_carried: bool = True) -> onnx.ModelProto:
+    """A copy of the skeleton with MatMulNBits in place of each rewritten DQ+MatMul(+Add)/Gemm.
+
+    Converted tensors point into ``location``; carried (unchanged) tensors too when ``move_carried``,
+    else they keep pointing where they were (the in-memory handoff reads them from the source files).
+    """
     out = onnx.ModelProto()
     out.CopyFrom(model.skeleton)  # the skeleton holds no weight bytes: this copy is small
     graphs = dict(iter_graphs(out.graph))
@@ -335,11 +419,11 @@ def rewrite_skeleton(model: Model, plan: ConversionPlan, location: str = WEIGHTS
     for path, rewrites in by_graph.items():
         _rewrite_graph(graphs[path], rewrites, location)
     _drop_unused_initializers(out, {(r.candidate.graph_path, n) for r in plan.rewrites for n in _consumed_names(r.candidate)})
-    carried = {(ref.graph, ref.kind, ref.name): t for ref, t in plan.copied}
+    carried = {(ref.graph, ref.kind, ref.name): t for ref, t in plan.copied} if move_carried else {}
     for site in iter_tensor_sites(out):
         t = carried.get(site.key)
         if t is not None:
-            _point_to(site.tensor, location, t)
+            _point_to(site.tensor, t.location or location, t)
     if plan.rewrites and not any(o.domain == MS_DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     return out

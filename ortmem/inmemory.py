@@ -1,0 +1,106 @@
+"""``InferenceSession(..., cache=False)``: converted weights handed to ORT straight from memory.
+
+The converted tensors are written into one anonymous mapping at the offsets weights.bin would use,
+and ORT borrows them in place (``add_external_initializers_from_files_in_memory`` with
+``session.use_external_initializer_file_buffers_directly=1``; every offset is page-aligned, so every
+tensor qualifies). ORT refuses to mix in-memory and on-disk external data, so the source files of
+unchanged tensors are registered as read-only mappings too, and ORT borrows those in place as well.
+
+No file is written, which makes this the fastest start. The price is that every converted tensor is
+resident until the session exists: ORT pre-packs from our buffer, and only then can the pages of the
+inputs ORT no longer reads (:mod:`ortmem.borrowing` asks ORT which) be given back. A native model
+on disk (or a cache entry) peaks lower, because ORT unmaps each file-backed tensor right after
+packing it.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from .borrowing import BORROW_KEY, B, SCALES, ZERO_POINTS, matmulnbits_unread_inputs
+from .model import Model
+from .passes.dq_matmul import ConversionPlan, Progress, convert_into_memory, rewrite_skeleton
+
+log = logging.getLogger(__name__)
+
+
+def _align(n: int) -> int:
+    return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+@dataclass
+class InMemoryConversion:
+    """The converted tensors of one model, in one anonymous mapping ORT borrows from."""
+
+    plan: ConversionPlan
+    buffer: mmap.mmap
+    name: str  # the in-memory "file" name the skeleton's locations use
+    skeleton: bytes  # for ORT: converted tensors in memory, the rest from the source files
+    seconds: float
+    releasable: list[tuple[int, int]] = field(default_factory=list)
+    sources: dict[str, mmap.mmap] = field(default_factory=dict)  # location -> read-only map of a source file
+    released: bool = False
+
+    @property
+    def config(self) -> dict[str, str]:
+        return {BORROW_KEY: "1"}
+
+    def register(self, options: Any) -> None:
+        """Tell ORT where the in-memory files are (the options keep only pointers, not references).
+
+        ORT refuses a model that mixes in-memory and on-disk external data, so the source files of
+        unchanged tensors are registered too, as read-only mappings: ORT borrows their (aligned)
+        tensors in place, exactly as if it had mapped the file itself.
+        """
+        names, views, sizes = [self.name], [np.frombuffer(self.buffer, np.uint8)], [len(self.buffer)]
+        for location, mm in self.sources.items():
+            names.append(location)
+            views.append(np.frombuffer(mm, np.uint8))
+            sizes.append(len(mm))
+        options.add_external_initializers_from_files_in_memory(names, views, sizes)
+
+    def release_unread(self) -> int:
+        """Give back the pages of every tensor ORT no longer reads; returns bytes released."""
+        if self.released:
+            return 0
+        freed = 0
+        for offset, length in self.releasable:
+            self.buffer.madvise(mmap.MADV_DONTNEED, offset, length)
+            freed += length
+        self.released = True
+        return freed
+
+
+def convert_in_memory(model: Model, plan: ConversionPlan, *, progress: Optional[Progress] = None,
+                      prepacking: bool = True) -> InMemoryConversion:
+    """Convert ``plan`` into a fresh anonymous mapping and describe how ORT borrows it."""
+    name = f"ortmem-mem-{uuid.uuid4().hex}.bin"
+    buffer = mmap.mmap(-1, max(plan.size, mmap.PAGESIZE))
+    seconds = convert_into_memory(model, plan, buffer, progress=progress)
+    skeleton = rewrite_skeleton(model, plan, name, move_carried=False).SerializeToString()
+    conv = InMemoryConversion(plan, buffer, name, skeleton, seconds)
+    for ref, _ in plan.copied:
+        location = _location_of(model, ref)
+        if location not in conv.sources:
+            with open(ref.file, "rb") as f:
+                conv.sources[location] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if prepacking:
+        for r in plan.rewrites:
+            c = r.candidate
+            unread = matmulnbits_unread_inputs(c.bits, c.block_size, c.accuracy_level, c.scale_dtype,
+                                               r.zero_points is not None)
+            for pos, t in ((B, r.B), (SCALES, r.scales), (ZERO_POINTS, r.zero_points)):
+                if t is not None and pos in unread:
+                    conv.releasable.append((t.offset, _align(t.nbytes)))
+    return conv
+
+
+def _location_of(model: Model, ref) -> str:
+    """The location string the skeleton uses for ``ref``'s file (what ORT looks the file up by)."""
+    return os.path.relpath(ref.file, model.folder)
