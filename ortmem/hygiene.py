@@ -45,30 +45,21 @@ sources that can be known:
    start-up environment; later changes to ``os.environ`` never reach glibc either, so they are
    ignored here too), parsed like glibc parses them. Such a process already runs without the
    dynamic adjustment, so its restore is exact;
-3. else glibc's documented defaults, 128 KiB and 128 KiB, **with the dynamic adjustment left off**.
-   The first entry into :func:`allocator_hygiene` logs this (debug level).
+3. else the ceiling the dynamic adjustment itself climbs to: 32 MiB (``DEFAULT_MMAP_THRESHOLD_MAX``
+   on 64-bit) and 64 MiB for trimming. Session creation frees multi-MiB blocks, so this is where an
+   unconfigured glibc ends up after ORT anyway; what changes is only that it now stays there.
 
-The cost of 3, measured (2-core shared VM, fresh processes, medians of 3, glibc 2.36, ORT 1.31.1,
-one intra-op thread, 1000 runs each, "dynamic" = untouched glibc, "fixed" = after the context):
-
-* ORT with its CPU arena (the default), 12 x 2048x2048 QDQ int4 MatMul chain: batch 1
-  no page faults, no difference; batch 64 (512 KiB activations) 29.4 vs 32.7 ms/run, within this
-  machine's noise (28-44 ms), about 490 extra minor faults per run (2 MiB of fresh pages).
-* ORT with ``enable_cpu_mem_arena=False``, 20 elementwise ops on 1 MiB tensors (the worst case:
-  no compute to hide behind): 0.45 vs 1.88 ms/run (4x), 770 minor faults per run.
-* numpy ``b = a * 2.0 + 1.0`` (two temporaries per iteration): 256 KiB arrays 12 vs 148-176 us,
-  1 MiB 38-39 vs 478-533 us, 8 MiB 422-476 vs 1786-1803 us.
-
-So ORT's own inference is unaffected while its arena is on, but any hot loop that mallocs and frees
-blocks of 128 KiB or more (numpy temporaries, ORT without its arena) pays an ``mmap``/``munmap`` and
-fresh page faults per block. We accept that as the default because this library's purpose is the
-memory lifecycle, glibc's defaults are the only settings the user can be said to have had, and the
-same fixed-threshold configuration is what memory-conscious deployments choose deliberately (Dask
-starts its workers with ``MALLOC_TRIM_THRESHOLD_=65536``, which also switches the adjustment off).
-A process that prefers speed after creation says so once, at start-up or through ortmem, and that
-value is then what is restored, exactly: e.g. ``MALLOC_MMAP_THRESHOLD_=33554432
-MALLOC_TRIM_THRESHOLD_=67108864`` (the ceiling the dynamic adjustment climbs to) or
-``set_malloc_thresholds(mmap_threshold=32 << 20, trim_threshold=64 << 20)``.
+Why not glibc's starting values (128 KiB, 128 KiB) for 3: with the dynamic adjustment off they make
+every later malloc/free of 128 KiB or more an ``mmap``/``munmap`` plus fresh page faults. Measured
+(2-core VM, fresh processes, medians of 3, glibc 2.36, ORT 1.31.1): ORT with its CPU arena is
+unaffected, but ORT without its arena ran 20 elementwise ops on 1 MiB tensors in 1.88 instead of
+0.45 ms, and numpy ``a * 2.0 + 1.0`` on 1 MiB arrays took ~500 instead of ~38 us. A library that
+slows its users' numpy code by 10x after creating a session would be a bad default. Whoever wants
+the strict setting (as memory-conscious deployments do, e.g. Dask's ``MALLOC_TRIM_THRESHOLD_=65536``)
+sets it once, at start-up or with ``set_malloc_thresholds(mmap_threshold=128 << 10,
+trim_threshold=128 << 10)``, and that value is then what is restored, exactly. Memory freed by ORT
+during creation is returned either way: by the pinned thresholds while it happens and by the
+``malloc_trim(0)`` at the end.
 
 Concurrency and nesting
 -----------------------
@@ -102,8 +93,12 @@ log = logging.getLogger("ortmem.hygiene")
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _INT_MAX = 2**31 - 1  # mallopt takes a C int
-#: glibc's documented defaults (mallopt(3)): what an unconfigured process is restored to.
+#: glibc's documented starting values (mallopt(3)).
 GLIBC_DEFAULT_THRESHOLD = 128 * 1024
+#: What an unconfigured process is restored to: the ceiling glibc's own dynamic adjustment climbs to
+#: on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX = 32 MiB, trim threshold twice that). ORT's session creation
+#: frees multi-MiB blocks, so a process that never used hygiene sits at or near this point anyway.
+UNCONFIGURED_RESTORE = (32 << 20, 64 << 20)
 
 
 @dataclass(frozen=True)
@@ -269,6 +264,9 @@ def _configured_from_environ(environ: Mapping[str, str], glibc_version: str = "2
                 values["mmap"] = _parse_glibc_number(value)
             elif name == "glibc.malloc.trim_threshold":
                 values["trim"] = _parse_glibc_number(value)
+    if not values:
+        return MallocThresholds(*UNCONFIGURED_RESTORE)
+    # Setting either one switches glibc's adjustment off at start-up: the other keeps its default.
     return MallocThresholds(values.get("mmap", GLIBC_DEFAULT_THRESHOLD),
                             values.get("trim", GLIBC_DEFAULT_THRESHOLD))
 
@@ -463,28 +461,3 @@ def _statm_resident() -> int | None:
             return int(f.read().split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
         return None
-
-
-_SPLIT_KEYS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM")
-
-
-def _memory_split() -> dict[str, int]:
-    """This process's resident memory split, bytes, from ``/proc/self/status`` (``{}`` without /proc).
-
-    ``RssAnon`` is heap and other anonymous memory (not reclaimable), ``RssFile`` mapped files such as
-    mmapped external data (reclaimable page cache), ``VmHWM`` the resident peak. Private helper: the
-    same reader exists as ``ortmem.measure.procfs.read_status("self")``, which this module may not
-    import yet; the two should be merged.
-    """
-    try:
-        with open("/proc/self/status", "rb") as f:
-            data = f.read()
-    except OSError:
-        return {}
-    out: dict[str, int] = {}
-    for line in data.split(b"\n"):
-        key, _, rest = line.partition(b":")
-        k = key.decode("ascii", "replace")
-        if k in _SPLIT_KEYS and rest.split():
-            out[k] = int(rest.split()[0]) * 1024  # the kernel always reports kB here
-    return out

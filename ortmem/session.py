@@ -7,6 +7,7 @@ whatever ORT borrows must outlive it.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -17,6 +18,7 @@ import onnxruntime as ort
 from . import handoff as _handoff
 from .cache import Cache
 from .convert import settings_from
+from .hygiene import allocator_hygiene
 from .options import get_config, scoped_config
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,8 @@ class InferenceSession(ort.InferenceSession):
     - ``cache``: True (default) keeps the converted model in the cache (``$ORTMEM_CACHE_DIR``) so the
       next start converts nothing; a path picks the cache folder; False converts into memory that
       ORT borrows (no file written; a higher peak, see ``ortmem.inmemory``);
+    - ``trim``: keep glibc from hoarding what conversion and ORT free during creation, and give it
+      back afterwards (:func:`ortmem.hygiene.allocator_hygiene`; default True; a no-op off glibc);
     - ``progress``: ``callable(done_bytes, total_bytes, name)`` called while converting.
 
     ``self.ortmem_report`` tells what was converted (None when nothing was, or on a cache hit) and
@@ -48,6 +52,7 @@ class InferenceSession(ort.InferenceSession):
         *,
         convert: bool = True,
         cache: Union[bool, str, os.PathLike] = True,
+        trim: bool = True,
         progress: Optional[Callable[[int, int, str], None]] = None,
         **kwargs: Any,
     ) -> None:
@@ -58,13 +63,14 @@ class InferenceSession(ort.InferenceSession):
             progress=progress,
             prepacking=get_config(sess_options, "session.disable_prepacking") != "1" if sess_options else True,
         )
-        self._ortmem_handoff = _handoff.prepare(model, options)
-        self.ortmem_report = options.report
-        self.ortmem_cache_hit = options.cache_hit
-        try:
-            super().__init__(self._ortmem_handoff.model, sess_options, providers, provider_options, **kwargs)
-        finally:
-            self._ortmem_handoff.after_create()
+        with allocator_hygiene() if trim else contextlib.nullcontext():
+            self._ortmem_handoff = _handoff.prepare(model, options)
+            self.ortmem_report = options.report
+            self.ortmem_cache_hit = options.cache_hit
+            try:
+                super().__init__(self._ortmem_handoff.model, sess_options, providers, provider_options, **kwargs)
+            finally:
+                self._ortmem_handoff.after_create()
 
     def _create_inference_session(self, providers, provider_options, disabled_optimizers=None):
         # Called by ORT's __init__ and again by its EP fallback (_reset_session): both need the

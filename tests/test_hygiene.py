@@ -32,6 +32,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from ortmem import hygiene
+from ortmem.measure import procfs
 from ortmem.hygiene import HygieneReport, MallocThresholds, allocator_hygiene, set_malloc_thresholds, trim
 
 MiB = 1 << 20
@@ -212,8 +213,9 @@ print(json.dumps(res))
 
 
 @needs_glibc
-def test_unconfigured_process_gets_glibc_defaults_without_dynamic_adjustment() -> None:
-    """The documented price: after the block, 128 KiB stays 128 KiB (glibc no longer raises it).
+def test_unconfigured_process_is_restored_to_the_dynamic_ceiling() -> None:
+    """After the block an unconfigured process sits where glibc's own adjustment would climb to
+    (32 MiB / 64 MiB), so later numpy temporaries are not each an mmap/munmap.
 
     The control half, before any hygiene, shows the probe does see the dynamic adjustment: after a
     4 MiB mmapped block is freed, a 2 MiB malloc is no longer mmapped.
@@ -229,8 +231,8 @@ res["restored"] = [report.restored.mmap_threshold, report.restored.trim_threshol
 print(json.dumps(res))
 """)
     assert out["dynamic"] == [True, False]
-    assert out["after"] == [True, True]
-    assert out["restored"] == [128 * KiB, 128 * KiB]
+    assert out["after"] == [False, False]
+    assert out["restored"] == [32 * MiB, 64 * MiB]
 
 
 @needs_glibc
@@ -259,6 +261,7 @@ _CREATE = """
 import json, sys
 import onnxruntime as ort
 from ortmem import hygiene
+from ortmem.measure import procfs
 mode, path = sys.argv[1], sys.argv[2]
 so = ort.SessionOptions()
 so.intra_op_num_threads = 1
@@ -269,9 +272,9 @@ if mode == "hygiene":
         sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 else:
     sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-after = hygiene._memory_split()
+after = procfs.read_status('self')
 released = hygiene.trim()
-print(json.dumps({"after": after, "released": released, "trimmed": hygiene._memory_split()}))
+print(json.dumps({"after": after, "released": released, "trimmed": procfs.read_status('self')}))
 """
 
 
@@ -518,7 +521,7 @@ print(json.dumps({"released": trim(), "again": trim()}))
 
 @needs_proc
 def test_memory_split_adds_up() -> None:
-    split = hygiene._memory_split()
+    split = procfs.read_status('self')
     assert set(split) >= {"VmRSS", "RssAnon", "RssFile", "VmHWM"}
     assert split["VmRSS"] == split["RssAnon"] + split["RssFile"] + split.get("RssShmem", 0)
     assert split["VmHWM"] >= split["VmRSS"] > 0
@@ -534,7 +537,7 @@ def test_numbers_parse_like_glibc(text: str, value: int) -> None:
 
 def test_configured_values_come_from_startup_environment() -> None:
     f = hygiene._configured_from_environ
-    assert f({}) == MallocThresholds(128 * KiB, 128 * KiB)
+    assert f({}) == MallocThresholds(32 * MiB, 64 * MiB)
     assert f({"MALLOC_TRIM_THRESHOLD_": "65536"}) == MallocThresholds(128 * KiB, 64 * KiB)
     both = {"MALLOC_MMAP_THRESHOLD_": "1", "GLIBC_TUNABLES": "glibc.malloc.foo=3:glibc.malloc.mmap_threshold=2"}
     assert f(both) == MallocThresholds(2, 128 * KiB)  # the tunable wins, as on glibc 2.36
@@ -548,6 +551,7 @@ def test_startup_environ_rejoins_tunables_glibc_split() -> None:
     out = _run_fresh("""
 import json
 from ortmem import hygiene
+from ortmem.measure import procfs
 env = hygiene._startup_environ()
 t = hygiene._configured_from_environ(env)
 print(json.dumps([env.get("GLIBC_TUNABLES"), t.mmap_threshold, t.trim_threshold]))
@@ -568,6 +572,7 @@ _BENCH = """
 import json, sys, time
 import onnxruntime as ort
 from ortmem import hygiene
+from ortmem.measure import procfs
 mode, path = sys.argv[1], sys.argv[2]
 t = time.perf_counter()
 if mode == "hygiene":
@@ -576,9 +581,9 @@ if mode == "hygiene":
 else:
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
 init_s = time.perf_counter() - t
-after = hygiene._memory_split()
+after = procfs.read_status('self')
 hygiene.trim()
-print(json.dumps({"peak": after["VmHWM"], "after": after["VmRSS"], "trimmed": hygiene._memory_split()["VmRSS"],
+print(json.dumps({"peak": after["VmHWM"], "after": after["VmRSS"], "trimmed": procfs.read_status('self')["VmRSS"],
                   "init_s": init_s}))
 """
 

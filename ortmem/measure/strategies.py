@@ -162,6 +162,16 @@ def create_ort_noopt(model_path: str, options: dict) -> Any:
     return ort.InferenceSession(model_path, so, providers=["CPUExecutionProvider"])
 
 
+def create_ort_hygiene(model_path: str, options: dict) -> Any:
+    """Plain ORT inside ``ortmem.allocator_hygiene()`` only: how much of ORT's cost is glibc retention."""
+    import onnxruntime as ort
+
+    from ..hygiene import allocator_hygiene
+
+    with allocator_hygiene():
+        return ort.InferenceSession(model_path, _session_options(options), providers=["CPUExecutionProvider"])
+
+
 def _bench_cache(kind: str):
     """A cache folder private to one bench strategy, under ortmem's cache root."""
     from ..cache import cache_root
@@ -224,6 +234,7 @@ def prepare_twin(model_path: str, options: dict, workdir: str) -> str:
 
 register("ort", create_ort, default=True, description="onnxruntime.InferenceSession(path)")
 register("ort-noopt", create_ort_noopt, description="ORT_DISABLE_ALL optimizations")
+register("ort-hygiene", create_ort_hygiene, description="plain ORT inside ortmem.allocator_hygiene()")
 register("twin", create_ort, prepare=prepare_twin, default=True,
          description="plain ORT on the model converted to native MatMulNBits ahead of time: the floor ORT reaches")
 register("ortmem", create_ortmem, prepare=prepare_cold, prepare_scope="each", default=True,
