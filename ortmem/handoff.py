@@ -31,6 +31,7 @@ from .convert import convert_cached
 from .inmemory import InMemoryConversion, convert_in_memory
 from .loader import load
 from .model import Model
+from .onnx_walk import iter_graphs
 from .passes.dq_matmul import ConversionReport, Progress, plan_conversion
 from .passes.dq_matmul_match import OrtSettings
 
@@ -106,7 +107,7 @@ def _converted_or_as_is(model: Model, convert: Optional[ConvertOptions]) -> Hand
     """With a cache: a hit is loaded by path, a miss is converted into a new entry first, so ORT maps
     each converted tensor from the page cache and drops it after pre-packing, exactly as it does for
     a native MatMulNBits model. Without one: converted in memory and borrowed by ORT (ortmem.inmemory)."""
-    if convert is None or not convert.enabled:
+    if convert is None or not convert.enabled or not _has_dequantize(model):
         return from_model(model)
     settings = convert.settings or OrtSettings()
     if convert.cache is not None:
@@ -124,6 +125,12 @@ def _converted_or_as_is(model: Model, convert: Optional[ConvertOptions]) -> Hand
                                       plan.size, memory.seconds)
     model.store.release_all()  # source pages read for conversion go back now
     return Handoff(model=memory.skeleton, config=memory.config, source=model, memory=memory)
+
+
+def _has_dequantize(model: Model) -> bool:
+    """Cheap pre-check: matching runs ONNX shape inference, whose first call alone costs several MiB
+    (onnx builds its operator schema registry), which a model without DequantizeLinear never needs."""
+    return any(n.op_type == "DequantizeLinear" for _, g in iter_graphs(model.skeleton.graph) for n in g.node)
 
 
 def _consume(model: Model) -> None:

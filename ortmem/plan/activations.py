@@ -1,0 +1,370 @@
+"""Run-time activation memory: shapes from ONNX shape inference, lifetimes over ORT's execution order.
+
+Why this way: activation memory is what ORT's arena holds while a run is in flight, which is the
+sum of the tensors alive at each step; their sizes come from shape inference on the weightless
+skeleton (tensor dims are metadata, so it is cheap), symbolic dimensions are resolved from the
+caller's ``dims`` and whatever stays unknown is *reported*, never guessed. Lifetimes follow the
+order ORT executes nodes in (:mod:`ortmem.plan.ort_graph`).
+
+What ORT's allocation planner does that is modelled (``onnxruntime/core/framework/allocation_planner.cc``):
+aliasing kernels (Reshape, Squeeze, Unsqueeze, Flatten, Identity) share their input's buffer; a
+``MayInplace`` kernel (element-wise ops) writes into an input buffer whose last use it is; graph inputs
+(fed by the caller) and initializers are not activations; graph outputs live to the end of the run.
+Sizes are rounded up to the arena's 256-byte granule. Known per-node workspace: a MatMulNBits whose
+weight is not pre-packed dequantizes B into a K*N*4-byte buffer on every run; a packed one quantizes
+A to int8 blocks at accuracy level 4; a Conv outside the NCHWc layout uses an im2col buffer; a node
+with subgraphs holds its subgraph's own activation peak while it runs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import onnx
+from onnx import TensorProto
+
+from ..dtypes import dtype_info
+from . import ort_graph as og
+
+ARENA_GRANULE = 256
+
+ALIAS_OPS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
+INPLACE_OPS = {
+    "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Elu", "Selu", "HardSigmoid", "Softplus", "Softsign", "Erf",
+    "Exp", "Log", "Neg", "Abs", "Sqrt", "Reciprocal", "Floor", "Ceil", "Clip", "Add", "Sub", "Mul", "Div",
+    "Pow", "Gelu", "FastGelu", "QuickGelu", "BiasGelu", "Sum", "Where", "Not", "Cast",
+}
+
+
+def _granule(n: int) -> int:
+    return -(-n // ARENA_GRANULE) * ARENA_GRANULE
+
+
+@dataclass
+class TensorShape:
+    """A value's element type and dims; a dim is an int, or a str for a symbol left unresolved."""
+
+    elem_type: int
+    dims: list[int | str] | None  # None: rank unknown
+
+    @property
+    def known(self) -> bool:
+        return self.dims is not None and all(isinstance(d, int) for d in self.dims)
+
+    def nbytes(self) -> int | None:
+        if not self.known or not self.elem_type:
+            return None
+        try:
+            bits = dtype_info(self.elem_type).bits
+        except Exception:  # strings and other variable-size types
+            return None
+        return (math.prod(self.dims) * bits + 7) // 8  # type: ignore[arg-type]
+
+
+@dataclass
+class UnknownShape:
+    graph: str
+    value: str
+    shape: list[int | str] | None
+    reason: str
+
+
+@dataclass
+class Shapes:
+    """Shapes of every value in every graph: ``types[graph path][value]``."""
+
+    types: dict[str, dict[str, TensorShape]] = field(default_factory=dict)
+    unresolved_symbols: set[str] = field(default_factory=set)
+
+    def get(self, g: og.OrtGraph, name: str) -> TensorShape | None:
+        gg: og.OrtGraph | None = g
+        while gg is not None:  # outer-scope values
+            t = self.types.get(gg.path, {}).get(name)
+            if t is not None:
+                return t
+            gg = gg.parent
+        return None
+
+
+def _shape_of(tp: onnx.TypeProto) -> TensorShape | None:
+    if not tp.HasField("tensor_type"):
+        return None
+    tt = tp.tensor_type
+    if not tt.HasField("shape"):
+        return TensorShape(tt.elem_type, None)
+    dims: list[int | str] = []
+    for d in tt.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        elif d.dim_param:
+            dims.append(d.dim_param)
+        else:
+            dims.append("?")
+    return TensorShape(tt.elem_type, dims)
+
+
+def infer_shapes(skeleton: onnx.ModelProto, root: og.OrtGraph, dims: Mapping[str, int]) -> Shapes:
+    """ONNX shape inference with graph-input symbols bound to ``dims`` (names found nowhere else stay
+    symbols). The skeleton holds no weight bytes, so this costs what the graph costs."""
+    m = onnx.ModelProto()
+    m.CopyFrom(skeleton)
+    init_names = {t.name for t in m.graph.initializer}
+    symbols: set[str] = set()
+    for vi in m.graph.input:
+        if vi.name in init_names or not vi.type.HasField("tensor_type"):
+            continue
+        for d in vi.type.tensor_type.shape.dim:
+            if d.dim_param:
+                if d.dim_param in dims:
+                    v = int(dims[d.dim_param])
+                    d.Clear()
+                    d.dim_value = v
+                else:
+                    symbols.add(d.dim_param)
+    m = _infer_with_contrib(m)
+    shapes = Shapes(unresolved_symbols=symbols)
+    by_path = {g.path: g for g in og.walk(root)}
+    _collect(m.graph, root, shapes, by_path)
+    return shapes
+
+
+def _infer(m: onnx.ModelProto) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
+    except Exception:  # a model ONNX's checker dislikes: keep whatever the graph declared itself
+        return m
+
+
+def _infer_with_contrib(m: onnx.ModelProto, max_rounds: int = 64) -> onnx.ModelProto:
+    """ONNX inference stops at operators it does not know (com.microsoft MatMulNBits): give those
+    outputs their shape as ``value_info`` and infer again, until nothing new is learnt."""
+    m = _infer(m)
+    for _ in range(max_rounds):
+        added = 0
+        for graph in _graphs(m.graph):
+            known = {vi.name: vi for vi in [*graph.input, *graph.value_info, *graph.output]}
+            init = {t.name: t for t in graph.initializer}
+            for node in graph.node:
+                if node.domain != "com.microsoft" or node.op_type != "MatMulNBits" or not node.output:
+                    continue
+                out = node.output[0]
+                if out in known and _shape_of(known[out].type) is not None and _shape_of(known[out].type).known:
+                    continue
+                a = known.get(node.input[0])
+                sa = _shape_of(a.type) if a is not None else None
+                if sa is None or sa.dims is None or node.input[0] in init:
+                    continue
+                dims = [*sa.dims[:-1], _attr_int(node, "N")]
+                vi = onnx.helper.make_tensor_value_info(out, sa.elem_type, dims)
+                for lst in (graph.value_info, graph.output):
+                    for j, old in enumerate(lst):
+                        if old.name == out:
+                            lst[j].CopyFrom(vi) if lst is graph.output else None
+                if out not in {v.name for v in graph.output}:
+                    graph.value_info.append(vi)
+                added += 1
+        if not added:
+            break
+        m = _infer(m)
+    return m
+
+
+def _graphs(graph: onnx.GraphProto):
+    yield graph
+    for n in graph.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _graphs(a.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for sg in a.graphs:
+                    yield from _graphs(sg)
+
+
+def _collect(graph: onnx.GraphProto, g: og.OrtGraph, shapes: Shapes, by_path: dict[str, og.OrtGraph]) -> None:
+    table = shapes.types.setdefault(g.path, {})
+    for vi in [*graph.input, *graph.value_info, *graph.output]:
+        s = _shape_of(vi.type)
+        if s is not None and (vi.name not in table or (s.known and not table[vi.name].known)):
+            table[vi.name] = s
+    for name, t in g.initializers.items():
+        table[name] = TensorShape(t.data_type, [int(d) for d in t.dims])
+    # subgraphs: pair the (possibly inferred) protos with our graph objects by position
+    protos = [n for n in graph.node if not (n.op_type == "Constant" and n.output and n.output[0] in g.constant_nodes)]
+    for node, proto in zip(g.nodes, protos):
+        subs = []
+        for a in proto.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                subs.append(a.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                subs.extend(a.graphs)
+        for (_, sg), sproto in zip(node.subgraphs, subs):
+            _collect(sproto, sg, shapes, by_path)
+    _contrib_shapes(g, shapes)
+
+
+def _attr_int(node: onnx.NodeProto, name: str, default: int = 0) -> int:
+    for a in node.attribute:
+        if a.name == name:
+            return int(a.i)
+    return default
+
+
+def _contrib_shapes(g: og.OrtGraph, shapes: Shapes) -> None:
+    """Shapes ONNX's inference leaves out because it does not know com.microsoft ops."""
+    table = shapes.types[g.path]
+    for node in g.nodes:
+        if node.domain == "com.microsoft" and node.op_type == "MatMulNBits" and node.outputs:
+            a = shapes.get(g, node.inputs[0])
+            out = node.outputs[0]
+            if a is not None and a.dims is not None and (out not in table or not table[out].known):
+                table[out] = TensorShape(a.elem_type, [*a.dims[:-1], _attr_int(node.proto, "N")])
+
+
+# ------------------------------------------------------------------------------------ lifetimes
+WorkspaceFn = Callable[[og.OrtNode, Shapes], int]
+
+
+@dataclass
+class NodeActivation:
+    node: og.OrtNode
+    position: int
+    inputs_bytes: int
+    outputs_bytes: int
+    new_bytes: int  # outputs that took fresh arena memory (not aliased / in place)
+    workspace_bytes: int
+    live_bytes: int  # activations alive while this node runs, its outputs and workspace included
+    unknown: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GraphActivation:
+    graph: og.OrtGraph
+    order: list[int]
+    peak_bytes: int
+    rows: list[NodeActivation]
+    unknown: list[UnknownShape]
+    subgraph_peaks: dict[int, int] = field(default_factory=dict)
+
+
+def value_bytes(g: og.OrtGraph, name: str, shapes: Shapes, unknown: dict[tuple[str, str], UnknownShape]) -> int:
+    s = shapes.get(g, name)
+    n = s.nbytes() if s is not None else None
+    if n is None:
+        key = (g.path, name)
+        if key not in unknown:
+            if s is None:
+                reason = "no shape inferred"
+            elif s.dims is None:
+                reason = "rank unknown"
+            else:
+                syms = [d for d in s.dims if isinstance(d, str)]
+                reason = f"unresolved dims {syms}" if syms else "element type without a fixed size"
+            unknown[key] = UnknownShape(g.path, name, s.dims if s is not None else None, reason)
+        return 0
+    return n
+
+
+def graph_activation(g: og.OrtGraph, shapes: Shapes, order_kind: og.ExecutionOrder, workspace: WorkspaceFn,
+                     unknown: dict[tuple[str, str], UnknownShape] | None = None,
+                     removed: frozenset[int] = frozenset()) -> GraphActivation:
+    """Peak of the activations alive in ``g`` (subgraph peaks count as their node's workspace).
+
+    ``removed`` holds ``id()`` of nodes ORT's optimizer turns into constants (folded chains, DQ nodes
+    fused into MatMulNBits): they never run and their outputs are weights, not activations."""
+    unknown = {} if unknown is None else unknown
+    order = [i for i in g.execution_order(order_kind) if id(g.nodes[i]) not in removed]
+    pos = {i: p for p, i in enumerate(order)}
+    outputs = set(g.outputs)
+    local_values = {o for n in g.nodes if id(n) not in removed for o in n.outputs if o}
+
+    # buffer roots: aliasing ops share their input's buffer
+    root: dict[str, str] = {}
+
+    def find(v: str) -> str:
+        while v in root:
+            v = root[v]
+        return v
+
+    last_use: dict[str, int] = {}
+    for n in g.nodes:
+        if id(n) in removed:
+            continue
+        for v in [*n.inputs, *n.implicit_inputs]:
+            if v in local_values:
+                last_use[v] = max(last_use.get(v, -1), pos[n.index])
+    end = len(order)
+    for v in outputs:
+        if v in local_values:
+            last_use[v] = end
+    size: dict[str, int] = {}  # root -> bytes held
+    holders: dict[str, int] = {}  # root -> number of values still alive sharing it
+    alive_until: dict[str, int] = {}
+    live = 0
+    peak = 0
+    rows: list[NodeActivation] = []
+    sub_peaks: dict[int, int] = {}
+    for p, i in enumerate(order):
+        node = g.nodes[i]
+        ws = workspace(node, shapes)
+        for _, sg in node.subgraphs:
+            sub = graph_activation(sg, shapes, order_kind, workspace, unknown, removed)
+            sub_peaks[i] = max(sub_peaks.get(i, 0), sub.peak_bytes)
+        ws += sub_peaks.get(i, 0)
+        in_bytes = sum(value_bytes(g, v, shapes, unknown) for v in node.inputs if v and v in local_values
+                       or (v in g.inputs))
+        out_bytes = 0
+        new = 0
+        unk: list[str] = []
+        for k, o in enumerate(node.outputs):
+            if not o:
+                continue
+            b = value_bytes(g, o, shapes, unknown)
+            if (g.path, o) in unknown:
+                unk.append(o)
+            out_bytes += b
+            src = node.inputs[0] if node.inputs else ""
+            if k == 0 and node.op_type in ALIAS_OPS and node.domain in ("", "ai.onnx") and src:
+                root[o] = find(src)  # a graph input or initializer aliased costs no arena memory either
+                holders[find(src)] = holders.get(find(src), 0) + 1
+                alive_until[o] = last_use.get(o, p)
+                continue
+            if k == 0 and node.op_type in INPLACE_OPS and o not in outputs:
+                reuse = _inplace_source(node, g, shapes, unknown, local_values, last_use, p, find, size, holders, outputs, b)
+                if reuse is not None:
+                    root[o] = reuse
+                    holders[reuse] = holders.get(reuse, 0) + 1
+                    alive_until[o] = last_use.get(o, p)
+                    continue
+            gb = _granule(b)
+            size[o] = gb
+            holders[o] = 1
+            alive_until[o] = last_use.get(o, p)  # an unused output dies right after its node
+            live += gb
+            new += gb
+        peak = max(peak, live + ws)
+        rows.append(NodeActivation(node, p, in_bytes, out_bytes, new, ws, live + ws, unk))
+        # release every value whose last use was this node
+        for v in [*node.inputs, *node.implicit_inputs, *node.outputs]:
+            if v in alive_until and alive_until[v] <= p:
+                del alive_until[v]
+                r = find(v)
+                holders[r] = holders.get(r, 1) - 1
+                if holders[r] <= 0 and r in size:
+                    live -= size.pop(r)
+    return GraphActivation(g, order, peak, rows, list(unknown.values()), sub_peaks)
+
+
+def _inplace_source(node, g, shapes, unknown, local_values, last_use, p, find, size, holders, outputs,
+                    nbytes) -> str | None:
+    """The input buffer a MayInplace kernel would overwrite: same size, produced in this graph, no
+    other holder left after this node, not a graph output."""
+    for v in node.inputs:
+        if not v or v not in local_values or v in outputs:
+            continue
+        r = find(v)
+        if r not in size or last_use.get(v, -1) != p or holders.get(r, 0) != 1:
+            continue
+        if _granule(value_bytes(g, v, shapes, unknown)) == _granule(nbytes) and nbytes > 0:
+            return r
+    return None

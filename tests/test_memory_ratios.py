@@ -1,0 +1,57 @@
+"""Fresh-process memory: an embedded model through ortmem costs what its external-data copy costs
+under plain ORT (the foundation issue's target is <= 1.02x; asserted here with a margin for CI noise,
+the measured ratios are in docs/benchmarks.md)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import model_builders as mb
+from ortmem.measure.probe import probe
+
+pytestmark = pytest.mark.slow
+
+MARGIN = 1.10  # target 1.02; fresh-process peaks on a shared 2-core box move by a few percent
+MiB = 1 << 20
+
+
+def _shapes(rng):
+    return {
+        # one huge tensor (64 MiB table) and a few medium ones
+        "huge": mb.embedding_model(rng, vocab=16384, hidden=1024, out=1024),
+        # thousands of small tensors, many under the inline threshold
+        "many_small": mb.many_small(rng, 3000, width=256),
+        # If/Loop bodies, a Constant node and a sparse initializer
+        "subgraphs": mb.subgraph_model(rng, n=1024),
+    }
+
+
+@pytest.mark.parametrize("shape", ["huge", "many_small", "subgraphs"])
+def test_embedded_through_ortmem_costs_what_external_costs_under_ort(tmp_path, shape):
+    model = _shapes(np.random.default_rng(0))[shape]
+    embedded = mb.save(model, tmp_path / "emb" / "m.onnx")
+    external = mb.save(model, tmp_path / "ext" / "m.onnx", external=True)
+    options = {"dims": {"batch": 1, "seq": 4}}
+    if shape == "subgraphs":
+        options = {}
+    ort_emb = probe("ort", str(embedded), options=options)
+    ort_ext = probe("ort", str(external), options=options)
+    ortmem_emb = probe("ortmem-nocache", str(embedded), options=options)
+    assert ortmem_emb.output_hash == ort_ext.output_hash == ort_emb.output_hash
+    ratio = ortmem_emb.peak_above_baseline_bytes / ort_ext.peak_above_baseline_bytes
+    print(f"{shape}: ORT embedded +{ort_emb.peak_above_baseline_bytes / MiB:.1f} MiB, "
+          f"ORT external +{ort_ext.peak_above_baseline_bytes / MiB:.1f}, "
+          f"ortmem embedded +{ortmem_emb.peak_above_baseline_bytes / MiB:.1f} (x{ratio:.3f})")
+    assert ratio <= MARGIN
+    if shape == "huge":  # where embedded weights dominate, ORT pays for them twice and ortmem does not
+        assert ortmem_emb.peak_above_baseline_bytes < 0.6 * ort_emb.peak_above_baseline_bytes
+
+
+def test_external_through_ortmem_is_never_worse(tmp_path):
+    model = mb.embedding_model(np.random.default_rng(1), vocab=16384, hidden=1024, out=1024)
+    external = mb.save(model, tmp_path / "m.onnx", external=True)
+    options = {"dims": {"batch": 1, "seq": 4}}
+    a = probe("ort", str(external), options=options)
+    b = probe("ortmem-nocache", str(external), options=options)
+    assert b.output_hash == a.output_hash
+    assert b.peak_above_baseline_bytes <= MARGIN * a.peak_above_baseline_bytes
