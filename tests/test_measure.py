@@ -55,6 +55,12 @@ def alloc_200(model: str, options: dict) -> Any:
     return ort.InferenceSession(model)
 
 
+def keep_120(model: str, options: dict) -> Any:
+    """Leave 120 MiB of heap allocated after "creation": memray must report it as in use."""
+    _KEEP.append(np.ones(120 * MiB // 8))
+    return ort.InferenceSession(model)
+
+
 def map_100(model: str, options: dict) -> Any:
     """Map a 100 MiB file and fault every page in: RssFile must grow, RssAnon must not."""
     f = open(options["file"], "rb")
@@ -190,6 +196,12 @@ def test_memray_reports_heap_peak_and_site(tiny: str) -> None:
     top = r.memray["top"][0]
     assert top["bytes"] >= 200 * MiB
     assert any("alloc_200" in frame for frame in top["stack"]), top["stack"]
+    assert r.memray["in_use_heap_bytes"] < 20 * MiB  # freed before creation ended
+
+
+def test_memray_in_use_after_creation_counts_what_stays(tiny: str) -> None:
+    r = probe(f"{HERE}:keep_120", tiny, memray=True)
+    assert 120 * MiB <= r.memray["in_use_heap_bytes"] < 140 * MiB
 
 
 @slow

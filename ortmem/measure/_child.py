@@ -102,8 +102,19 @@ def memray_report(path: str, top: int = 10, depth: int = 16) -> dict[str, Any]:
                     "stack": _readable_stack(stack, depth),
                 }
             )
+        # Allocations still alive when tracking stopped (right after creation): memory in use.
+        # Direct mmap calls are kept apart: memray counts a mapped file at its full length whether
+        # or not its pages are resident, so only the heap part is comparable with RssAnon.
+        in_use_heap = in_use_mmap = 0
+        for rec in reader.get_leaked_allocation_records(merge_threads=True):
+            if memray.AllocatorType(rec.allocator).name == "MMAP":
+                in_use_mmap += int(rec.size)
+            else:
+                in_use_heap += int(rec.size)
         meta = reader.metadata
         return {
+            "in_use_heap_bytes": in_use_heap,
+            "in_use_mmap_bytes": in_use_mmap,
             "peak_bytes": int(meta.peak_memory),
             "total_allocations": int(meta.total_allocations),
             "native_traces": bool(meta.has_native_traces),

@@ -106,6 +106,20 @@ class StrategyResult:
         return bool(self.spread and self.spread > BIMODAL_SPREAD)
 
     @property
+    def retained_bytes(self) -> float | None:
+        """Anonymous memory resident after creation but not in use: what the allocator keeps.
+
+        Resident is the median over the plain runs (``RssAnon`` after creation minus the baseline);
+        in use is what memray's run still had allocated on the heap when creation ended (the memray
+        run itself is not used for RSS, because memray inflates it).
+        """
+        mem = self.memray_run.memray if self.memray_run else None
+        anon = Stat.of(r.anon_after_create_bytes - r.baseline_anon_bytes for r in self.runs)
+        if not mem or "in_use_heap_bytes" not in mem or anon is None:
+            return None
+        return anon.median - mem["in_use_heap_bytes"]
+
+    @property
     def median_run(self) -> int | None:
         """Index of the run whose peak is the median (lower middle for an even count)."""
         if not self.runs:
@@ -178,6 +192,7 @@ def to_json_dict(report: BenchReport) -> dict[str, Any]:
                     "summary": summary,
                     "spread": sr.spread,
                     "bimodal": sr.bimodal,
+                    "retained_bytes": sr.retained_bytes,
                     "same_output_as_ort": mr.same_output_as_ort(name),
                     "ratios": mr.ratios(name),
                     "median_run": sr.median_run,
@@ -255,9 +270,15 @@ def _mib(st: Stat | None) -> str:
     return "-" if st is None else f"{st.median / MiB:.0f}"
 
 
-def _memray_line(name: str, mem: dict[str, Any]) -> str:
-    """One line: memray's heap high-water mark and its largest site, named by its first caller."""
+def _memray_line(name: str, sr: "StrategyResult") -> str:
+    """One line: memray's heap high-water mark, what stayed in use, the allocator's retained
+    memory, and the largest site, named by its first caller."""
+    mem = sr.memray_run.memray
     line = f"memray {name}: heap high-water {mem['peak_bytes'] / MiB:.0f} MiB"
+    if "in_use_heap_bytes" in mem:
+        line += f", in use after creation {mem['in_use_heap_bytes'] / MiB:.0f} MiB heap"
+        if sr.retained_bytes is not None:
+            line += f" (resident anon - in use = retained {sr.retained_bytes / MiB:.0f} MiB)"
     if mem.get("top"):
         top = mem["top"][0]
         callers = [f for f in top["stack"][1:] if not f.startswith("[")]
@@ -315,7 +336,7 @@ def render_table(report: BenchReport) -> str:
                 lines.append("  ".join("-" * w for w in widths).rstrip())
         for name, sr in mr.strategies.items():
             if sr.memray_run and sr.memray_run.memray:
-                lines.append(_memray_line(name, sr.memray_run.memray))
+                lines.append(_memray_line(name, sr))
         blocks.append("\n".join(lines))
     legend = (
         "peak: VmHWM over creation and first run (+helpers); steady: RSS after the first run; "
