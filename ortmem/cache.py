@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -26,6 +27,8 @@ from typing import Any, Callable, Iterator, Optional
 import platformdirs
 
 from .errors import CacheError
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.onnx"
@@ -111,8 +114,13 @@ class Cache:
         problem = self.verify(e)
         if problem is None:
             return e
-        self._discard(e.path, reason=problem)
+        log.info("ortmem: cache entry %s is unusable (%s); rebuilding", e.path, problem)
+        self._discard(e.path)
         return None
+
+    def discard(self, e: Entry) -> None:
+        """Remove an entry (a reader that already opened its files keeps them)."""
+        self._discard(e.path)
 
     def verify(self, e: Entry) -> Optional[str]:
         """None when the entry is whole and what its manifest says; else what is wrong."""
@@ -194,10 +202,10 @@ class Cache:
         for p in list(self.root.iterdir()):
             if p.is_dir():
                 freed += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-                self._discard(p, reason="clear")
+                self._discard(p)
         return freed
 
-    def _discard(self, path: Path, reason: str) -> None:
+    def _discard(self, path: Path) -> None:
         # Rename first so a concurrent reader never sees a half-deleted entry under the key.
         trash = self.root / f".trash-{uuid.uuid4().hex}"
         try:

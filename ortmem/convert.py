@@ -89,11 +89,13 @@ def link_sources(plan: ConversionPlan, out_dir: Path) -> dict[Path, str]:
     return links
 
 
-def cache_key(model: Model, settings: OrtSettings, extra: Optional[Mapping[str, Any]] = None) -> str:
-    sources = sorted({str(w.file) for w in model.weights} | {str(model.path.resolve())})
+def cache_key(model_path: Path, settings: OrtSettings, extra: Optional[Mapping[str, Any]] = None) -> str:
+    """The key of a model's conversion: the .onnx file's identity, the options the result depends
+    on, and the versions that shape it. External data files are checked at lookup (their identities
+    are in the manifest), so a warm start finds its entry without parsing the model at all."""
     return make_key({
         "what": "dq-matmulnbits",
-        "sources": [file_identity(Path(s)) for s in sources],
+        "model": file_identity(Path(model_path)),
         "settings": {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
                      "disabled": sorted(settings.disabled_optimizers)},
         "ortmem": __version__,
@@ -103,6 +105,26 @@ def cache_key(model: Model, settings: OrtSettings, extra: Optional[Mapping[str, 
     })
 
 
+def _source_identities(model: Model) -> list[dict[str, Any]]:
+    return [file_identity(Path(f)) for f in sorted({str(w.file) for w in model.weights} | {str(model.path.resolve())})]
+
+
+def lookup_converted(cache: Cache, model_path: Path, settings: OrtSettings) -> Optional[Entry]:
+    """A verified entry for this model and these settings whose sources are unchanged, or None."""
+    entry = cache.lookup(cache_key(model_path, settings))
+    if entry is None:
+        return None
+    try:
+        recorded = entry.manifest().get("sources", [])
+        current = [file_identity(Path(s["path"])) for s in recorded]
+    except (OSError, KeyError, TypeError, ValueError):
+        current = None
+    if not recorded or current != recorded:  # an external data file was edited or replaced
+        cache.discard(entry)
+        return None
+    return entry
+
+
 def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progress: Optional[Progress] = None,
                    ) -> tuple[Optional[Entry], bool, Optional[ConversionReport]]:
     """(entry, hit, report): the cached conversion of ``model``, built if missing.
@@ -110,8 +132,7 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
     Returns ``(None, False, None)`` when nothing in the model is convertible: the caller then hands
     the original model to ORT.
     """
-    key = cache_key(model, settings)
-    hit = cache.lookup(key)
+    hit = lookup_converted(cache, model.path, settings)
     if hit is not None:
         return hit, True, None
     plan = plan_conversion(model, settings)
@@ -123,9 +144,10 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
         report = write_converted(model, plan, tmp, progress=progress, link=True)
         reports.append(report)
         spans = [(t.offset, t.nbytes) for t in _all_out(plan) if t.nbytes and t.location is None]
-        return {"spans": spans, "source": str(model.path), "report": report.summary()}
+        return {"spans": spans, "source": str(model.path), "sources": _source_identities(model),
+                "report": report.summary()}
 
-    entry = cache.build(key, build)
+    entry = cache.build(cache_key(model.path, settings), build)
     return entry, False, reports[0] if reports else None
 
 

@@ -27,7 +27,7 @@ from typing import Optional, Union
 import onnx
 
 from .cache import Cache
-from .convert import convert_cached
+from .convert import convert_cached, lookup_converted
 from .inmemory import InMemoryConversion, convert_in_memory
 from .loader import load
 from .model import Model
@@ -95,6 +95,9 @@ def prepare(model: ModelInput, convert: Optional[ConvertOptions] = None) -> Hand
     if isinstance(model, Model):
         return _converted_or_as_is(model, convert)
     if isinstance(model, (str, os.PathLike)):
+        entry = _cache_hit(Path(model), convert)
+        if entry is not None:  # a warm start: nothing to parse but the entry, which ORT reads itself
+            return Handoff(model=str(entry.model_path))
         return _converted_or_as_is(load(model), convert)
     if isinstance(model, (bytes, bytearray, memoryview)):
         return _spill(lambda f: f.write(model), convert)
@@ -116,7 +119,7 @@ def _converted_or_as_is(model: Model, convert: Optional[ConvertOptions]) -> Hand
         if entry is None:
             return from_model(model)
         _consume(model)
-        return from_model(load(entry.model_path))
+        return Handoff(model=str(entry.model_path))
     plan = plan_conversion(model, settings, carry_unchanged=True)
     if not plan.rewrites:
         return from_model(model)
@@ -125,6 +128,15 @@ def _converted_or_as_is(model: Model, convert: Optional[ConvertOptions]) -> Hand
                                       plan.size, memory.seconds)
     model.store.release_all()  # source pages read for conversion go back now
     return Handoff(model=memory.skeleton, config=memory.config, source=model, memory=memory)
+
+
+def _cache_hit(path: Path, convert: Optional[ConvertOptions]):
+    """The cache entry for ``path`` under the conversion options, found without loading the model."""
+    if convert is None or not convert.enabled or convert.cache is None or not path.is_file():
+        return None
+    entry = lookup_converted(convert.cache, path, convert.settings or OrtSettings())
+    convert.cache_hit = entry is not None
+    return entry
 
 
 def _has_dequantize(model: Model) -> bool:

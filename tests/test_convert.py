@@ -184,6 +184,17 @@ def test_edited_source_is_a_miss(tmp_path):
     assert not ortmem.InferenceSession(path, cache=cache_dir).ortmem_cache_hit
 
 
+def test_edited_external_data_is_a_miss(tmp_path):
+    path = _model(tmp_path, storage="external")
+    cache_dir = tmp_path / "cache"
+    ortmem.InferenceSession(path, cache=cache_dir)
+    assert ortmem.InferenceSession(path, cache=cache_dir).ortmem_cache_hit
+    data = path.with_name(path.name + ".data")
+    os.utime(data, ns=(2, 2))
+    again = ortmem.InferenceSession(path, cache=cache_dir)
+    assert not again.ortmem_cache_hit and again.ortmem_report is not None
+
+
 @pytest.mark.parametrize("damage", ["truncate", "scribble", "manifest", "model"])
 def test_corrupt_entry_is_rebuilt(tmp_path, damage):
     path = _model(tmp_path, storage="external")

@@ -122,11 +122,49 @@ def infer_shapes(skeleton: onnx.ModelProto, root: og.OrtGraph, dims: Mapping[str
                     d.dim_value = v
                 else:
                     symbols.add(d.dim_param)
-    m = _infer_with_contrib(m)
     shapes = Shapes(unresolved_symbols=symbols)
     by_path = {g.path: g for g in og.walk(root)}
-    _collect(m.graph, root, shapes, by_path)
+    _collect(_infer_with_contrib(m).graph, root, shapes, by_path)
+    sym = _symbolic(m)
+    if sym is not None:  # ORT's own inference follows Shape->Gather->Concat chains much further
+        _collect(sym.graph, root, shapes, by_path)
     return shapes
+
+
+def _symbolic(m: onnx.ModelProto) -> onnx.ModelProto | None:
+    """``onnxruntime.tools.symbolic_shape_infer`` (shipped with onnxruntime; knows com.microsoft ops and
+    evaluates shape arithmetic), on a copy whose external initializers are declared as graph inputs of
+    their shape: the tool would otherwise try to read their bytes."""
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    except Exception:  # noqa: BLE001 - an onnxruntime without its tools
+        return None
+    c = onnx.ModelProto()
+    c.CopyFrom(m)
+    _externals_as_inputs(c.graph)
+    try:
+        return SymbolicShapeInference.infer_shapes(c, auto_merge=True, guess_output_rank=False)
+    except Exception:  # noqa: BLE001 - it gives up on some graphs (optional Loop inputs, unknown ops)
+        return None
+
+
+def _externals_as_inputs(g: onnx.GraphProto) -> None:
+    keep, moved = [], []
+    for t in g.initializer:
+        if t.data_location == TensorProto.EXTERNAL:
+            moved.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+        else:
+            keep.append(t)
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    names = {i.name for i in g.input}
+    g.input.extend(v for v in moved if v.name not in names)
+    for n in g.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                _externals_as_inputs(a.g)
+            for sg in a.graphs:
+                _externals_as_inputs(sg)
 
 
 def _infer(m: onnx.ModelProto) -> onnx.ModelProto:
@@ -157,11 +195,10 @@ def _infer_with_contrib(m: onnx.ModelProto, max_rounds: int = 64) -> onnx.ModelP
                     continue
                 dims = [*sa.dims[:-1], _attr_int(node, "N")]
                 vi = onnx.helper.make_tensor_value_info(out, sa.elem_type, dims)
-                for lst in (graph.value_info, graph.output):
-                    for j, old in enumerate(lst):
-                        if old.name == out:
-                            lst[j].CopyFrom(vi) if lst is graph.output else None
-                if out not in {v.name for v in graph.output}:
+                outputs = [o for o in graph.output if o.name == out]
+                if outputs:
+                    outputs[0].CopyFrom(vi)
+                else:
                     graph.value_info.append(vi)
                 added += 1
         if not added:

@@ -85,7 +85,9 @@ OFFLOAD_DEVICES = frozenset({"cpu", "disk"})
 #: Up to this many placeable modules the exact search runs (seeded by the heuristic).
 EXACT_MAX_MODULES = 400
 #: Expansion budget of the exact search (about 1-2 s of CPU on one core).
-EXACT_BUDGET = 200_000
+EXACT_BUDGET = 100_000
+#: Budget of each feasibility search behind PlanError's per-device minimum.
+_FEASIBILITY_BUDGET = 20_000
 #: In heuristic mode, how many reservation candidates are solved after the first feasible one.
 _HEURISTIC_RESERVE_TRIES = 8
 #: Beam of the sequence heuristic: up to _BEAM plans per state, fewer on large models.
@@ -432,6 +434,33 @@ def _atoms(tree: _Tree) -> list[int]:
     return [tree.starts[p][-1] for p in range(tree.n_positions)]
 
 
+def _refill_from(tree: _Tree, lim: _Limits, plan: _Plan, j: int, fine: bool) -> _Plan | None:
+    """Keep ``plan`` on devices before ``j`` and fill devices ``j..`` again from what is left.
+
+    The best plan for device 0 often comes from the sequence heuristic, whose later devices are
+    filled myopically; re-filling them greedily keeps the first devices' bytes and fills the rest.
+    """
+    n = len(lim.caps)
+    kept = [(v, d) for v, d in plan.entries if d < j]
+    rest = [v for v, d in plan.entries if d >= j]
+    if fine:
+        rest = [a for v in rest for a in _atoms_under(tree, v)]
+    pool = rest
+    entries = list(kept)
+    for d in range(j, n):
+        if not pool:
+            break
+        taken, pool = _fill_device(tree, pool, lim.caps[d], lim.item[d])
+        entries.extend((v, d) for v in taken)
+    if pool:
+        return None
+    return _plan_from(entries, tree, n)
+
+
+def _atoms_under(tree: _Tree, v: int) -> list[int]:
+    return [tree.starts[p][-1] for p in range(tree.first[v], tree.end[v])]
+
+
 def _greedy_by_device(tree: _Tree, lim: _Limits, fine: bool) -> _Plan | None:
     """Heuristic 1 (order-free): fill device 0, then device 1 with what is left, and so on.
 
@@ -572,6 +601,10 @@ def _heuristic(tree: _Tree, lim: _Limits) -> _Plan | None:
         greedy = _greedy_by_device(tree, lim, fine)
         if greedy is not None and (lim.max_switches is None or greedy.switches <= lim.max_switches):
             best = _better(best, greedy)
+    if best is not None and lim.max_switches is None:
+        for j in range(1, len(lim.caps) - 1):
+            for fine in (True, False):
+                best = _better(best, _refill_from(tree, lim, best, j, fine))
     return best
 
 
@@ -581,6 +614,13 @@ def _heuristic(tree: _Tree, lim: _Limits) -> _Plan | None:
 
 class _Stop(Exception):
     pass
+
+
+class _Budget:
+    """Expansions the exact search may still spend, shared by every reservation candidate."""
+
+    def __init__(self, left: int = EXACT_BUDGET):
+        self.left = left
 
 
 class _FillBound:
@@ -667,9 +707,9 @@ def _gcd_caps(tree: _Tree, caps: Sequence[int]) -> tuple[int, ...]:
     return tuple(c // g * g for c in caps)
 
 
-def _exact(tree: _Tree, lim: _Limits, incumbent: _Plan | None, budget: int = EXACT_BUDGET,
+def _exact(tree: _Tree, lim: _Limits, incumbent: _Plan | None, budget: _Budget,
            first_only: bool = False) -> tuple[_Plan | None, bool]:
-    """Best plan and whether it is proved optimal (False only if ``budget`` expansions ran out)."""
+    """Best plan and whether its bytes are proved optimal (False only if the budget ran out)."""
     n = len(lim.caps)
     npos = tree.n_positions
     caps = _gcd_caps(tree, lim.caps)
@@ -684,10 +724,16 @@ def _exact(tree: _Tree, lim: _Limits, incumbent: _Plan | None, budget: int = EXA
         rest = mincost[p]
         out = []
         room = 0
+        each = 0  # sum of what each device alone could take: devices are filled separately
         past = sum(loads[1:])
         for j in range(n - 1):
-            room += caps[j] - loads[j]
-            got = fill.max_fill(p, room) if fill is not None else room
+            r = caps[j] - loads[j]
+            room += r
+            if fill is not None:
+                each += fill.max_fill(p, r)
+                got = min(fill.max_fill(p, room), each)
+            else:
+                got = room
             over = rest - got
             out.append(past + (over if over > 0 else 0))
             past -= loads[j + 1]
@@ -699,9 +745,13 @@ def _exact(tree: _Tree, lim: _Limits, incumbent: _Plan | None, budget: int = EXA
     best: list = [incumbent, incumbent.key if incumbent is not None else None]
     if incumbent is not None and (first_only or best[1][: n - 1] <= root):
         return incumbent, True
+    # Without a switch bound the current device only matters for the tie-breaks: leave it out of
+    # the memo key, which makes all orders of equal loads one state.
+    track_cur = max_sw is not None
     memo: dict[tuple, tuple[int, int]] = {}
     path: list[tuple[int, int]] = []
-    expanded = [0]
+    if budget.left <= 0:
+        return incumbent, False
 
     def visit(p: int, loads: tuple[int, ...], cur: int, sw: int, items: int) -> None:
         if p == npos:
@@ -712,7 +762,7 @@ def _exact(tree: _Tree, lim: _Limits, incumbent: _Plan | None, budget: int = EXA
                 if first_only or k[: n - 1] <= root:
                     raise _Stop
             return
-        mk = (p, loads, cur)
+        mk = (p, loads, cur) if track_cur else (p, loads)
         seen = memo.get(mk)
         if seen is not None and seen <= (sw, items):
             return
@@ -723,8 +773,8 @@ def _exact(tree: _Tree, lim: _Limits, incumbent: _Plan | None, budget: int = EXA
             return
         if best[1] is not None and bound(p, loads, sw, items) >= best[1]:
             return
-        expanded[0] += 1
-        if expanded[0] > budget:
+        budget.left -= 1
+        if budget.left < 0:
             raise _Stop
         for v in starts[p]:
             s = sizes[v]
@@ -746,7 +796,7 @@ def _exact(tree: _Tree, lim: _Limits, incumbent: _Plan | None, budget: int = EXA
     try:
         visit(0, (0,) * n, -1, 0, 0)
     except _Stop:
-        proved = expanded[0] <= budget
+        proved = budget.left >= 0
     finally:
         sys.setrecursionlimit(old_limit)
     return best[0], proved
@@ -766,21 +816,24 @@ class _Problem:
     exact: bool
 
 
-def _solve_fixed(prob: _Problem, lim: _Limits, first_only: bool = False) -> tuple[_Plan | None, bool]:
+def _solve_fixed(prob: _Problem, lim: _Limits, budget: _Budget, first_only: bool = False
+                 ) -> tuple[_Plan | None, bool]:
     """Heuristic plan, then (small problems) the exact search seeded with it."""
     plan = _heuristic(prob.tree, lim)
     if not prob.exact:
         return plan, False
     if first_only and plan is not None:
         return plan, True
-    return _exact(prob.tree, lim, plan, first_only=first_only)
+    return _exact(prob.tree, lim, plan, budget, first_only=first_only)
 
 
-def _solve(prob: _Problem, first_only: bool = False) -> tuple[_Plan | None, int, bool]:
+def _solve(prob: _Problem, first_only: bool = False, budget_size: int = EXACT_BUDGET
+           ) -> tuple[_Plan | None, int, bool]:
     """Best plan, the reservation it needs, and whether it is proved optimal."""
     n = len(prob.caps)
+    budget = _Budget(budget_size)
     if not any(prob.offload):
-        plan, proved = _solve_fixed(prob, _Limits(prob.caps, (_INF,) * n, prob.max_switches), first_only)
+        plan, proved = _solve_fixed(prob, _Limits(prob.caps, (_INF,) * n, prob.max_switches), budget, first_only)
         return plan, 0, proved
     tree = prob.tree
     mincost0 = tree.mincost()[0]
@@ -797,7 +850,7 @@ def _solve(prob: _Problem, first_only: bool = False) -> tuple[_Plan | None, int,
             break
         if tree.forced(r) > nonoff - r:
             continue
-        plan, proved = _solve_fixed(prob, lim, first_only)
+        plan, proved = _solve_fixed(prob, lim, budget, first_only)
         proved_all &= proved
         if plan is not None and (best is None or plan.key < best.key):
             best, best_r = plan, r
@@ -871,7 +924,7 @@ def _needed(prob: _Problem) -> dict[Hashable, int | None]:
         def feasible(cap: int) -> bool:
             caps = prob.caps[:j] + (cap,) + prob.caps[j + 1:]
             trial = _Problem(prob.tree, prob.devices, caps, prob.offload, prob.max_switches, prob.exact)
-            return _solve(trial, first_only=True)[0] is not None
+            return _solve(trial, first_only=True, budget_size=_FEASIBILITY_BUDGET)[0] is not None
 
         lo = prob.caps[j]  # infeasible
         hi = max(lo + 1, int(total) + max(prob.tree.sizes) + lo)

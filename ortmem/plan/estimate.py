@@ -133,6 +133,9 @@ class Calibration:
     session_fixed_bytes: int = int(7.4 * MiB)
     ortmem_fixed_bytes: int = int(8.5 * MiB)
     run_fixed_bytes: int = int(2.4 * MiB)
+    #: share of (DQ-fusion sources + dropped embedded originals) glibc keeps beyond what the heap model
+    #: explains, without hygiene (fitted on the calibration models; see docs/estimator.md)
+    retention_fraction: float = 0.0
     source: str = "defaults"
 
     @classmethod
@@ -142,8 +145,8 @@ class Calibration:
         except (OSError, ValueError):
             return cls()
         c = data.get("constants", {})
-        return cls(**{k: int(v) for k, v in c.items() if k in cls.__dataclass_fields__ and k != "source"},
-                   source=str(path))
+        return cls(**{k: (float(v) if k == "retention_fraction" else int(v)) for k, v in c.items()
+                      if k in cls.__dataclass_fields__ and k != "source"}, source=str(path))
 
 
 # ------------------------------------------------------------------------------- settings
@@ -262,6 +265,7 @@ class _Plan:
     fused: dict[int, tuple[int, int, int, int, int]] = field(default_factory=dict)  # MatMul id -> K,N,bits,block,acc
     kernel_order: list[og.OrtNode] = field(default_factory=list)  # the order kernels are created and pre-pack
     qdq_users: dict[tuple[str, str], list[tuple[og.OrtNode, int]]] = field(default_factory=dict)
+    largest_pack_source: int = 0
 
 
 def _attr(node: onnx.NodeProto, name: str, default=None):
@@ -442,8 +446,10 @@ def _plan(root: og.OrtGraph, skeleton: onnx.ModelProto, shapes: act.Shapes, st: 
         packed_nbits[nid] = st.prepacking and nbits_packed_bytes(N, K, bits, blk, acc) is not None
     removed = set(folded_nodes) | fused_dq
     kernel_order = [n for g in og.walk(root) for n in g.nodes if id(n) not in removed]
+    largest = max([w.nbytes for w in ws.values() if w.packs and not w.dropped_by]
+                  + [nw.nbytes for nw in new if nw.packs] + [0])
     return _Plan(ws, new, folds, qdq, nchwc, notes, packed_nbits, frozenset(removed), fused_consumers,
-                 kernel_order, qdq_users)
+                 kernel_order, qdq_users, largest)
 
 
 def _locate(root: og.OrtGraph, c) -> tuple[og.OrtGraph | None, og.OrtNode | None]:
@@ -515,6 +521,18 @@ class _Sim:
     in_use: dict[str, int]
 
 
+def _new_initializer(h: Heap, nw: _New, label: str):
+    """A tensor an optimizer creates: computed into an ``Initializer``, serialized into a TensorProto
+    (``Initializer::ToProto``, a copy) for ``Graph::AddInitializedTensor``, which converts it into an
+    OrtValue (another copy); the first two are freed. Three buffers, one kept."""
+    work = h.alloc(nw.nbytes, f"Initializer {nw.key[1]}")
+    proto = h.alloc(nw.nbytes, f"TensorProto {nw.key[1]}")
+    h.free(work)
+    kept = h.alloc(nw.nbytes, label)
+    h.free(proto)
+    return kept
+
+
 def _simulate(plan: _Plan, *, dynamic: bool, all_external: bool, activation_peak: int, run_touch: int) -> _Sim:
     """Replay session creation's allocations (and one run) through the glibc model."""
     h = Heap(dynamic=dynamic)
@@ -552,7 +570,7 @@ def _simulate(plan: _Plan, *, dynamic: bool, all_external: bool, activation_peak
     for nw in plan.folds:
         copies = [h.alloc(ws[s].nbytes if s in ws else 0, "constant folding copy") for s in nw.sources
                   if (s in ws and ws[s].nbytes >= 1024)]
-        new_blocks[nw.key] = h.alloc(nw.nbytes, f"folded {nw.key[1]}")
+        new_blocks[nw.key] = _new_initializer(h, nw, f"folded {nw.key[1]}")
         for c in copies:
             h.free(c)
     for k in [nw.key for nw in plan.folds if nw.by == "fold-transient"]:
@@ -565,15 +583,9 @@ def _simulate(plan: _Plan, *, dynamic: bool, all_external: bool, activation_peak
         for b_new, s_new, z_new, srcs in plan.qdq:
             outs = [nw for nw in (b_new, s_new, z_new) if nw is not None]
             copies = [h.alloc(ws[s].nbytes, "DQ fusion Initializer copy") for s in srcs]
-            inits = [h.alloc(nw.nbytes, f"transposed {nw.key[1]}") for nw in outs]
-            for c in copies:
-                h.free(c)
-            protos = [h.alloc(nw.nbytes, f"TensorProto of {nw.key[1]}") for nw in outs]
-            for c in inits:
-                h.free(c)
             for nw in outs:
-                new_blocks[nw.key] = h.alloc(nw.nbytes, f"fused {nw.key[1]}")
-            for c in protos:
+                new_blocks[nw.key] = _new_initializer(h, nw, f"fused {nw.key[1]}")
+            for c in copies:
                 h.free(c)
         for w in ws.values():
             if w.dropped_by == "qdq":
@@ -582,7 +594,7 @@ def _simulate(plan: _Plan, *, dynamic: bool, all_external: bool, activation_peak
     copies = []
     for nw in plan.nchwc:
         copies.append(h.alloc(sum(ws[s].nbytes for s in nw.sources), "NCHWc Initializer copy"))
-        new_blocks[nw.key] = h.alloc(nw.nbytes, f"reordered {nw.key[1]}")
+        new_blocks[nw.key] = _new_initializer(h, nw, f"reordered {nw.key[1]}")
     for c in copies:
         h.free(c)
     for w in ws.values():
@@ -663,6 +675,22 @@ def _simulate(plan: _Plan, *, dynamic: bool, all_external: bool, activation_peak
         "activations": activation_peak,
     }
     return _Sim(after_rss, after_in_use, peak_rss, peak_in_use, peak_at, steady_rss, steady_in_use, in_use)
+
+
+def retention_basis(plan: _Plan, all_external: bool) -> int:
+    """Bytes whose release glibc keeps beyond the heap model (calibrated by ``retention_fraction``):
+    the sources ORT's DQ fusion copies and drops, and embedded originals dropped after folding,
+    fusion, NCHWc or pre-packing. ortmem's path has neither (converted ahead, nothing embedded)."""
+    if all_external:
+        return 0
+    fused = {s for _, _, _, srcs in plan.qdq for s in srcs}
+    total = sum(plan.weights[s].nbytes for s in fused)
+    for w in plan.weights.values():
+        if w.key in fused or w.storage != "embedded" or w.nbytes <= ORT_INLINE_MAX:
+            continue
+        if w.dropped_by or (w.packs and not w.outer_use and len(w.packs) == len(w.uses)):
+            total += w.nbytes
+    return total
 
 
 def _run_touch(plan: _Plan, shapes: act.Shapes, root: og.OrtGraph, all_external: bool) -> int:
@@ -806,7 +834,10 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
         base = cal.baseline_bytes + cal.session_fixed_bytes + fixed
         no = _simulate(plan, dynamic=True, all_external=all_external, activation_peak=act_peak, run_touch=touch)
         yes = _simulate(plan, dynamic=False, all_external=all_external, activation_peak=act_peak, run_touch=touch)
-        peak_no = base + max(no.peak_rss, no.steady_rss - act_peak)
+        kept = int(cal.retention_fraction * retention_basis(plan, all_external))
+        no.after_create_rss += kept
+        no.steady_rss += kept
+        peak_no = base + max(no.peak_rss, no.after_create_rss + plan.largest_pack_source)
         peak_yes = base + yes.peak_in_use
         steady_no = base + cal.run_fixed_bytes + no.steady_rss
         steady_yes = base + cal.run_fixed_bytes + yes.steady_rss
@@ -835,6 +866,7 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
         "folded_new_bytes": sum(nw.nbytes for nw in plan.folds if nw.by == "fold"),
         "nchwc_new_bytes": sum(nw.nbytes for nw in plan.nchwc),
         "packed_bytes": ort_side.in_use.get("packed_weights", 0),
+        "retention_basis_bytes": retention_basis(plan, False),
     }
     notes = list(plan.notes)
     if st.level >= 1:

@@ -136,6 +136,7 @@ def _session_options(base, *, profile_prefix: str | None = None, stats_file: str
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    so.log_severity_level = 3  # the optimized-model save warns about NCHWc on every call
     if base is not None:
         so.graph_optimization_level = base.graph_optimization_level
         so.execution_order = base.execution_order
@@ -231,33 +232,37 @@ def _arena_peak(events: list[dict]) -> int | None:
 
 
 def _liveness_peak(events: list[dict], by_label: dict[str, og.OrtNode]) -> int:
-    """Sum of outputs alive at each node (from ``output_size``), freed after their last consumer."""
-    live, peak = 0, 0
-    pos = {e["name"]: i for i, e in enumerate(events)}
+    """Bytes of tensors alive at each node, from each event's ``output_size`` and the optimized graph's
+    consumers: a value lives until its last consumer ran (graph outputs to the end); outputs of
+    aliasing kernels (Reshape, Squeeze, Unsqueeze, Flatten, Identity) share their input's bytes."""
+    from .activations import ALIAS_OPS
+
     last: dict[str, int] = {}
+    for i, e in enumerate(events):
+        node = by_label.get(e["name"])
+        if node is not None:
+            for v in [*node.inputs, *node.implicit_inputs]:
+                last[v] = i
+    live, peak = 0, 0
     sizes: dict[str, int] = {}
     for i, e in enumerate(events):
         node = by_label.get(e["name"])
-        if node is None:
-            continue
-        for v in [*node.inputs, *node.implicit_inputs]:
-            last[v] = i
-    for i, e in enumerate(events):
-        node = by_label.get(e["name"])
         out = _int(e["args"], "output_size") or 0
-        live += out
-        peak = max(peak, live)
         if node is None:
+            peak = max(peak, live + out)
             continue
         outs = [o for o in node.outputs if o]
+        if node.op_type in ALIAS_OPS and node.domain in ("", "ai.onnx"):
+            out = 0
         for o in outs:
             sizes[o] = out // max(len(outs), 1)
             if o in node.graph.outputs:
                 last[o] = len(events)
+        live += out
+        peak = max(peak, live)
         for v in list(sizes):
             if last.get(v, i) <= i:
                 live -= sizes.pop(v)
-    del pos
     return peak
 
 

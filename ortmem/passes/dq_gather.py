@@ -1,0 +1,254 @@
+"""DequantizeLinear -> Gather into com.microsoft GatherBlockQuantized: the conversion half.
+
+ONNX Runtime has no DQ+Gather fusion (``docs/ort-fusion-rules.md`` section 9, measured at
+``ORT_ENABLE_ALL``), so a quantized embedding table is dequantized *in full* into a V x D float
+buffer on every run, to read a handful of rows. ``GatherBlockQuantized``
+(``onnxruntime/contrib_ops/cpu/quantization/gather_block_quantized.cc``) dequantizes only the rows it
+gathers. Which pairs qualify, and what to do with scales and zero points, is decided by
+:func:`ortmem.passes.dq_matmul_match.dq_gather_match`; this module turns its candidates into parts
+of the one :class:`~ortmem.passes.dq_matmul.ConversionPlan`:
+
+* **The table is never copied.** The kernel reads ``data`` in the DQ weight's own layout, so the GBQ
+  reads the DQ weight initializer itself. It stays a *carried* tensor: in a cache entry it stays in
+  the hard-linked source file, in memory it is borrowed from the source mapping, and only
+  ``ortmem convert`` (which must not depend on the source) copies it, file to file in the kernel.
+  A uint2 table becomes uint8 with ``bits=2`` (same bytes, dims ``[V, D/4]``): that is an
+  :class:`Alias`, a second initializer over the same bytes, not a copy.
+* **Scales and zero points** are reused as they are (``as-is``), re-dimensioned over the same bytes
+  (``reshape``: an alias), or, when their bytes must change (``expand`` a per-tensor scalar,
+  ``zeros`` for uint8 without a zero point, ``repack`` 2-bit zero points along rows), materialized
+  into weights.bin like any converted tensor. Those are V x ceil(D/block) elements at most: small.
+* **Nothing is pre-packed.** The CPU kernel has no ``PrePack``: it reads ``data``, ``scales`` and
+  ``zero_points`` from the initializers on every run, so none of them may ever be released after
+  session creation (``tests/test_convert.py::test_in_memory_never_releases_gbq_inputs`` proves ORT
+  reads them at run time).
+
+The rewrite is ortmem's own (ORT would not do it), so it is applied only when ORT would optimize
+the graph at all (``graph_optimization_level >= ORT_ENABLE_BASIC``). Outputs are bit-identical to
+ORT's DQ+Gather, with one documented difference: an out-of-range index yields a zero row where
+ONNX Gather fails the run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from ..dtypes import dtype_info, numel
+from ..errors import ConversionError
+from ..model import Model
+from . import nbits_layout as nb
+from .dq_matmul_match import GatherCandidate, OrtSettings, dq_gather_match
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .dq_matmul import OutTensor
+
+MS_DOMAIN = "com.microsoft"
+#: ortmem's own policy, not ORT's (ORT never does this rewrite): rewrite only when the user lets ORT
+#: optimize the graph at all. 1 = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC.
+MIN_OPTIMIZATION_LEVEL = 1
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A second initializer ``name`` over the bytes of ``source`` (as seen from ``graph_path``), with
+    another element type or dims: the bytes are shared, whatever the source's placement."""
+
+    graph_path: str
+    name: str
+    source: str
+    data_type: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class GatherRewrite:
+    """One Gather (or DQ -> Cast -> Gather) that becomes a GatherBlockQuantized.
+
+    ``data``/``scales``/``zero_points`` are the GBQ input names: an existing initializer, an
+    :class:`Alias`, or a tensor in ``made``. ``made`` holds the tensors this rewrite materializes
+    into weights.bin (a tensor shared by two Gathers of the same DQ is owned by the first);
+    ``reads`` lists the existing initializers whose bytes the GBQ keeps reading (never released).
+    """
+
+    candidate: GatherCandidate
+    data: str
+    scales: str
+    zero_points: Optional[str]
+    aliases: list[Alias] = field(default_factory=list)
+    made: list[tuple[str, "OutTensor"]] = field(default_factory=list)  # ("scales"|"zero_points", tensor)
+    reads: list[str] = field(default_factory=list)
+
+    @property
+    def made_bytes(self) -> int:
+        return sum(t.nbytes for _, t in self.made)
+
+    def out_tensors(self) -> list["OutTensor"]:
+        return [t for _, t in self.made]
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def gathers_enabled(settings: OrtSettings) -> bool:
+    return int(settings.graph_optimization_level) >= MIN_OPTIMIZATION_LEVEL
+
+
+def plan_gathers(model: Model, settings: OrtSettings, fresh: Callable[[str], str],
+                 skipped: list[tuple[str, str]]) -> list[GatherRewrite]:
+    """GatherRewrites for every DQ -> Gather that GatherBlockQuantized can express.
+
+    ``fresh(base)`` returns an unused tensor name; rejections (the matcher's, and inputs whose bytes
+    cannot be read) are appended to ``skipped`` as ``(node, reason)``.
+    """
+    from .dq_matmul import _source
+    if not gathers_enabled(settings):
+        return []
+    result = dq_gather_match(model.skeleton)
+    skipped += [(f"{r.node} -> {r.consumer}", f"not GatherBlockQuantized: {r.reason}") for r in result.rejected]
+    rewrites: list[GatherRewrite] = []
+    shared: dict[tuple, str] = {}  # (graph, dq index, role) / alias key -> tensor name
+    for c in result.candidates:
+        try:
+            for name in (c.weight, c.scale, c.zero_point):
+                if name:
+                    _source(model, c.graph_path, name)  # every input must be readable (external or raw)
+            rewrites.append(_plan_one(model, c, fresh, shared))
+        except ConversionError as e:
+            skipped.append((f"{c.dq_node} -> {c.node}", f"not GatherBlockQuantized: {e}"))
+    return rewrites
+
+
+def _plan_one(model: Model, c: GatherCandidate, fresh: Callable[[str], str], shared: dict[tuple, str]) -> GatherRewrite:
+    from .dq_matmul import OutTensor, _find_initializer  # (imported here: dq_matmul imports this module)
+
+    r = GatherRewrite(c, c.weight, c.scale, c.zero_point)
+
+    def alias(src: str, data_type: int, shape: tuple[int, ...], suffix: str) -> str:
+        key = ("alias", c.graph_path, src, data_type, shape)
+        if key not in shared:
+            shared[key] = fresh(f"{src}_{suffix}")
+            r.aliases.append(Alias(c.graph_path, shared[key], src, data_type, shape))
+        r.reads.append(src)
+        return shared[key]
+
+    def made(role: str, base: str, data_type: int, shape: tuple[int, ...], nbytes: int) -> str:
+        key = ("made", c.graph_path, c.dq_index, role)
+        if key not in shared:
+            shared[key] = fresh(base)
+            r.made.append((role, OutTensor(shared[key], data_type, shape, nbytes)))
+        return shared[key]
+
+    V, D = (int(d) for d in _find_initializer(model, c.graph_path, c.weight)[1].dims)
+    # data: the DQ weight itself; uint2 travels as uint8 bits=2 over the same bytes, [V, D/4]
+    if c.data_dtype == c.weight_dtype:
+        r.reads.append(c.weight)
+    else:
+        r.data = alias(c.weight, c.data_dtype, (V, D * c.bits // 8), "u8")
+    # scales
+    s_info = dtype_info(c.scale_dtype)
+    if c.scale_action == "as-is":
+        r.reads.append(c.scale)
+    elif c.scale_action == "reshape":
+        r.scales = alias(c.scale, c.scale_dtype, c.scales_shape, "gbq")
+    else:  # expand: a per-tensor scalar broadcast to [V, 1]
+        r.scales = made("scales", f"{c.scale}_gbq", c.scale_dtype, c.scales_shape,
+                        numel(c.scales_shape) * s_info.numpy.itemsize)
+    # zero points
+    zp_type, zp_shape, zp_bytes = _zp_layout(c)
+    if c.zp_action == "none":
+        r.zero_points = None
+    elif c.zp_action == "as-is":
+        r.reads.append(c.zero_point)
+    elif c.zp_action == "reshape":
+        r.zero_points = alias(c.zero_point, zp_type, zp_shape, "gbq")
+    else:  # expand, zeros, repack: new bytes
+        base = f"{c.zero_point}_gbq" if c.zero_point else f"{c.weight}_zero_point_gbq"
+        r.zero_points = made("zero_points", base, zp_type, zp_shape, zp_bytes)
+    return r
+
+
+def _zp_layout(c: GatherCandidate) -> tuple[int, tuple[int, ...], int]:
+    """(element type, dims, bytes) of the GBQ zero-point input.
+
+    int4/uint4 data: the data's own 4-bit type, dims = scales dims, packed flat (ONNX layout).
+    uint8 data with bits=8: uint8, dims = scales dims. uint8 with bits=2: uint8, four codes a byte
+    *per row* of the last axis (``PrepareForCompute``: ``(scales_shape[i] + components - 1) /
+    components == zero_points_shape[i]`` on quantize_axis).
+    """
+    shape = tuple(c.scales_shape)
+    if c.data_dtype in (TensorProto.INT4, TensorProto.UINT4):
+        return c.data_dtype, shape, -(-numel(shape) * 4 // 8)
+    if c.bits == 8:
+        return TensorProto.UINT8, shape, numel(shape)
+    per = 8 // c.bits
+    packed = shape[:-1] + (-(-shape[-1] // per),)
+    return TensorProto.UINT8, packed, numel(packed)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def convert_gather(model: Model, r: GatherRewrite, sink) -> None:
+    """Materialize ``r.made`` (expanded scales, explicit or repacked zero points) through ``sink``."""
+    from .dq_matmul import _source
+
+    if not r.made:
+        return
+    c = r.candidate
+    outs = [t for _, t in r.made]
+    dtypes = [dtype_info(t.data_type).numpy if role == "scales" else np.uint8 for role, t in r.made]
+    with sink:
+        views = sink.views(outs, dtypes)
+        for (role, t), view in zip(r.made, views):
+            flat = view.reshape(-1)
+            if role == "scales":
+                s = _source(model, c.graph_path, c.scale).view(dtype_info(c.scale_dtype).numpy)
+                flat[:] = s[0]
+            else:
+                flat[:] = _zero_point_bytes(c, _source(model, c.graph_path, c.zero_point) if c.zero_point else None)
+        sink.commit(outs, views)
+
+
+def _zero_point_bytes(c: GatherCandidate, raw: Optional[np.ndarray]) -> np.ndarray:
+    """The GBQ zero-point bytes for ``expand``/``zeros``/``repack``: logical codes (raw bit patterns,
+    no sign interpretation needed) laid out as :func:`_zp_layout` says."""
+    shape = tuple(c.scales_shape)
+    n = numel(shape)
+    w_bits = dtype_info(c.weight_dtype).bits
+    if c.zp_action == "zeros":
+        codes = np.zeros(n, np.uint8)
+    else:
+        assert raw is not None
+        count = 1 if c.zp_action == "expand" else n
+        codes = nb.unpack_codes(raw, count, w_bits) if w_bits < 8 else raw[:count].copy()
+        if c.zp_action == "expand":
+            codes = np.full(n, codes[0], np.uint8)
+    if c.data_dtype in (TensorProto.INT4, TensorProto.UINT4) or c.bits == 8:
+        return nb.pack_codes(codes, c.bits) if c.bits < 8 else codes
+    # uint8 data with bits=2 (or 4): pack each row of the last axis on its own, padding the row
+    rows = codes.reshape(-1, shape[-1])
+    per = 8 // c.bits
+    padded = np.zeros((rows.shape[0], -(-shape[-1] // per) * per), np.uint8)
+    padded[:, : shape[-1]] = rows
+    return nb.pack_codes(padded, c.bits)
+
+
+# ----------------------------------------------------------------------------- the new graph
+
+
+def gbq_nodes(r: GatherRewrite, fresh_output: Callable[[str], str]) -> list:
+    """The node(s) that replace the Gather: GBQ, then the moved Cast for the DQ -> Cast -> Gather form."""
+    c = r.candidate
+    inputs = [r.data, c.indices, r.scales] + ([r.zero_points] if r.zero_points else [])
+    out = fresh_output(f"{c.output}_gbq") if c.cast else c.output
+    nodes = [helper.make_node("GatherBlockQuantized", inputs, [out], name=c.node, domain=MS_DOMAIN,
+                              gather_axis=c.gather_axis, quantize_axis=c.quantize_axis,
+                              block_size=c.block_size, bits=c.bits)]
+    if c.cast:
+        # the fp16 rows are gathered first, then cast: Cast(fp16 -> fp32) is exact, so casting the
+        # gathered rows equals gathering the cast table
+        nodes.append(helper.make_node("Cast", [out], [c.output], name=f"{c.node}/Cast", to=int(c.cast_to)))
+    return nodes
