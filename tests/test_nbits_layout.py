@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ortmem.errors import ConversionError, TensorShapeError
 from ortmem.passes import nbits_layout as nl
+from ortmem.passes.dq_matmul_match import effective_block_size
 
 WTYPES = {  # name: (onnx type, bits, signed)
     "int2": (TensorProto.INT2, 2, True),
@@ -225,9 +226,9 @@ def test_shapes_and_errors():
         nl.convert_dq_weights(w, np.ones((4, 10), np.float32), None, K=100, N=10, bits=4, signed=True,
                               block_size=32, out_B=np.empty(shp.B, np.uint8), out_scales=np.empty((10, 4), np.float32),
                               out_zero_points=np.empty((10, 2), np.uint8))
-    assert nl.effective_block_size(4096) == 32
-    assert nl.effective_block_size(100, -1) == 16 and nl.effective_block_size(4096, -1) == 256
-    assert nl.effective_block_size(4096, 128) == 128
+    assert effective_block_size(0, 4096) == 32
+    assert effective_block_size(-1, 100) == 16 and effective_block_size(-1, 4096) == 256
+    assert effective_block_size(128, 4096) == 128
 
 
 # ------------------------------------------------------------------------- ORT fusion: same bytes
@@ -285,7 +286,7 @@ def test_per_tensor_and_per_channel_expansion_matches_ort(wname, per_channel, zp
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 3, N])], inits)
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR)
     node, got = _ort_fused_initializers(model, tmp_path)
-    bs = nl.effective_block_size(K)
+    bs = effective_block_size(0, K)
     assert {a.name: helper.get_attribute_value(a) for a in node.attribute}["block_size"] == bs == 32
     s2, z2 = nl.expand_to_blocks(s, zb if zp else None, K, N, bits, bs)
     mine = nl.dq_to_matmulnbits(w, s2, z2, K=K, N=N, bits=bits, signed=signed, block_size=bs)

@@ -41,7 +41,7 @@ signed 2-bit pads with 0.
 
 Per-tensor and per-channel DQ weights are expanded to blocks first (:func:`expand_to_blocks`), as
 ``TransposeDQWeightsForMatMulNBits`` does, with the block size from
-``session.qdq_matmulnbits_block_size`` (:func:`effective_block_size`).
+``session.qdq_matmulnbits_block_size`` (:func:`ortmem.passes.dq_matmul_match.effective_block_size`).
 
 Speed
 -----
@@ -77,7 +77,6 @@ __all__ = [
     "NBitsShapes",
     "MatMulNBitsWeights",
     "matmulnbits_shapes",
-    "effective_block_size",
     "pack_codes",
     "unpack_codes",
     "pack_B",
@@ -156,30 +155,6 @@ def matmulnbits_shapes(K: int, N: int, bits: int, block_size: int, has_zp: bool)
 def needs_zero_points(signed: bool, has_dq_zero_point: bool) -> bool:
     """MatMulNBits needs a zero-point input unless the weight is signed with an implicit 0 zero point."""
     return has_dq_zero_point or not signed
-
-
-def effective_block_size(K: int, session_block_size: int = 0) -> int:
-    """Block size ORT uses when it fuses a per-tensor / per-channel DQ (no ``block_size`` attribute).
-
-    Mirrors ``ComputeEffectiveBlockSize`` in qdq_actions.cc: session config
-    ``session.qdq_matmulnbits_block_size`` 0 (default) -> 32; a positive value is used as is (power of
-    two in [16, 256]); -1 -> the largest power of two <= min(K, 256) with the least tail padding.
-    """
-    if session_block_size > 0:
-        if session_block_size & (session_block_size - 1) or not 16 <= session_block_size <= 256:
-            raise ConversionError(f"qdq_matmulnbits_block_size must be a power of two in [16, 256], "
-                                  f"got {session_block_size}")
-        return session_block_size
-    if session_block_size == -1:
-        best_bs, best_pad = 16, -(-K // 16) * 16 - K
-        bs = 32
-        while bs <= min(K, 256):
-            pad = -(-K // bs) * bs - K
-            if pad <= best_pad:
-                best_bs, best_pad = bs, pad
-            bs *= 2
-        return best_bs
-    return 32
 
 
 # ------------------------------------------------------------------------------------- packing helpers
