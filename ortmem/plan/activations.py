@@ -122,6 +122,14 @@ def infer_shapes(skeleton: onnx.ModelProto, root: og.OrtGraph, dims: Mapping[str
                     d.dim_value = v
                 else:
                     symbols.add(d.dim_param)
+    for graph in _graphs(m.graph):  # the same symbol declared inside a subgraph means the same size
+        for vi in [*graph.input, *graph.output, *graph.value_info]:
+            if vi.type.HasField("tensor_type"):
+                for d in vi.type.tensor_type.shape.dim:
+                    if d.dim_param and d.dim_param in dims:
+                        v = int(dims[d.dim_param])
+                        d.Clear()
+                        d.dim_value = v
     shapes = Shapes(unresolved_symbols=symbols)
     by_path = {g.path: g for g in og.walk(root)}
     _collect(_infer_with_contrib(m).graph, root, shapes, by_path)

