@@ -6,6 +6,7 @@ The public API fits on one screen:
 - :class:`InferenceSession` is a drop-in for ``onnxruntime.InferenceSession`` that hands ORT
   external-data references instead of bytes, so ORT never copies the weights;
 - :class:`Model`, :class:`WeightRef`, :class:`WeightState` describe what was loaded;
+- :func:`estimate` predicts memory from metadata alone; :func:`stats` measures it per node;
 - :func:`allocator_hygiene` (a context manager) and :func:`trim` keep glibc from hoarding what ORT
   frees, for sessions created without ortmem;
 - :mod:`ortmem.errors` holds the exception hierarchy rooted at :class:`OrtmemError`.
@@ -17,8 +18,13 @@ from .errors import OrtmemError  # noqa: E402
 from .hygiene import allocator_hygiene, trim
 from .loader import load
 from .model import Model
+from .plan.estimate import estimate
+from .plan.stats import stats
 from .session import InferenceSession
 from .weights import WeightRef, WeightState
 
-__all__ = ["InferenceSession", "Model", "OrtmemError", "WeightRef", "WeightState", "allocator_hygiene", "load", "trim"]
+__all__ = [
+    "InferenceSession", "Model", "OrtmemError", "WeightRef", "WeightState",
+    "allocator_hygiene", "estimate", "load", "stats", "trim",
+]
 

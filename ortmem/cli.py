@@ -19,7 +19,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print("ortmem inspect: give a MODEL path or --demo", file=sys.stderr)
         return 2
     with load(path) as model:
-        ins = inspect_model(model)
+        ins = inspect_model(model, dims=dict(args.dim))
     print(ins.to_json() if args.json else render(ins))
     return 0
 
@@ -35,7 +35,31 @@ def _add_inspect(sub) -> None:
     p.add_argument("model", nargs="?", help="path to an .onnx file")
     p.add_argument("--demo", action="store_true", help="inspect the built-in synthetic int4 QDQ model (generated once)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--dim", action="append", default=[], type=_dim, metavar="NAME=VALUE",
+                   help="size of a symbolic input dimension for the estimate")
     p.set_defaults(func=_cmd_inspect)
+
+
+def _dim(text: str) -> tuple[str, int]:
+    from .plan.estimate_cli import _dim as parse
+
+    return parse(text)
+
+
+def _add_estimate(sub) -> None:
+    from .plan import estimate_cli
+
+    p = sub.add_parser("estimate", help="predict session-creation and activation memory from metadata alone")
+    estimate_cli.add_estimate_arguments(p)
+    p.set_defaults(func=estimate_cli.main_estimate)
+
+
+def _add_stats(sub) -> None:
+    from .plan import estimate_cli
+
+    p = sub.add_parser("stats", help="run the model and record per-node memory (ORT's CSV format)")
+    estimate_cli.add_stats_arguments(p)
+    p.set_defaults(func=estimate_cli.main_stats)
 
 
 def _add_bench(sub) -> None:
@@ -94,7 +118,7 @@ def _add_cache(sub) -> None:
     p.set_defaults(func=_cmd_cache)
 
 
-SUBCOMMANDS: list[Callable] = [_add_inspect, _add_convert, _add_bench, _add_cache]
+SUBCOMMANDS: list[Callable] = [_add_inspect, _add_convert, _add_bench, _add_cache, _add_estimate, _add_stats]
 
 
 def build_parser() -> argparse.ArgumentParser:

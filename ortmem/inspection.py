@@ -15,7 +15,7 @@ import onnx
 from .dtypes import byte_size, dtype_info
 from .model import Model
 from .onnx_walk import is_external, iter_graphs, iter_tensor_sites
-from .plan.first_estimate import PeakEstimate, first_estimate
+from .plan.estimate import Estimate, estimate
 
 MiB = 1 << 20
 
@@ -38,10 +38,12 @@ class Inspection:
     ops: dict[str, int]
     initializers: list[DtypeRow]
     patterns: list[dict[str, Any]] = field(default_factory=list)
-    estimate: PeakEstimate | None = None
+    estimate: Estimate | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        d = asdict(self)
+        d["estimate"] = self.estimate.to_dict() if self.estimate is not None else None
+        return json.dumps(d, indent=2, default=str)
 
 
 def _value_infos(values) -> list[dict[str, Any]]:
@@ -53,7 +55,7 @@ def _value_infos(values) -> list[dict[str, Any]]:
     return out
 
 
-def inspect_model(model: Model) -> Inspection:
+def inspect_model(model: Model, dims: dict[str, int] | None = None) -> Inspection:
     skel = model.skeleton
     init_names = {t.name for t in skel.graph.initializer}
     inputs = [v for v in skel.graph.input if v.name not in init_names]
@@ -89,7 +91,7 @@ def inspect_model(model: Model) -> Inspection:
         ops=dict(ops.most_common()),
         initializers=sorted(rows.values(), key=lambda r: -r.bytes),
         patterns=_patterns(skel),
-        estimate=first_estimate(model),
+        estimate=estimate(model, dims=dims),
     )
 
 
@@ -128,8 +130,8 @@ def render(ins: Inspection) -> str:
     if ins.estimate is not None:
         e = ins.estimate
         lines.append(
-            f"expected session-creation peak above the process baseline (first estimate): "
-            f"ORT {e.ort_peak_bytes / MiB:.0f} MiB, ortmem {e.ortmem_peak_bytes / MiB:.0f} MiB"
+            f"expected session-creation peak (estimate, process included): ORT {e.ort.session_peak_bytes / MiB:.0f} MiB, "
+            f"ortmem {e.ortmem.session_peak_bytes / MiB:.0f} MiB; steady ORT {e.ort.steady_bytes / MiB:.0f} MiB, "
+            f"ortmem {e.ortmem.steady_bytes / MiB:.0f} MiB (details: ortmem estimate)"
         )
-        lines += [f"  - {n}" for n in e.notes]
     return "\n".join(lines)
