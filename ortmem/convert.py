@@ -19,9 +19,14 @@ from . import __version__
 from .cache import MODEL_FILE, WEIGHTS_FILE, Cache, Entry, file_identity, make_key, reserve
 from .errors import ConversionError
 from .model import Model
-from .passes.dq_matmul import (ConversionPlan, ConversionReport, Progress, plan_conversion, relocate_carried,
-                               rewrite_skeleton, write_weights)
+from .passes.dq_matmul import (ConversionPlan, ConversionReport, Progress, out_tensors, plan_conversion,
+                               relocate_carried, rewrite_skeleton, write_weights)
 from .passes.dq_matmul_match import OrtSettings
+
+
+#: Bumped whenever the converted graph for the same input changes (new rewrites, different layouts),
+#: so entries written by an older conversion are never taken for hits.
+CONVERSION_FORMAT = 2
 
 
 def settings_from(sess_options: Optional[ort.SessionOptions] = None, *, accuracy_level: Optional[int] = None,
@@ -60,13 +65,7 @@ def write_converted(model: Model, plan: ConversionPlan, out_dir: Path, *, progre
     skeleton = rewrite_skeleton(model, plan, WEIGHTS_FILE)
     with open(out_dir / MODEL_FILE, "wb") as f:
         f.write(skeleton.SerializeToString())
-    return ConversionReport(
-        converted=len(plan.rewrites),
-        skipped=plan.skipped,
-        source_bytes=plan.converted_source_bytes,
-        output_bytes=plan.size,
-        seconds=time.perf_counter() - start,
-    )
+    return ConversionReport.from_plan(plan, time.perf_counter() - start)
 
 
 def link_sources(plan: ConversionPlan, out_dir: Path) -> dict[Path, str]:
@@ -95,6 +94,7 @@ def cache_key(model_path: Path, settings: OrtSettings, extra: Optional[Mapping[s
     are in the manifest), so a warm start finds its entry without parsing the model at all."""
     return make_key({
         "what": "dq-matmulnbits",
+        "format": CONVERSION_FORMAT,
         "model": file_identity(Path(model_path)),
         "settings": {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
                      "disabled": sorted(settings.disabled_optimizers)},
@@ -109,9 +109,10 @@ def _source_identities(model: Model) -> list[dict[str, Any]]:
     return [file_identity(Path(f)) for f in sorted({str(w.file) for w in model.weights} | {str(model.path.resolve())})]
 
 
-def lookup_converted(cache: Cache, model_path: Path, settings: OrtSettings) -> Optional[Entry]:
+def lookup_converted(cache: Cache, model_path: Path, settings: OrtSettings,
+                     fp16_in_fp32: Optional[bool] = None) -> Optional[Entry]:
     """A verified entry for this model and these settings whose sources are unchanged, or None."""
-    entry = cache.lookup(cache_key(model_path, settings))
+    entry = cache.lookup(cache_key(model_path, settings, {"fp16_in_fp32": fp16_in_fp32}))
     if entry is None:
         return None
     try:
@@ -126,39 +127,29 @@ def lookup_converted(cache: Cache, model_path: Path, settings: OrtSettings) -> O
 
 
 def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progress: Optional[Progress] = None,
-                   ) -> tuple[Optional[Entry], bool, Optional[ConversionReport]]:
+                   fp16_in_fp32: Optional[bool] = None) -> tuple[Optional[Entry], bool, Optional[ConversionReport]]:
     """(entry, hit, report): the cached conversion of ``model``, built if missing.
 
     Returns ``(None, False, None)`` when nothing in the model is convertible: the caller then hands
     the original model to ORT.
     """
-    hit = lookup_converted(cache, model.path, settings)
+    hit = lookup_converted(cache, model.path, settings, fp16_in_fp32)
     if hit is not None:
         return hit, True, None
-    plan = plan_conversion(model, settings)
-    if not plan.rewrites:
+    plan = plan_conversion(model, settings, fp16_in_fp32=fp16_in_fp32)
+    if not plan.has_work:
         return None, False, None
     reports: list[ConversionReport] = []
 
     def build(tmp: Path) -> dict[str, Any]:
         report = write_converted(model, plan, tmp, progress=progress, link=True)
         reports.append(report)
-        spans = [(t.offset, t.nbytes) for t in _all_out(plan) if t.nbytes and t.location is None]
+        spans = [(t.offset, t.nbytes) for t in out_tensors(plan) if t.nbytes and t.location is None]
         return {"spans": spans, "source": str(model.path), "sources": _source_identities(model),
                 "report": report.summary()}
 
-    entry = cache.build(cache_key(model.path, settings), build)
+    entry = cache.build(cache_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32}), build)
     return entry, False, reports[0] if reports else None
-
-
-def _all_out(plan: ConversionPlan):
-    for r in plan.rewrites:
-        yield r.B
-        yield r.scales
-        if r.zero_points is not None:
-            yield r.zero_points
-    for _, t in plan.copied:
-        yield t
 
 
 def convert_to(model: Model, out_dir: Path, settings: OrtSettings, *, progress: Optional[Progress] = None) -> ConversionReport:

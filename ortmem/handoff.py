@@ -86,6 +86,7 @@ class ConvertOptions:
     cache: Optional[Cache] = None  # None: a private temporary folder, removed after creation
     progress: Optional[Progress] = None
     prepacking: bool = True  # False when the user disabled ORT's pre-packing: nothing is released
+    fp16_in_fp32: Optional[bool] = None  # None: ask ORT's CPU EP; False when a GPU EP runs fp16 natively
     report: Optional[ConversionReport] = None  # filled in: what was converted (None on a cache hit)
     cache_hit: bool = False
 
@@ -114,18 +115,18 @@ def _converted_or_as_is(model: Model, convert: Optional[ConvertOptions]) -> Hand
         return from_model(model)
     settings = convert.settings or OrtSettings()
     if convert.cache is not None:
-        entry, hit, report = convert_cached(model, settings, convert.cache, progress=convert.progress)
+        entry, hit, report = convert_cached(model, settings, convert.cache, progress=convert.progress,
+                                            fp16_in_fp32=convert.fp16_in_fp32)
         convert.cache_hit, convert.report = hit, report
         if entry is None:
             return from_model(model)
         _consume(model)
         return Handoff(model=str(entry.model_path))
-    plan = plan_conversion(model, settings, carry_unchanged=True)
-    if not plan.rewrites:
+    plan = plan_conversion(model, settings, carry_unchanged=True, fp16_in_fp32=convert.fp16_in_fp32)
+    if not plan.has_work:
         return from_model(model)
     memory = convert_in_memory(model, plan, progress=convert.progress, prepacking=convert.prepacking)
-    convert.report = ConversionReport(len(plan.rewrites), plan.skipped, plan.converted_source_bytes,
-                                      plan.size, memory.seconds)
+    convert.report = ConversionReport.from_plan(plan, memory.seconds)
     model.store.release_all()  # source pages read for conversion go back now
     return Handoff(model=memory.skeleton, config=memory.config, source=model, memory=memory)
 
@@ -134,7 +135,7 @@ def _cache_hit(path: Path, convert: Optional[ConvertOptions]):
     """The cache entry for ``path`` under the conversion options, found without loading the model."""
     if convert is None or not convert.enabled or convert.cache is None or not path.is_file():
         return None
-    entry = lookup_converted(convert.cache, path, convert.settings or OrtSettings())
+    entry = lookup_converted(convert.cache, path, convert.settings or OrtSettings(), convert.fp16_in_fp32)
     convert.cache_hit = entry is not None
     return entry
 

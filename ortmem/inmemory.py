@@ -90,10 +90,17 @@ def convert_in_memory(model: Model, plan: ConversionPlan, *, progress: Optional[
         if location not in conv.sources:
             with open(ref.file, "rb") as f:
                 conv.sources[location] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    # Only MatMulNBits inputs can ever be released. GatherBlockQuantized (plan.gathers) has no PrePack
+    # (onnxruntime/contrib_ops/cpu/quantization/gather_block_quantized.cc defines Compute only): it
+    # reads data, scales and zero points from our buffers on every run, so none of its tensors --
+    # neither those materialized into `buffer` nor the carried table in a source mapping -- is listed
+    # here (tests/test_convert.py::test_in_memory_never_releases_gbq_inputs).
     if prepacking:
         for r in plan.rewrites:
             c = r.candidate
-            unread = matmulnbits_unread_inputs(c.bits, c.block_size, c.accuracy_level, c.scale_dtype,
+            # the node's own scale type: fp32 where ortmem emits an fp16 DQ's MatMulNBits in fp32, as
+            # ORT's CPU EP runs it (ortmem.passes.dq_matmul.ort_runs_fp16_matmulnbits_in_fp32)
+            unread = matmulnbits_unread_inputs(c.bits, c.block_size, c.accuracy_level, r.scales.data_type,
                                                r.zero_points is not None)
             for pos, t in ((B, r.B), (SCALES, r.scales), (ZERO_POINTS, r.zero_points)):
                 if t is not None and pos in unread:

@@ -62,6 +62,7 @@ class InferenceSession(ort.InferenceSession):
             cache=None if cache is False else Cache(None if cache is True else Path(cache)),
             progress=progress,
             prepacking=get_config(sess_options, "session.disable_prepacking") != "1" if sess_options else True,
+            fp16_in_fp32=False if _gpu_providers(providers) else None,
         )
         with allocator_hygiene() if trim else contextlib.nullcontext():
             self._ortmem_handoff = _handoff.prepare(model, options)
@@ -90,3 +91,9 @@ def _fusing_providers_only(providers: Optional[Sequence[Any]]) -> bool:
     """True when every requested provider is one for which ORT fuses DQ+MatMul itself."""
     names = [p if isinstance(p, str) else p[0] for p in (providers or ort.get_available_providers())]
     return all(n in _handoff.FUSING_PROVIDERS for n in names)
+
+
+def _gpu_providers(providers: Optional[Sequence[Any]]) -> bool:
+    """CUDA and DML run a fused fp16 MatMulNBits in fp16; the CPU EP runs it in fp32."""
+    names = [p if isinstance(p, str) else p[0] for p in (providers or ())]
+    return any(n in ("CUDAExecutionProvider", "DmlExecutionProvider") for n in names)

@@ -103,9 +103,13 @@ def plan_gathers(model: Model, settings: OrtSettings, fresh: Callable[[str], str
     ``fresh(base)`` returns an unused tensor name; rejections (the matcher's, and inputs whose bytes
     cannot be read) are appended to ``skipped`` as ``(node, reason)``.
     """
+    from ..onnx_walk import iter_graphs
     from .dq_matmul import _source
+
     if not gathers_enabled(settings):
         return []
+    if not any(n.op_type == "Gather" for _, g in iter_graphs(model.skeleton.graph) for n in g.node):
+        return []  # the matcher's shape inference is not free
     result = dq_gather_match(model.skeleton)
     skipped += [(f"{r.node} -> {r.consumer}", f"not GatherBlockQuantized: {r.reason}") for r in result.rejected]
     rewrites: list[GatherRewrite] = []
@@ -162,7 +166,8 @@ def _plan_one(model: Model, c: GatherCandidate, fresh: Callable[[str], str], sha
         r.zero_points = None
     elif c.zp_action == "as-is":
         r.reads.append(c.zero_point)
-    elif c.zp_action == "reshape":
+    elif c.zp_action == "reshape" or (c.zp_action == "repack" and c.scales_shape[-1] % (8 // c.bits) == 0):
+        # 2-bit zero points whose rows fill whole bytes: ONNX's flat packing *is* the per-row packing
         r.zero_points = alias(c.zero_point, zp_type, zp_shape, "gbq")
     else:  # expand, zeros, repack: new bytes
         base = f"{c.zero_point}_gbq" if c.zero_point else f"{c.weight}_zero_point_gbq"
