@@ -14,55 +14,82 @@
 The model
 ---------
 A *placement* is a set of modules whose leaf spans partition the model (no module together with an
-ancestor) and a device for each; the modules, read in execution order, form a sequence. A module may
-be split into its children unless it is in ``no_split``, is a leaf, or its children do not account
-for all its bytes (the remainder has no name a map could carry, so such a module is placed whole).
-Children may account for *more* than the parent (a weight shared by two children is charged to each:
-see :mod:`ortmem.plan.graph_modules`); splitting then costs bytes, which the planner sees.
+ancestor) and a device for each; read in execution order they form a sequence, and a *device change*
+is two neighbours on different devices. A module may be split into its children unless it is in
+``no_split``, is a leaf, or its children do not account for all its bytes (the remainder has no
+name a map could carry, so such a module is placed whole). Children may account for *more* than
+the parent (a weight shared by two children is charged to each: see
+:mod:`ortmem.plan.graph_modules`); splitting then costs bytes, and the planner sees that cost.
 
-Objective, lexicographic: minimise ``T_0, T_1, ..., T_{n-2}`` where ``T_j`` is the bytes placed on
-devices after ``j``. With sizes that add up (accelerate's) this is exactly "as many bytes as possible
-on device 0, then on device 1, ...". It is stated as bytes *not* on the early devices so that
-splitting a module whose children over-count shared bytes is never rewarded for the over-count.
-Ties are broken by fewer device changes, then fewer entries, then the search order (deterministic).
+Objective, lexicographic, smaller is better: for each device ``j`` but the last, ``T_j`` = the bytes
+charged to devices after ``j``, then minus the bytes of the *atomic* modules (those never split)
+that ``j`` runs; then device changes, then entries. With sizes that add up (accelerate's) this is
+exactly "as many bytes as possible on device 0, then on device 1, ...". It is stated as bytes *not*
+on the early devices so that opening a module whose children over-count a shared weight is never
+rewarded for the over-count; the atomic term settles ties such as a tied lm_head (the CPU holds the
+whole model either way, so the lm_head may as well run on the GPU). Cleaning (merging siblings on
+one device into their parent) changes neither term.
 
-Algorithms
-----------
-*Exact* (up to :data:`EXACT_MAX_MODULES` placeable modules): a depth-first branch and bound over
-execution order. A state is (position in the leaf order, bytes per device, current device); the
-moves from a position are "place module ``v`` starting here on device ``d``", so the cut into
-modules and the devices are chosen together, and ``max_switches`` is just a counter on the path.
-States are memoised with the best (switches, entries) seen, which makes it a dynamic programme over
-the *set of reachable load vectors* (pseudo-polynomial: no capacity grid, bytes stay exact), visited
-depth first so that a strong incumbent (the heuristic's plan) prunes it with a lower bound on every
-``T_j``: the bytes already past device ``j`` plus what the cheapest cover of the remaining leaves
-cannot fit into the room left on devices ``0..j``. Worst case exponential (subset sum is a special
-case, so no exact method is polynomial in the number of bytes' bits); in practice modules repeat
-(layers), so few load vectors are distinct. The search has an expansion budget; if a pathological
-instance exhausts it, the best plan found (never worse than the heuristic) is returned.
+Exact (up to :data:`EXACT_MAX_MODULES` modules)
+-------------------------------------------------
+A depth-first branch and bound over execution order. A state is (position in the leaf order, bytes
+charged per device, current device when switches are bounded); a move is "place module ``v``
+starting here on device ``d``", so the cut into modules and the devices are chosen together, and
+``max_switches`` is a counter on the path. States are memoised with the best value seen, which makes
+this a dynamic programme over the *set of reachable load vectors* (pseudo-polynomial, no capacity
+grid: bytes stay exact), visited depth first from the heuristic's plan so that its lower bound prunes
+hard. The bound on ``T_j``: bytes already past ``j`` plus what the cheapest cover of the remaining
+leaves cannot fit on devices ``0..j``, where "fit" uses :class:`_FillBound`, the byte counts the
+remaining modules can actually sum to (so a device that cannot be filled to the byte is seen as
+such), and budgets rounded down to the sizes' gcd. Exactness is claimed for the bytes (the ``T`` and
+atomic terms); the search stops as soon as a plan meets the bound there, so the tie-breaks (changes,
+entries) are best effort.
+
+Cost: worst case exponential (subset sum is the one-device special case, so nothing exact is
+polynomial in the bytes' bits); repeated layers keep the distinct load vectors few. Measured on 192
+decoder-shaped trees (46 to 246 modules, budgets 0.2-0.9 of the model): proved optimal in 32/32 cases
+with one device change allowed (two or three devices), 28/32 for two devices without a bound,
+10-17/32 with three changes or three devices; each search stops after :data:`EXACT_BUDGET`
+expansions (about 1 s) and then returns the best plan found (never worse than the heuristic's) with
+``Placement.exact`` false.
+
 We chose this over an integer program (``scipy.optimize.milp``): HiGHS's feasibility and integrality
-tolerances are relative, so with byte-sized coefficients (1e9 and more) a "feasible" solution can be
-kilobytes over budget, the lexicographic objective needs one solve per device, and ``max_switches``
-needs an auxiliary variable per adjacent leaf pair; the hand-written search is exact in integers and
-needs no new dependency.
+tolerances are relative, so with byte-sized coefficients (1e9 and more) a "feasible" solution can be kilobytes over budget,
+the lexicographic objective needs one solve per term, and ``max_switches`` needs an auxiliary
+variable per adjacent leaf pair; the hand-written search is exact in integers, needs no new
+dependency, and its heuristic start already meets the bound in most cases.
 
-*Heuristic* (beyond that, and as the exact search's first incumbent), the better of
-(1) device by device, a first-fit-decreasing knapsack over the tree that takes a module whole when it
-fits and opens it only when it does not, followed by one-for-one swaps that fill the gap left, and
-(2) a dynamic programme over execution order keeping one best representative load vector per
-(position, device, switches). (1) is ``O(N log N)`` per device, (2) ``O(N * D^2 * S)``.
+Heuristic (beyond that, and the exact search's start)
+-----------------------------------------------------
+The best of: (1) device by device, first-fit decreasing over the tree (from the atomic modules, and
+from the root opening a module only when it does not fit), then one-for-one swaps that fill the gap
+left, with a first-fit-across-devices fallback when pieces get stranded: ``O(N log N)`` per device;
+(2) a dynamic programme over execution order keeping the best partial plans (a beam of up to
+``_BEAM``, one on large models) per (position, device, switches used), dominated states dropped,
+run forwards and (up to ``_MIRROR_MAX_POSITIONS`` positions) backwards: ``O(N D^2 (S+1) beam)``.
+The winner's later devices are then re-filled (no switch bound: greedily from what the first devices
+left; with one: one device per gap between the first device's runs, and a spare change spent on
+splitting a gap). The beam keeps at most one plan per band of first-device bytes, so a plan that
+kept room for a later module survives. On the 10,118-module bench graph this plans in about 0.2-0.7 s;
+on the 192 trees above the first device's bytes are within 0.25% of the exact search's (the second
+device's, with three devices, within 16%: the lexicographic order lets the first device's last
+kilobytes decide what is left for the second).
 
-``reserve="offload"``: the reservation depends on the placement, so the optimisation enumerates it:
-for each candidate ``R`` (0, then each distinct module size, ascending) modules on cpu/disk must be at
-most ``R`` bytes and the first device's budget shrinks by ``R``; the best plan over all ``R`` is the
-optimum (a plan whose largest offloaded entry is below ``R`` is also found at that smaller ``R``).
-Candidates stop as soon as the lower bound for ``R`` cannot beat the best plan (the bound only grows
-with ``R``).
+``reserve="offload"``
+---------------------
+The reservation depends on the placement, so the optimisation enumerates it: for each candidate ``R``
+(0, then each distinct module size, ascending, from the first for which the modules too large to
+offload could fit at all) modules on cpu/disk must be at most ``R`` bytes and the first device's
+budget shrinks by ``R``; the best plan over all ``R`` is the optimum (a plan whose largest offloaded
+entry is below ``R`` is also found at that smaller ``R``). Candidates stop when the bound for ``R``
+cannot beat the best plan (the bound only grows with ``R``); the heuristic tries a few only. The
+cleaned map never merges offloaded siblings into a parent larger than the reservation.
 """
 from __future__ import annotations
 
 import fnmatch
 import heapq
+import itertools
 import math
 import sys
 from bisect import bisect_left, bisect_right, insort
@@ -85,14 +112,16 @@ OFFLOAD_DEVICES = frozenset({"cpu", "disk"})
 #: Up to this many placeable modules the exact search runs (seeded by the heuristic).
 EXACT_MAX_MODULES = 400
 #: Expansion budget of the exact search (about 1-2 s of CPU on one core).
-EXACT_BUDGET = 100_000
+EXACT_BUDGET = 50_000
 #: Budget of each feasibility search behind PlanError's per-device minimum.
 _FEASIBILITY_BUDGET = 20_000
 #: In heuristic mode, how many reservation candidates are solved after the first feasible one.
-_HEURISTIC_RESERVE_TRIES = 8
+_HEURISTIC_RESERVE_TRIES = 4
 #: Beam of the sequence heuristic: up to _BEAM plans per state, fewer on large models.
 _BEAM = 16
-_BEAM_WORK = 200_000
+_BEAM_WORK = 20_000
+#: Up to this many positions the sequence heuristic also runs backwards.
+_MIRROR_MAX_POSITIONS = 2_000
 
 _INF = float("inf")
 
@@ -131,6 +160,8 @@ class _Tree:
     end: tuple[int, ...]
     starts: tuple[tuple[int, ...], ...]
     min_atom: tuple[int, ...]  # smallest atomic module in each subtree (cheap "nothing fits" test)
+    atom_bytes: tuple[int, ...]  # bytes of the atomic modules in each subtree (what runs where)
+    additive: bool  # every splittable module's size is the sum of its children's
 
     @property
     def n_positions(self) -> int:
@@ -248,18 +279,23 @@ def _build_tree(module_sizes: Mapping[str, int], no_split: Iterable[str]) -> _Tr
     n = len(names)
     end = [0] * n
     min_atom = [0] * n
+    atom_bytes = [0] * n
+    additive = True
     for i in range(n - 1, -1, -1):
         if kids[i]:
             end[i] = end[kids[i][-1]]
             min_atom[i] = min(min_atom[c] for c in kids[i])
+            atom_bytes[i] = sum(atom_bytes[c] for c in kids[i])
+            additive = additive and atom_bytes[i] == node_sizes[i]
         else:
             end[i] = first[i] + 1
-            min_atom[i] = node_sizes[i]
+            min_atom[i] = atom_bytes[i] = node_sizes[i]
     starts: list[list[int]] = [[] for _ in range(pos)]
     for i in range(n):
         starts[first[i]].append(i)
     return _Tree(tuple(names), tuple(node_sizes), tuple(tuple(k) for k in kids), tuple(parent),
-                 tuple(first), tuple(end), tuple(tuple(s) for s in starts), tuple(min_atom))
+                 tuple(first), tuple(end), tuple(tuple(s) for s in starts), tuple(min_atom),
+                 tuple(atom_bytes), additive)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -286,33 +322,68 @@ class _Plan:
     entries: tuple[tuple[int, int], ...]  # (tree node, device) in execution order
     loads: tuple[int, ...]
     switches: int
+    atoms: tuple[int, ...]  # bytes of atomic modules per device
 
     @property
     def key(self) -> tuple:
-        return _key(self.loads, self.switches, len(self.entries))
+        return _key(self.loads, self.atoms, self.switches, len(self.entries))
 
 
-def _key(loads: Sequence[int], switches: int, items: int) -> tuple:
-    """Lexicographic objective: bytes past each device, then device changes, then entries."""
-    tail = []
-    acc = 0
-    for x in reversed(loads[1:]):
-        acc += x
-        tail.append(acc)
-    return (*reversed(tail), switches, items)
+def _key(loads: Sequence[int], atoms: Sequence[int], switches: int, items: int) -> tuple:
+    """Lexicographic objective, smaller is better: for each device ``j`` but the last, the bytes
+    past it (``T_j``), then minus the atomic modules' bytes it runs; then device changes, then
+    entries. The second term only decides between plans whose charged bytes tie (shared weights:
+    the lm_head on the GPU while the CPU keeps the whole model); it counts what runs there, not what
+    is charged, so opening a module whose children over-count is not rewarded."""
+    out = []
+    past = sum(loads[1:])
+    for j in range(len(loads) - 1):
+        out.append(past)
+        out.append(-atoms[j])
+        past -= loads[j + 1]
+    return (*out, switches, items)
+
+
+def _objective_len(n: int) -> int:
+    """How many leading entries of a key are bytes (what the exact search proves optimal)."""
+    return 2 * (n - 1)
+
+
+def _key_function(n: int):
+    """The heuristics' ranking of partial plans covering the same modules: bytes past each device,
+    then the bytes charged to it, *fewer* first (the same coverage for less of the device leaves
+    more room; preferring more would reward opening modules whose children over-count shared
+    weights). Unrolled for two and three devices: it runs once per transition."""
+    if n == 2:
+        return lambda loads, sw, items: (loads[1], loads[0], sw, items)
+    if n == 3:
+        return lambda loads, sw, items: (loads[1] + loads[2], loads[0], loads[2], loads[1], sw, items)
+
+    def rank(loads, sw, items):
+        out = []
+        past = sum(loads[1:])
+        for j in range(n - 1):
+            out.append(past)
+            out.append(loads[j])
+            past -= loads[j + 1]
+        return (*out, sw, items)
+
+    return rank
 
 
 def _plan_from(entries: list[tuple[int, int]], tree: _Tree, n_dev: int) -> _Plan:
     entries = sorted(entries, key=lambda e: tree.first[e[0]])
     loads = [0] * n_dev
+    atoms = [0] * n_dev
     switches = 0
     prev = -1
     for v, d in entries:
         loads[d] += tree.sizes[v]
+        atoms[d] += tree.atom_bytes[v]
         if prev >= 0 and d != prev:
             switches += 1
         prev = d
-    return _Plan(tuple(entries), tuple(loads), switches)
+    return _Plan(tuple(entries), tuple(loads), switches, tuple(atoms))
 
 
 def _better(a: _Plan | None, b: _Plan | None) -> _Plan | None:
@@ -333,23 +404,16 @@ class _Limits:
 
 
 def _root_bound(tree: _Tree, lim: _Limits, mincost0: float) -> tuple:
-    """Lower bound on the key of any plan (nothing placed yet)."""
-    return _lower_bound(mincost0, (0,) * len(lim.caps), lim.caps, 0, 0, tree.n_positions > 0)
-
-
-def _lower_bound(rest: float, loads: Sequence[int], caps: Sequence[int], sw: int, items: int,
-                 more: bool) -> tuple:
-    """Bytes already past device j plus what the cheapest cover of the rest cannot fit on 0..j."""
-    n = len(loads)
+    """Lower bound on the key of any plan: the cheapest cover's bytes that cannot fit on devices
+    ``0..j``; every atomic byte on device ``j`` (its budget, when sizes add up)."""
+    n = len(lim.caps)
     out = []
     room = 0
-    past = sum(loads[1:])
     for j in range(n - 1):
-        room += caps[j] - loads[j]
-        over = rest - room
-        out.append(past + (over if over > 0 else 0))
-        past -= loads[j + 1]
-    return (*out, sw, items + (1 if more else 0))
+        room += lim.caps[j]
+        out.append(max(0, mincost0 - room))
+        out.append(-min(tree.atom_bytes[0], lim.caps[j]) if tree.additive else -tree.atom_bytes[0])
+    return (*out, 0, 1 if tree.n_positions else 0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -457,6 +521,155 @@ def _refill_from(tree: _Tree, lim: _Limits, plan: _Plan, j: int, fine: bool) -> 
     return _plan_from(entries, tree, n)
 
 
+def _regap(tree: _Tree, lim: _Limits, plan: _Plan) -> _Plan | None:
+    """With a switch bound: keep device 0's runs, give each gap between them one later device.
+
+    The sequence heuristic fills device 0 well but picks the later devices myopically; one device
+    per gap never adds a device change, and there are few gaps (at most ``max_switches / 2 + 1``),
+    so every assignment is tried, each gap covered by its cheapest modules.
+    """
+    n = len(lim.caps)
+    gaps: list[tuple[int, int]] = []
+    kept: list[tuple[int, int]] = []
+    start = None
+    for v, d in plan.entries:
+        if d == 0:
+            if start is not None:
+                gaps.append((start, tree.first[v]))
+                start = None
+            kept.append((v, d))
+        elif start is None:
+            start = tree.first[v]
+    if start is not None:
+        gaps.append((start, tree.n_positions))
+    if not gaps or len(gaps) > 4:
+        return None
+    best = None
+    covers: dict[tuple[int, int, float], list[int] | None] = {}
+    for assign in itertools.product(range(1, n), repeat=len(gaps)):
+        entries = list(kept)
+        for (a, b), d in zip(gaps, assign):
+            key = (a, b, lim.item[d])
+            if key not in covers:
+                covers[key] = _cheapest_cover(tree, a, b, lim.item[d])
+            if covers[key] is None:
+                break
+            entries.extend((v, d) for v in covers[key])
+        else:
+            cand = _plan_from(entries, tree, n)
+            if all(x <= c for x, c in zip(cand.loads, lim.caps)):
+                best = _better(best, cand)
+    # a spare device change can split one gap between two later devices
+    spare = lim.max_switches - (best.switches if best is not None else plan.switches)
+    base = best if best is not None else plan
+    while spare > 0:
+        split = _split_a_gap(tree, lim, base)
+        if split is None or split.switches > lim.max_switches or split.key >= base.key:
+            break
+        base = split
+        spare = lim.max_switches - base.switches
+    return _better(best, base if base is not plan else None)
+
+
+def _split_a_gap(tree: _Tree, lim: _Limits, plan: _Plan) -> _Plan | None:
+    """Best plan that re-covers one run of non-first-device entries as a prefix on one later device
+    and a suffix on another (one more device change), all else kept."""
+    n = len(lim.caps)
+    runs: list[tuple[int, int, int, int]] = []  # (first entry index, last+1, position a, position b)
+    i = 0
+    entries = plan.entries
+    while i < len(entries):
+        if entries[i][1] == 0:
+            i += 1
+            continue
+        j = i
+        while j < len(entries) and entries[j][1] != 0:
+            j += 1
+        runs.append((i, j, tree.first[entries[i][0]], tree.end[entries[j - 1][0]]))
+        i = j
+    best = None
+    for i, j, a, b in runs:
+        outside = [e for k, e in enumerate(entries) if not i <= k < j]
+        base_loads = [0] * n
+        for v, d in outside:
+            base_loads[d] += tree.sizes[v]
+        for d1 in range(1, n):
+            pre = _cover_costs(tree, a, b, lim.item[d1], forward=True)
+            for d2 in range(1, n):
+                if d2 == d1:
+                    continue
+                suf = _cover_costs(tree, a, b, lim.item[d2], forward=False)
+                choice = None
+                for c in range(a + 1, b):
+                    x, y = pre[0][c - a], suf[0][c - a]
+                    if base_loads[d1] + x > lim.caps[d1] or base_loads[d2] + y > lim.caps[d2]:
+                        continue
+                    loads = list(base_loads)
+                    loads[d1] += x
+                    loads[d2] += y
+                    k = _key(loads, loads, 0, 0)
+                    if choice is None or k < choice[0]:
+                        choice = (k, c)
+                if choice is None:
+                    continue
+                c = choice[1]
+                new = outside + [(v, d1) for v in _walk_cover(tree, pre[1], a, a, c, True)]
+                new += [(v, d2) for v in _walk_cover(tree, suf[1], a, c, b, False)]
+                best = _better(best, _plan_from(new, tree, n))
+    return best
+
+
+def _cover_costs(tree: _Tree, a: int, b: int, limit: float, forward: bool):
+    """Cheapest covers of ``a..c-1`` (forward) or ``c..b-1`` (backward) for every ``c``, with the
+    module that ends (forward) or starts (backward) the cover at ``c``."""
+    m = b - a
+    cost = [_INF] * (m + 1)
+    via = [-1] * (m + 1)
+    if forward:
+        cost[0] = 0
+        for p in range(a, b):
+            if cost[p - a] == _INF:
+                continue
+            for v in tree.starts[p]:
+                q = tree.end[v]
+                if q <= b and tree.sizes[v] <= limit and cost[p - a] + tree.sizes[v] < cost[q - a]:
+                    cost[q - a] = cost[p - a] + tree.sizes[v]
+                    via[q - a] = v
+    else:
+        cost[m] = 0
+        for p in range(b - 1, a - 1, -1):
+            for v in tree.starts[p]:
+                q = tree.end[v]
+                if q <= b and tree.sizes[v] <= limit and tree.sizes[v] + cost[q - a] < cost[p - a]:
+                    cost[p - a] = tree.sizes[v] + cost[q - a]
+                    via[p - a] = v
+    return cost, via
+
+
+def _walk_cover(tree: _Tree, via: list[int], a: int, lo: int, hi: int, forward: bool) -> list[int]:
+    """The modules of a cover found by :func:`_cover_costs` (positions relative to ``a``)."""
+    out = []
+    if forward:
+        p = hi
+        while p > lo:
+            v = via[p - a]
+            out.append(v)
+            p = tree.first[v]
+        return out[::-1]
+    p = lo
+    while p < hi:
+        v = via[p - a]
+        out.append(v)
+        p = tree.end[v]
+    return out
+
+
+def _cheapest_cover(tree: _Tree, a: int, b: int, limit: float) -> list[int] | None:
+    """Modules of at most ``limit`` bytes covering positions ``a..b-1`` with the fewest bytes."""
+    cost, via = _cover_costs(tree, a, b, limit, forward=False)
+    return None if cost[0] == _INF else _walk_cover(tree, via, a, a, b, forward=False)
+
+
 def _atoms_under(tree: _Tree, v: int) -> list[int]:
     return [tree.starts[p][-1] for p in range(tree.first[v], tree.end[v])]
 
@@ -508,13 +721,16 @@ def _first_fit_across(tree: _Tree, lim: _Limits) -> _Plan | None:
 # Heuristic 2: one representative per (position, device, switches) along execution order
 
 
-def _sequence_dp(tree: _Tree, lim: _Limits, beam: int = 1) -> _Plan | None:
+def _sequence_dp(tree: _Tree, lim: _Limits, beam: int = 1) -> list[tuple[int, int]] | None:
     """Dynamic programme over execution order keeping the ``beam`` best partial plans per state.
 
-    A state is (position, current device, switches used; switches are not part of the state when
-    unbounded). Partial plans reaching a state are ranked by the bytes past each early device so far
-    (then switches, entries); distinct load vectors only. With one switch on two devices the best
-    one is optimal; otherwise a wider beam keeps alternatives that leave room for later modules.
+    A state is (position, current device, switches used) under a switch bound, and just the
+    position without one (the device then only matters for the tie-break on switches, which the
+    rank carries). Partial plans reaching a state are ranked by :func:`_key_function`; distinct
+    load vectors only. With one switch on two devices the best one is optimal; otherwise a wider
+    beam keeps alternatives that leave room for later modules. Ranking by bytes so far is myopic
+    (it fills device 0 early and may find no room for a big module at the end), so
+    :func:`_heuristic` also runs it on the mirrored order.
     """
     n = len(lim.caps)
     npos = tree.n_positions
@@ -522,33 +738,47 @@ def _sequence_dp(tree: _Tree, lim: _Limits, beam: int = 1) -> _Plan | None:
     total_cap = sum(caps)
     mincost = tree.mincost()
     per_dev = _per_device_mincost(tree, lim)
-    # per position: state key -> list of (rank, loads, switches, items, back), best first;
+    # per position: state key -> list of (rank, loads, switches, items, back, device), best first;
     # back = (position, state key, index in that list, node, device)
     states: list[dict] = [dict() for _ in range(npos + 1)]
-    states[0][(-1, 0)] = [((), (0,) * n, 0, 0, None)]
+    bounded = max_sw is not None
+    states[0][(-1, 0) if bounded else 0] = [((), (0,) * n, 0, 0, None, -1)]
+    rank_of = _key_function(n)
     sizes, end = tree.sizes, tree.end
+    band = max(1, caps[0] // (4 * beam))
     for p in range(npos):
-        for skey, plans in states[p].items():
-            cur = skey[0]
-            for idx, (_, loads, sw, items, _) in enumerate(plans):
+        live = _undominated(states[p]) if bounded and beam == 1 else states[p]
+        for skey, plans in live.items():
+            for idx, (_, loads, sw, items, _, cur) in enumerate(plans):
                 used = sum(loads)
                 for v in tree.starts[p]:
                     s = sizes[v]
                     q = end[v]
                     if mincost[q] > total_cap - used - s:
                         continue
+                    table = states[q]
                     for d in range(n):
                         if s > item[d] or loads[d] + s > caps[d]:
                             continue
-                        nsw = sw + (1 if cur >= 0 and d != cur else 0)
-                        if max_sw is not None:
+                        nsw = sw + 1 if cur >= 0 and d != cur else sw
+                        if bounded:
                             if nsw > max_sw:
                                 continue
                             if nsw == max_sw and per_dev[d][q] > caps[d] - loads[d] - s:
                                 continue
+                        nkey = (d, nsw) if bounded else 0
+                        if beam == 1:
+                            old = table.get(nkey)
+                            # cheap first test on the leading rank term (bytes past device 0)
+                            if old is not None and used + s - loads[0] - (s if d == 0 else 0) > old[0][0][0]:
+                                continue
                         nl = loads[:d] + (loads[d] + s,) + loads[d + 1:]
-                        entry = (_key(nl, nsw, items + 1), nl, nsw, items + 1, (p, skey, idx, v, d))
-                        _beam_insert(states[q], (d, nsw if max_sw is not None else 0), entry, beam)
+                        entry = (rank_of(nl, nsw, items + 1), nl, nsw, items + 1, (p, skey, idx, v, d), d)
+                        if beam == 1:
+                            if old is None or entry[0] < old[0][0]:
+                                table[nkey] = [entry]
+                        else:
+                            _beam_insert(table, nkey, entry, beam, band)
     if not states[npos]:
         return None
     skey = min(states[npos], key=lambda k: states[npos][k][0][0])
@@ -561,24 +791,66 @@ def _sequence_dp(tree: _Tree, lim: _Limits, beam: int = 1) -> _Plan | None:
             break
         p, skey, idx, v, d = back
         entries.append((v, d))
-    return _plan_from(entries, tree, n)
+    return entries
 
 
-def _beam_insert(table: dict, key: tuple, entry: tuple, beam: int) -> None:
-    """Keep the ``beam`` best entries (by rank, distinct load vectors) of ``table[key]``."""
+def _undominated(table: dict) -> dict:
+    """States worth extending: (device, switches) is dominated by a state of the same device with
+    fewer switches, or of any device with at least one switch fewer, whose plan ranks no worse
+    (whatever follows the dominated one, the other can follow at no more switches)."""
+    out = {}
+    best_below = None  # best rank over all devices with fewer switches than the current level
+    level_best = None
+    level = None
+    best_dev: dict[int, tuple] = {}  # device -> best rank with fewer switches
+    for d, sw in sorted(table, key=lambda k: (k[1], k[0])):
+        if sw != level:
+            if level_best is not None and (best_below is None or level_best < best_below):
+                best_below = level_best
+            level, level_best = sw, None
+        rank = table[(d, sw)][0][0]
+        mine = best_dev.get(d)
+        if level_best is None or rank < level_best:
+            level_best = rank
+        if mine is None or rank < mine:
+            best_dev[d] = rank
+        if (best_below is not None and best_below <= rank) or (mine is not None and mine <= rank):
+            continue
+        out[(d, sw)] = table[(d, sw)]
+    return out
+
+
+def _mirror(tree: _Tree) -> _Tree:
+    """The same modules with execution order reversed (for the backward sequence pass)."""
+    npos = tree.n_positions
+    first = tuple(npos - e for e in tree.end)
+    end = tuple(npos - f for f in tree.first)
+    starts: list[list[int]] = [[] for _ in range(npos)]
+    for v in range(len(tree.names)):  # preorder: ancestors before descendants
+        starts[first[v]].append(v)
+    return _Tree(tree.names, tree.sizes, tree.children, tree.parent, first, end,
+                 tuple(tuple(x) for x in starts), tree.min_atom, tree.atom_bytes, tree.additive)
+
+
+def _beam_insert(table: dict, key, entry: tuple, beam: int, width: int) -> None:
+    """Keep up to ``beam`` entries of ``table[key]``, best rank first, at most one per band of
+    ``width`` bytes on the first device: the best-ranked plans all spent the first device alike,
+    and a plan that kept room there is what a later module may need (trimming, as in the subset-sum
+    approximation schemes)."""
     plans = table.get(key)
     if plans is None:
         table[key] = [entry]
         return
-    rank, loads = entry[0], entry[1]
+    rank = entry[0]
     if len(plans) >= beam and rank >= plans[-1][0]:
         return
+    band = entry[1][0] // width
     for i, other in enumerate(plans):
-        if other[1] == loads:
-            if rank < other[0]:
-                plans.pop(i)
-                break
-            return
+        if other[1][0] // width == band:
+            if rank >= other[0]:
+                return
+            plans.pop(i)
+            break
     i = len(plans)
     while i > 0 and rank < plans[i - 1][0]:
         i -= 1
@@ -592,19 +864,31 @@ def _per_device_mincost(tree: _Tree, lim: _Limits) -> list[list[float]]:
     return [cache.setdefault(lim.item[d], tree.mincost(lim.item[d])) for d in range(len(lim.caps))]
 
 
-def _heuristic(tree: _Tree, lim: _Limits) -> _Plan | None:
-    """Heuristic 2, and heuristic 1 where its plan respects the switch bound; the better one."""
-    states = tree.n_positions * len(lim.caps) * (1 if lim.max_switches is None else lim.max_switches + 1)
-    beam = max(1, min(_BEAM, _BEAM_WORK // max(1, states)))
-    best = _sequence_dp(tree, lim, beam)
+def _heuristic(tree: _Tree, lim: _Limits, quick: bool = False) -> _Plan | None:
+    """Heuristic 2, and heuristic 1 where its plan respects the switch bound; the better one,
+    then later devices re-filled. ``quick`` (to compare reservations on large models): heuristic 1
+    alone where no switch bound needs heuristic 2, and no re-fill."""
+    best = None
+    if not quick or lim.max_switches is not None:
+        states = tree.n_positions * (1 if lim.max_switches is None else len(lim.caps) * (lim.max_switches + 1))
+        beam = 1 if quick else max(1, min(_BEAM, _BEAM_WORK // max(1, states)))
+        for t in (tree, _mirror(tree)):
+            entries = _sequence_dp(t, lim, beam)
+            if entries is not None:
+                best = _better(best, _plan_from(entries, tree, len(lim.caps)))
+            if best is not None and tree.n_positions > _MIRROR_MAX_POSITIONS:
+                break  # large models: the forward pass only (the backward one doubles the time)
     for fine in (True, False):
         greedy = _greedy_by_device(tree, lim, fine)
         if greedy is not None and (lim.max_switches is None or greedy.switches <= lim.max_switches):
             best = _better(best, greedy)
-    if best is not None and lim.max_switches is None:
-        for j in range(1, len(lim.caps) - 1):
-            for fine in (True, False):
-                best = _better(best, _refill_from(tree, lim, best, j, fine))
+    if best is not None and not quick and len(lim.caps) > 2:
+        if lim.max_switches is None:
+            for j in range(1, len(lim.caps) - 1):
+                for fine in (True, False):
+                    best = _better(best, _refill_from(tree, lim, best, j, fine))
+        else:
+            best = _better(best, _regap(tree, lim, best))
     return best
 
 
@@ -709,69 +993,86 @@ def _gcd_caps(tree: _Tree, caps: Sequence[int]) -> tuple[int, ...]:
 
 def _exact(tree: _Tree, lim: _Limits, incumbent: _Plan | None, budget: _Budget,
            first_only: bool = False) -> tuple[_Plan | None, bool]:
-    """Best plan and whether its bytes are proved optimal (False only if the budget ran out)."""
+    """Best plan and whether its bytes are proved optimal (False only if the budget ran out).
+
+    A state is (position, charged bytes per device, current device when switches are bounded);
+    its memo value is what else the key compares for equal charged bytes: minus the atomic bytes
+    per device, switches, entries. A state is dominated by an earlier visit whose value is no worse,
+    because any completion adds the same to both.
+    """
     n = len(lim.caps)
     npos = tree.n_positions
     caps = _gcd_caps(tree, lim.caps)
     item, max_sw = lim.item, lim.max_switches
-    sizes, end, starts = tree.sizes, tree.end, tree.starts
+    sizes, end, starts, atom_bytes = tree.sizes, tree.end, tree.starts, tree.atom_bytes
     mincost = tree.mincost()
     per_dev = _per_device_mincost(tree, lim)
     total_cap = sum(caps)
     fill = None if first_only or n == 1 else _FillBound(tree, sum(caps[:-1]))
+    atoms_after = [0] * (npos + 1)  # atomic bytes from each position on
+    for p in range(npos - 1, -1, -1):
+        atoms_after[p] = atoms_after[p + 1] + atom_bytes[starts[p][-1]]
+    additive = tree.additive
 
-    def bound(p: int, loads: Sequence[int], sw: int, items: int) -> tuple:
+    def bound(p: int, loads: Sequence[int], atoms: Sequence[int], sw: int, items: int) -> tuple:
+        """T_j: bytes past j plus what the cheapest cover of the rest cannot fit on 0..j (each device
+        filled separately, to the bytes the rest can actually sum to); atoms: all that could come."""
         rest = mincost[p]
         out = []
         room = 0
-        each = 0  # sum of what each device alone could take: devices are filled separately
+        each = 0
         past = sum(loads[1:])
         for j in range(n - 1):
             r = caps[j] - loads[j]
             room += r
             if fill is not None:
-                each += fill.max_fill(p, r)
+                own = fill.max_fill(p, r)
+                each += own
                 got = min(fill.max_fill(p, room), each)
             else:
-                got = room
+                own = got = room
             over = rest - got
             out.append(past + (over if over > 0 else 0))
+            out.append(-(atoms[j] + (own if additive and own < atoms_after[p] else atoms_after[p])))
             past -= loads[j + 1]
         return (*out, sw, items + (1 if p < npos else 0))
 
-    # Exactness is claimed for the bytes (the T part of the key); the tie-breaks (switches, entries)
-    # are best effort: once a plan meets the bound on every T_j the search stops.
-    root = bound(0, (0,) * n, 0, 0)[: n - 1]
+    # Exactness is claimed for the bytes (the first 2(n-1) entries of the key); the tie-breaks
+    # (switches, entries) are best effort: once a plan meets the bound on those the search stops.
+    m = _objective_len(n)
+    zeros = (0,) * n
+    root = bound(0, zeros, zeros, 0, 0)[:m]
     best: list = [incumbent, incumbent.key if incumbent is not None else None]
-    if incumbent is not None and (first_only or best[1][: n - 1] <= root):
+    if incumbent is not None and (first_only or best[1][:m] <= root):
         return incumbent, True
+    if budget.left <= 0:
+        return incumbent, False
     # Without a switch bound the current device only matters for the tie-breaks: leave it out of
     # the memo key, which makes all orders of equal loads one state.
     track_cur = max_sw is not None
-    memo: dict[tuple, tuple[int, int]] = {}
+    memo: dict[tuple, tuple] = {}
     path: list[tuple[int, int]] = []
-    if budget.left <= 0:
-        return incumbent, False
 
-    def visit(p: int, loads: tuple[int, ...], cur: int, sw: int, items: int) -> None:
+    def visit(p: int, loads: tuple[int, ...], atoms: tuple[int, ...], cur: int, sw: int, items: int) -> None:
         if p == npos:
-            k = _key(loads, sw, items)
+            k = _key(loads, atoms, sw, items)
             if best[1] is None or k < best[1]:
-                best[0] = _Plan(tuple(path), loads, sw)
+                best[0] = _Plan(tuple(path), loads, sw, atoms)
                 best[1] = k
-                if first_only or k[: n - 1] <= root:
+                if first_only or k[:m] <= root:
                     raise _Stop
             return
         mk = (p, loads, cur) if track_cur else (p, loads)
+        value = (*(-a for a in atoms[:-1]), sw, items)
         seen = memo.get(mk)
-        if seen is not None and seen <= (sw, items):
+        if seen is not None and seen <= value:
             return
-        memo[mk] = (sw, items)
+        memo[mk] = value
         if mincost[p] > total_cap - sum(loads):
             return
         if max_sw is not None and sw == max_sw and cur >= 0 and per_dev[cur][p] > caps[cur] - loads[cur]:
             return
-        if best[1] is not None and bound(p, loads, sw, items) >= best[1]:
+        if best[1] is not None and bound(p, loads, atoms, sw, items) >= best[1]:
             return
         budget.left -= 1
         if budget.left < 0:
@@ -786,15 +1087,16 @@ def _exact(tree: _Tree, lim: _Limits, incumbent: _Plan | None, budget: _Budget,
                 if max_sw is not None and nsw > max_sw:
                     continue
                 nl = loads[:d] + (loads[d] + s,) + loads[d + 1:]
+                na = atoms[:d] + (atoms[d] + atom_bytes[v],) + atoms[d + 1:]
                 path.append((v, d))
-                visit(q, nl, d, nsw, items + 1)
+                visit(q, nl, na, d, nsw, items + 1)
                 path.pop()
 
     proved = True
     old_limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(old_limit, npos + 1000))
     try:
-        visit(0, (0,) * n, -1, 0, 0)
+        visit(0, zeros, zeros, -1, 0, 0)
     except _Stop:
         proved = budget.left >= 0
     finally:
@@ -819,7 +1121,7 @@ class _Problem:
 def _solve_fixed(prob: _Problem, lim: _Limits, budget: _Budget, first_only: bool = False
                  ) -> tuple[_Plan | None, bool]:
     """Heuristic plan, then (small problems) the exact search seeded with it."""
-    plan = _heuristic(prob.tree, lim)
+    plan = _heuristic(prob.tree, lim, quick=first_only)
     if not prob.exact:
         return plan, False
     if first_only and plan is not None:
@@ -850,7 +1152,10 @@ def _solve(prob: _Problem, first_only: bool = False, budget_size: int = EXACT_BU
             break
         if tree.forced(r) > nonoff - r:
             continue
-        plan, proved = _solve_fixed(prob, lim, budget, first_only)
+        if prob.exact:
+            plan, proved = _solve_fixed(prob, lim, budget, first_only)
+        else:
+            plan, proved = _heuristic(tree, lim, quick=True), False
         proved_all &= proved
         if plan is not None and (best is None or plan.key < best.key):
             best, best_r = plan, r
@@ -861,6 +1166,8 @@ def _solve(prob: _Problem, first_only: bool = False, budget_size: int = EXACT_BU
             if tries > _HEURISTIC_RESERVE_TRIES:
                 proved_all = False
                 break
+    if best is not None and not prob.exact and not first_only:
+        best = _better(best, _heuristic(tree, _reserve_limits(prob, best_r)))
     if best is not None:  # the room actually needed: the largest offloaded entry (<= candidate)
         best_r = max((tree.sizes[v] for v, d in best.entries if prob.offload[d]), default=0)
     return best, best_r, proved_all
