@@ -35,9 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--act-batch", type=int, default=16, help="'batch' (conv, control flow, Llama) for activations")
     p.add_argument("--include-calibration", action="store_true")
     p.add_argument("--no-activations", action="store_true")
+    p.add_argument("--only", nargs="*", help="re-validate these models; the other records of --json are kept")
     args = p.parse_args(argv)
     rows = [json.loads(x) for x in open(args.measurements) if x.strip()]
     names = sorted({r["model"] for r in rows if args.include_calibration or r["model"] not in CALIB})
+    if args.only:
+        names = [n for n in names if n in args.only]
     dims = {"batch": 1, "seq": 8, "batch_size": 1, "sequence_length": 8}
     act_dims = {"batch": args.act_batch, "seq": args.act_seq, "batch_size": 1, "sequence_length": args.act_seq}
     out = []
@@ -84,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
         out.append(rec)
     if args.json:
+        if args.only and Path(args.json).exists():
+            redone = {r["model"] for r in out}
+            out = sorted([r for r in json.loads(Path(args.json).read_text()) if r["model"] not in redone] + out,
+                         key=lambda r: r["model"])
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import onnx
 from onnx import TensorProto
@@ -35,6 +35,18 @@ INPLACE_OPS = {
     "Exp", "Log", "Neg", "Abs", "Sqrt", "Reciprocal", "Floor", "Ceil", "Clip", "Add", "Sub", "Mul", "Div",
     "Pow", "Gelu", "FastGelu", "QuickGelu", "BiasGelu", "Sum", "Where", "Not", "Cast",
 }
+
+#: Kernels that declare ``MayInplace(0, 0)`` on ORT 1.31.1's CPU EP, measured one op at a time on a
+#: fresh 4 MiB activation with static shapes (``bench/recompute/inplace.py``): the activation
+#: functions and Softmax/LogSoftmax. The binary element-wise ops (Add, Sub, Mul, Div, Pow, Sum, Max)
+#: and Neg, Sqrt, Exp, Log, Erf, Abs, Floor, Ceil, Reciprocal, Gelu/FastGelu/QuickGelu and Dropout
+#: always allocate a new output. ORT's planner (``allocation_planner.cc``) also needs the input's and
+#: output's shapes to be provably equal (same dim values or the same non-empty dim_param), see
+#: :func:`ortmem.plan.liveness.context`. ``INPLACE_OPS`` above is the estimator's own (older) set.
+ORT_CPU_INPLACE_OPS = frozenset({
+    "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Softplus", "Softsign", "Elu", "Selu", "Celu", "HardSigmoid",
+    "ThresholdedRelu", "Shrink", "Clip", "Softmax", "LogSoftmax",
+})
 
 
 def _granule(n: int) -> int:
@@ -256,9 +268,24 @@ def _attr_int(node: onnx.NodeProto, name: str, default: int = 0) -> int:
 
 
 def _contrib_shapes(g: og.OrtGraph, shapes: Shapes) -> None:
-    """Shapes ONNX's inference leaves out because it does not know com.microsoft ops."""
+    """Shapes ONNX's inference leaves out because it does not know com.microsoft ops, and Loop outputs
+    declared without a shape: a carried output has its body output's shape, a scan output
+    ``[trip count, *body output]`` when the trip count is a constant."""
     table = shapes.types[g.path]
     for node in g.nodes:
+        if node.op_type == "Loop" and node.domain in ("", "ai.onnx") and node.subgraphs:
+            body = node.subgraphs[0][1]
+            n_carried = max(0, len(node.inputs) - 2)
+            trips = loop_trip_count(node, g)
+            for k, o in enumerate(node.outputs):
+                t = table.get(o)
+                b = shapes.types.get(body.path, {}).get(body.outputs[k + 1]) if k + 1 < len(body.outputs) else None
+                if not o or (t is not None and t.known) or b is None or not b.known:
+                    continue
+                if k < n_carried:
+                    table[o] = TensorShape(b.elem_type, list(b.dims))  # type: ignore[arg-type]
+                elif trips is not None:
+                    table[o] = TensorShape(b.elem_type, [trips, *b.dims])  # type: ignore[misc]
         if node.domain == "com.microsoft" and node.op_type == "MatMulNBits" and node.outputs:
             a = shapes.get(g, node.inputs[0])
             out = node.outputs[0]
@@ -268,6 +295,18 @@ def _contrib_shapes(g: og.OrtGraph, shapes: Shapes) -> None:
 
 # ------------------------------------------------------------------------------------ lifetimes
 WorkspaceFn = Callable[[og.OrtNode, Shapes], int]
+
+
+def kernel_temporaries(node: og.OrtNode, shapes: Shapes) -> int:
+    """Scratch buffers ORT 1.31.1's CPU kernels take from the arena while they run, beyond their outputs
+    (measured with ``mem_in_use_peak`` per node, ``bench/recompute/inplace.py``): ``Where`` selects X
+    and Y into two temporaries of the output's size before merging them (2x output). Element-wise,
+    Softmax, Expand, MatMul and the rest measured none."""
+    if node.op_type == "Where" and node.domain in ("", "ai.onnx") and node.outputs:
+        s = shapes.get(node.graph, node.outputs[0])
+        n = s.nbytes() if s is not None else None
+        return 2 * _granule(n) if n else 0
+    return 0
 
 
 @dataclass
@@ -283,6 +322,19 @@ class NodeActivation:
 
 
 @dataclass
+class Buffer:
+    """One arena buffer over its life: allocated when ``values[0]`` was produced at position ``start``,
+    freed after position ``end`` (inclusive; ``len(order)`` for graph outputs, which live to the end of
+    the run). ``values`` are every tensor sharing it (aliasing kernels, in-place writes)."""
+
+    root: str
+    nbytes: int
+    start: int
+    end: int
+    values: list[str] = field(default_factory=list)
+
+
+@dataclass
 class GraphActivation:
     graph: og.OrtGraph
     order: list[int]
@@ -290,6 +342,7 @@ class GraphActivation:
     rows: list[NodeActivation]
     unknown: list[UnknownShape]
     subgraph_peaks: dict[int, int] = field(default_factory=dict)
+    buffers: list[Buffer] = field(default_factory=list)  # every arena buffer of this graph, by start
 
 
 def value_bytes(g: og.OrtGraph, name: str, shapes: Shapes, unknown: dict[tuple[str, str], UnknownShape]) -> int:
@@ -312,13 +365,18 @@ def value_bytes(g: og.OrtGraph, name: str, shapes: Shapes, unknown: dict[tuple[s
 
 def graph_activation(g: og.OrtGraph, shapes: Shapes, order_kind: og.ExecutionOrder, workspace: WorkspaceFn,
                      unknown: dict[tuple[str, str], UnknownShape] | None = None,
-                     removed: frozenset[int] = frozenset()) -> GraphActivation:
+                     removed: frozenset[int] = frozenset(), order: Sequence[int] | None = None,
+                     inplace: Callable[[og.OrtNode], Sequence[int]] | None = None) -> GraphActivation:
     """Peak of the activations alive in ``g`` (subgraph peaks count as their node's workspace).
 
     ``removed`` holds ``id()`` of nodes ORT's optimizer turns into constants (folded chains, DQ nodes
-    fused into MatMulNBits): they never run and their outputs are weights, not activations."""
+    fused into MatMulNBits): they never run and their outputs are weights, not activations.
+    ``order`` (node indices of ``g``, a topological order) replaces ORT's ``order_kind`` order for this
+    graph only, so a planner can score a candidate order with the same rules (subgraphs keep
+    ``order_kind``). ``inplace(node)`` names the input slots whose dying buffer ``node``'s first output
+    may overwrite (None: any input of an op in ``INPLACE_OPS``, the estimator's rule)."""
     unknown = {} if unknown is None else unknown
-    order = [i for i in g.execution_order(order_kind) if id(g.nodes[i]) not in removed]
+    order = [i for i in (g.execution_order(order_kind) if order is None else order) if id(g.nodes[i]) not in removed]
     pos = {i: p for p, i in enumerate(order)}
     outputs = set(g.outputs)
     local_values = {o for n in g.nodes if id(n) not in removed for o in n.outputs if o}
@@ -343,6 +401,7 @@ def graph_activation(g: og.OrtGraph, shapes: Shapes, order_kind: og.ExecutionOrd
         if v in local_values:
             last_use[v] = end
     size: dict[str, int] = {}  # root -> bytes held
+    buffers: dict[str, Buffer] = {}  # root -> its life (the record returned)
     holders: dict[str, int] = {}  # root -> number of values still alive sharing it
     alive_until: dict[str, int] = {}
     live = 0
@@ -352,10 +411,11 @@ def graph_activation(g: og.OrtGraph, shapes: Shapes, order_kind: og.ExecutionOrd
     for p, i in enumerate(order):
         node = g.nodes[i]
         ws = workspace(node, shapes)
-        for _, sg in node.subgraphs:
-            sub = graph_activation(sg, shapes, order_kind, workspace, unknown, removed)
+        subs = [graph_activation(sg, shapes, order_kind, workspace, unknown, removed, inplace=inplace)
+                for _, sg in node.subgraphs]
+        for sub in subs:
             sub_peaks[i] = max(sub_peaks.get(i, 0), sub.peak_bytes)
-        ws += sub_peaks.get(i, 0)
+        ws += control_flow_workspace(node, g, subs, shapes, unknown) if subs else 0
         in_bytes = sum(value_bytes(g, v, shapes, unknown) for v in node.inputs if v and v in local_values
                        or (v in g.inputs))
         out_bytes = 0
@@ -373,16 +433,22 @@ def graph_activation(g: og.OrtGraph, shapes: Shapes, order_kind: og.ExecutionOrd
                 root[o] = find(src)  # a graph input or initializer aliased costs no arena memory either
                 holders[find(src)] = holders.get(find(src), 0) + 1
                 alive_until[o] = last_use.get(o, p)
+                if find(src) in buffers:
+                    buffers[find(src)].values.append(o)
                 continue
-            if k == 0 and node.op_type in INPLACE_OPS and o not in outputs:
-                reuse = _inplace_source(node, g, shapes, unknown, local_values, last_use, p, find, size, holders, outputs, b)
+            slots = None if inplace is None else inplace(node)
+            if k == 0 and o not in outputs and (node.op_type in INPLACE_OPS if slots is None else bool(slots)):
+                reuse = _inplace_source(node, g, shapes, unknown, local_values, last_use, p, find, size, holders, outputs, b,
+                                        slots)
                 if reuse is not None:
                     root[o] = reuse
                     holders[reuse] = holders.get(reuse, 0) + 1
                     alive_until[o] = last_use.get(o, p)
+                    buffers[reuse].values.append(o)
                     continue
             gb = _granule(b)
             size[o] = gb
+            buffers[o] = Buffer(o, gb, p, end, [o])
             holders[o] = 1
             alive_until[o] = last_use.get(o, p)  # an unused output dies right after its node
             live += gb
@@ -397,14 +463,85 @@ def graph_activation(g: og.OrtGraph, shapes: Shapes, order_kind: og.ExecutionOrd
                 holders[r] = holders.get(r, 1) - 1
                 if holders[r] <= 0 and r in size:
                     live -= size.pop(r)
-    return GraphActivation(g, order, peak, rows, list(unknown.values()), sub_peaks)
+                    buffers[r].end = p
+    return GraphActivation(g, order, peak, rows, list(unknown.values()), sub_peaks, list(buffers.values()))
+
+
+def _produced_output_bytes(sub: GraphActivation, shapes: Shapes, unknown: dict, names: Sequence[str]) -> int:
+    """Arena bytes of those of ``names`` (outputs of ``sub``) that a node of ``sub`` writes itself."""
+    sg = sub.graph
+    made = {o for n in sg.nodes for o in n.outputs if o}
+    return sum(_granule(value_bytes(sg, v, shapes, unknown)) for v in names if v and v in made)
+
+
+def loop_trip_count(node: og.OrtNode, g: og.OrtGraph) -> int | None:
+    """The Loop's ``M`` when it is a constant scalar whose bytes sit in the graph (<= 127 B stay in the
+    proto), else None (a run-time value)."""
+    if not node.inputs or not node.inputs[0]:
+        return None
+    hit = g.find_initializer(node.inputs[0])
+    if hit is None or hit[1].data_location == TensorProto.EXTERNAL:
+        return None
+    try:
+        from onnx import numpy_helper
+
+        return int(numpy_helper.to_array(hit[1]).reshape(-1)[0])
+    except Exception:  # noqa: BLE001 - not a readable scalar
+        return None
+
+
+def control_flow_workspace(node: og.OrtNode, g: og.OrtGraph, subs: list[GraphActivation], shapes: Shapes,
+                           unknown: dict) -> int:
+    """Arena bytes a node with subgraphs holds while it runs beyond its own outputs (which the caller
+    counts as new at this node). ORT 1.31.1, ``onnxruntime/core/providers/cpu/controlflow/``:
+
+    * ``If`` (if.cc ``IfImpl::Execute``): the branch's outputs are written straight into the If's
+      outputs through custom fetch allocators, so the branch peak already holds them: workspace =
+      branch peak - the branch outputs its own nodes write.
+    * ``Loop`` (loop.cc ``LoopImpl::Execute``): no custom fetch allocator ("loop carried variables
+      can change shape across iterations"); iteration k's fetches become iteration k+1's feeds
+      (``SaveOutputsAndUpdateFeeds``), so during iteration k >= 2 the previous carried values are alive
+      beside the body's peak, and the scan outputs of iterations 1..k-1 are kept for the final concat;
+      after the last iteration the carried values are copied into newly allocated Loop outputs
+      (``copy_tensor_from_mlvalue_to_output``) while the feeds (iteration N-1) and the fetches (N) are
+      still held, and the scan outputs are concatenated into an N x per-iteration output
+      (``ConcatenateLoopOutput``). Peak = max(body peak + carried + (N-1) x scans,
+      2 x carried + N x scans + the Loop's outputs); workspace = that - the Loop's outputs.
+    * anything else (Scan, ...): the largest subgraph peak.
+    """
+    op = node.op_type if node.domain in ("", "ai.onnx") else ""
+    if op == "If":
+        return max(max(0, s.peak_bytes - _produced_output_bytes(s, shapes, unknown, s.graph.outputs)) for s in subs)
+    if op != "Loop" or len(subs) != 1:
+        return max(s.peak_bytes for s in subs)
+    body = subs[0]
+    n_carried = max(0, len(node.inputs) - 2)
+    outs = body.graph.outputs
+    carried = sum(_granule(value_bytes(body.graph, v, shapes, unknown)) for v in outs[1:1 + n_carried] if v)
+    scans = sum(_granule(value_bytes(body.graph, v, shapes, unknown)) for v in outs[1 + n_carried:] if v)
+    loop_out = sum(_granule(value_bytes(g, o, shapes, unknown)) for o in node.outputs if o)
+    trips = loop_trip_count(node, g)
+    if trips is None:
+        trips = 2  # the carried state is the same from the second iteration on
+        scan_names = [o for o in node.outputs[n_carried:] if o]
+        if scans and scan_names:
+            unknown.setdefault((g.path, scan_names[0] + " (Loop trip count)"), UnknownShape(
+                g.path, scan_names[0], None, "Loop trip count is not a constant: scan outputs counted for 2 iterations"))
+    if trips <= 0:
+        return 0
+    prev = carried if trips >= 2 else 0  # iteration 1's feeds are the Loop's own inputs
+    during = body.peak_bytes + prev + (trips - 1) * scans
+    after = prev + carried + trips * scans + loop_out
+    return max(0, max(during, after) - loop_out)
 
 
 def _inplace_source(node, g, shapes, unknown, local_values, last_use, p, find, size, holders, outputs,
-                    nbytes) -> str | None:
+                    nbytes, slots=None) -> str | None:
     """The input buffer a MayInplace kernel would overwrite: same size, produced in this graph, no
     other holder left after this node, not a graph output."""
-    for v in node.inputs:
+    for k, v in enumerate(node.inputs):
+        if slots is not None and k not in slots:
+            continue
         if not v or v not in local_values or v in outputs:
             continue
         r = find(v)

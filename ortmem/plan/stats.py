@@ -234,35 +234,121 @@ def _arena_peak(events: list[dict]) -> int | None:
 def _liveness_peak(events: list[dict], by_label: dict[str, og.OrtNode]) -> int:
     """Bytes of tensors alive at each node, from each event's ``output_size`` and the optimized graph's
     consumers: a value lives until its last consumer ran (graph outputs to the end); outputs of
-    aliasing kernels (Reshape, Squeeze, Unsqueeze, Flatten, Identity) share their input's bytes."""
+    aliasing kernels (Reshape, Squeeze, Unsqueeze, Flatten, Identity) share their input's bytes.
+
+    Events are taken in completion order (``ts + dur``): a subgraph's nodes finish before their
+    parent's event does, once per execution of the subgraph; a new execution starts when a node already seen
+    in the current one shows up again. Within an execution a value dies at its last consumer there.
+    Subgraph outputs follow ORT 1.31.1's control-flow kernels (``core/providers/cpu/controlflow``):
+    an ``If`` branch's outputs *are* the If's outputs (custom fetch allocators), so the If's own
+    ``output_size`` adds nothing and they live as the If's outputs; a ``Loop`` body's carried outputs
+    are the next iteration's feeds (alive until that execution ends, the last ones until the Loop's
+    event, which copies them into the Loop's outputs), its scan outputs are kept until the Loop's
+    event. Any other parent: its subgraph outputs live until the parent's event."""
     from .activations import ALIAS_OPS
 
-    last: dict[str, int] = {}
-    for i, e in enumerate(events):
-        node = by_label.get(e["name"])
+    # completion order: a node with subgraphs starts before, and ends after, its subgraphs' nodes
+    events = sorted(events, key=lambda e: (e.get("ts", 0) + e.get("dur", 0)))
+    nodes = [by_label.get(e["name"]) for e in events]
+    parent_of: dict[int, og.OrtNode] = {}  # id(subgraph) -> the node owning it
+    for node in nodes:
         if node is not None:
-            for v in [*node.inputs, *node.implicit_inputs]:
-                last[v] = i
+            for _, sg in node.subgraphs:
+                parent_of[id(sg)] = node
+    # executions: (graph id) -> current execution's list of event indices
+    exec_of: list[int] = [-1] * len(events)
+    executions: list[list[int]] = []
+    current: dict[int, tuple[int, set[int]]] = {}
+    for i, node in enumerate(nodes):
+        if node is None:
+            continue
+        gid = id(node.graph)
+        cur = current.get(gid)
+        if cur is None or id(node) in cur[1]:
+            executions.append([])
+            cur = (len(executions) - 1, set())
+            current[gid] = cur
+        cur[1].add(id(node))
+        executions[cur[0]].append(i)
+        exec_of[i] = cur[0]
+        for _, sg in node.subgraphs:  # the parent finished: its subgraphs' next events start anew
+            current.pop(id(sg), None)
+    # death (event index after which a value instance is released), per (execution, value)
+    n = len(events)
+
+    def parent_event(x: int, node: og.OrtNode) -> int:
+        par = parent_of.get(id(node.graph))
+        last = executions[x][-1]
+        for j in range(last + 1, n):
+            if nodes[j] is par:
+                return j
+        return n
+
+    death: dict[tuple[int, str], int] = {}
+    share: dict[tuple[int, str], tuple[int, str]] = {}  # If branch output instance -> the If's output
+    for x, evs in enumerate(executions):
+        g = nodes[evs[0]].graph  # type: ignore[union-attr]
+        for i in evs:
+            node = nodes[i]
+            for v in [*node.inputs, *node.implicit_inputs]:  # type: ignore[union-attr]
+                if v:
+                    death[(x, v)] = i
+        if g.parent is None:
+            for v in g.outputs:
+                death[(x, v)] = n
+            continue
+        par = parent_of.get(id(g))
+        pe = parent_event(x, nodes[evs[0]])  # type: ignore[arg-type]
+        outs = g.outputs
+        if par is not None and par.op_type == "If":
+            for k, v in enumerate(outs):
+                if k < len(par.outputs) and par.outputs[k] and pe < n:
+                    share[(x, v)] = (exec_of[pe], par.outputs[k])
+            continue
+        if par is not None and par.op_type == "Loop":
+            n_carried = max(0, len(par.inputs) - 2)
+            nxt = [y for y in range(x + 1, len(executions)) if nodes[executions[y][0]].graph is g
+                   and executions[y][0] < pe]
+            for k, v in enumerate(outs):
+                # carried: fed to the next iteration, released when the one after it overwrites the
+                # feeds; the last two are held until the Loop copied them into its outputs
+                carried = 1 <= k <= n_carried
+                death[(x, v)] = executions[nxt[0]][-1] if carried and len(nxt) >= 2 else pe
+            continue
+        for v in outs:
+            death[(x, v)] = pe
     live, peak = 0, 0
-    sizes: dict[str, int] = {}
+    alive: dict[tuple[int, str], int] = {}  # (execution, value) -> bytes
+    shared_into: dict[tuple[int, str], int] = {}  # an If's output instance -> bytes its branch wrote
+    pending: dict[int, list[tuple[int, str]]] = {}
     for i, e in enumerate(events):
-        node = by_label.get(e["name"])
+        node = nodes[i]
         out = _int(e["args"], "output_size") or 0
         if node is None:
             peak = max(peak, live + out)
             continue
+        x = exec_of[i]
         outs = [o for o in node.outputs if o]
         if node.op_type in ALIAS_OPS and node.domain in ("", "ai.onnx"):
             out = 0
+        per = out // max(len(outs), 1)
         for o in outs:
-            sizes[o] = out // max(len(outs), 1)
-            if o in node.graph.outputs:
-                last[o] = len(events)
-        live += out
+            key = (x, o)
+            if key in shared_into:
+                b = shared_into.pop(key)  # already counted when the branch wrote it
+            else:
+                b = per
+                live += per
+            if key in share:  # a branch output: it lives on as the If's output
+                tgt = share[key]
+                shared_into[tgt] = shared_into.get(tgt, 0) + b
+                continue
+            alive[key] = b
+            pending.setdefault(death.get(key, i), []).append(key)
         peak = max(peak, live)
-        for v in list(sizes):
-            if last.get(v, i) <= i:
-                live -= sizes.pop(v)
+        for key in pending.pop(i, []):
+            if key in alive:
+                live -= alive.pop(key)
     return peak
 
 
