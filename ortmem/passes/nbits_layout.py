@@ -318,6 +318,17 @@ def _tile_transpose(T: np.ndarray, src: np.ndarray, X: np.ndarray) -> None:
         T64[:, i : i + 8] = X64[i : i + 8].T
 
 
+def _delta_swap(V: np.ndarray, t: np.ndarray, shift: int, mask) -> None:
+    """Swap the bit groups selected by ``mask`` with those ``shift`` bits above them, in place, in
+    every word of ``V`` (``t`` is same-shape scratch): the SWAR step of a lane transpose."""
+    np.right_shift(V, shift, out=t)
+    t ^= V
+    t &= mask
+    V ^= t
+    t <<= shift
+    V ^= t
+
+
 def _fast_chunk(src2: np.ndarray, r0: int, r1: int, c0: int, c1: int, bits: int, xor: int,
                 out2: np.ndarray, pad_mid: bool, scratch: np.ndarray) -> None:
     """Rows r0..r1 (r0 % 8 == 0), source byte columns c0..c1 -> out2 rows c0*p..c1*p."""
@@ -347,12 +358,7 @@ def _fast_chunk(src2: np.ndarray, r0: int, r1: int, c0: int, c1: int, bits: int,
         # Swap (row 2j, col 2c+1) <-> (row 2j+1, col 2c): then low byte = col 2c, high byte = col 2c+1.
         V = T.view(np.uint16)
         t = _view_as(tmp.view(np.uint16), V.shape)
-        np.right_shift(V, 4, out=t)
-        t ^= V
-        t &= np.uint16(0x00F0)
-        V ^= t
-        t <<= 4
-        V ^= t
+        _delta_swap(V, t, 4, np.uint16(0x00F0))
         Vo = V[:, : ob1 - ob0]
         if xor:  # re-bias fused into the copy-out: both bytes of the word get 0x88
             Vo ^= np.uint16(xor * 0x101)
@@ -363,18 +369,8 @@ def _fast_chunk(src2: np.ndarray, r0: int, r1: int, c0: int, c1: int, bits: int,
         # swap the off-diagonal 2x2 blocks (distance 12 bits), then the off-diagonal lanes (6 bits).
         V = T.view(np.uint32)
         t = _view_as(tmp.view(np.uint32), V.shape)
-        np.right_shift(V, 12, out=t)
-        t ^= V
-        t &= np.uint32(0x0000F0F0)
-        V ^= t
-        t <<= 12
-        V ^= t
-        np.right_shift(V, 6, out=t)
-        t ^= V
-        t &= np.uint32(0x00CC00CC)
-        V ^= t
-        t <<= 6
-        V ^= t
+        _delta_swap(V, t, 12, np.uint32(0x0000F0F0))
+        _delta_swap(V, t, 6, np.uint32(0x00CC00CC))
         Vo = V[:, : ob1 - ob0]
         if xor:
             Vo ^= np.uint32(xor * 0x01010101)
