@@ -122,7 +122,11 @@ SUBCOMMANDS: list[Callable] = [_add_inspect, _add_convert, _add_bench, _add_cach
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ortmem", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="ortmem",
+        description="Own the memory of ONNX model weights around ONNX Runtime: load without copies, "
+        "fuse QDQ models into MatMulNBits, measure and plan memory.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(sub)
