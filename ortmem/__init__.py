@@ -7,6 +7,8 @@ The public API fits on one screen:
   external-data references instead of bytes, so ORT never copies the weights;
 - :class:`Model`, :class:`WeightRef`, :class:`WeightState` describe what was loaded;
 - :func:`estimate` predicts memory from metadata alone; :func:`stats` measures it per node;
+- :class:`PipelineSession` runs a model partitioned over devices with memory budgets
+  (:func:`ortmem.plan.partition`, ``ortmem partition``);
 - :func:`allocator_hygiene` (a context manager) and :func:`trim` keep glibc from hoarding what ORT
   frees, for sessions created without ortmem;
 - :mod:`ortmem.errors` holds the exception hierarchy rooted at :class:`OrtmemError`.
@@ -18,13 +20,15 @@ from .errors import OrtmemError  # noqa: E402
 from .hygiene import allocator_hygiene, trim
 from .loader import load
 from .model import Model
+from .pipeline import PipelineSession
 from .plan.estimate import estimate
+from .plan.partition import partition
 from .plan.stats import stats
 from .session import InferenceSession
 from .weights import WeightRef, WeightState
 
 __all__ = [
-    "InferenceSession", "Model", "OrtmemError", "WeightRef", "WeightState",
-    "allocator_hygiene", "estimate", "load", "stats", "trim",
+    "InferenceSession", "Model", "OrtmemError", "PipelineSession", "WeightRef", "WeightState",
+    "allocator_hygiene", "estimate", "load", "partition", "stats", "trim",
 ]
 

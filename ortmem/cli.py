@@ -118,7 +118,16 @@ def _add_cache(sub) -> None:
     p.set_defaults(func=_cmd_cache)
 
 
-SUBCOMMANDS: list[Callable] = [_add_inspect, _add_convert, _add_bench, _add_cache, _add_estimate, _add_stats]
+def _add_partition(sub) -> None:
+    from .plan import partition_cli
+
+    p = sub.add_parser("partition", help="split a model over devices with memory budgets (stages + plan.json)")
+    partition_cli.add_partition_arguments(p)
+    p.set_defaults(func=partition_cli.main_partition)
+
+
+SUBCOMMANDS: list[Callable] = [_add_inspect, _add_convert, _add_bench, _add_cache, _add_estimate, _add_stats,
+                               _add_partition]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,5 +1,8 @@
 """Planning: memory estimates, per-node stats, device maps and partitioning, recompute."""
 from .device_map import PlanError, infer_device_map
 from .graph_modules import NodeCost, group_modules
+from .partition import PartitionPlan
 
-__all__ = ["NodeCost", "PlanError", "group_modules", "infer_device_map"]
+# ``partition`` (the function) is exported as ``ortmem.partition``: re-exporting it here would hide
+# the module ``ortmem.plan.partition`` behind a function of the same name.
+__all__ = ["NodeCost", "PartitionPlan", "PlanError", "group_modules", "infer_device_map"]

@@ -50,7 +50,8 @@ from onnx import AttributeProto, GraphProto, ModelProto
 from ..onnx_walk import node_label
 from .device_map import PlanError
 
-__all__ = ["ModuleTree", "NodeCost", "execution_order", "group_modules", "scope_of"]
+__all__ = ["ModuleTree", "NodeCost", "execution_order", "activation_peak", "group_modules", "leaf_modules",
+           "node_inputs", "scope_of"]
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,17 @@ def _unique(name: str, taken: set[str]) -> str:
     return f"{name}_{i}"
 
 
-def _leaf_modules(labels: Sequence[str], by: str) -> list[str]:
-    """The leaf module of each node (same order as ``labels``)."""
+def leaf_modules(labels: Sequence[str], by: str | Mapping[str, str]) -> list[str]:
+    """The leaf module of each node (same order as ``labels``).
+
+    ``by`` may also map every label to a dotted module name of the caller's choosing (a partitioner
+    that names scopes its own way, or glues nodes together); nodes given one name form one module.
+    """
+    if isinstance(by, Mapping):
+        missing = [label for label in labels if label not in by]
+        if missing:
+            raise PlanError(f"group_modules: no module given for node {missing[0]!r}")
+        return [by[label] for label in labels]
     if by == "node":
         taken: set[str] = {""}
         out = []
@@ -133,7 +143,7 @@ def _leaf_modules(labels: Sequence[str], by: str) -> list[str]:
             out.append(name)
         return out
     if by != "scope":
-        raise PlanError(f"group_modules: by must be 'scope' or 'node', got {by!r}")
+        raise PlanError(f"group_modules: by must be 'scope', 'node' or a mapping, got {by!r}")
     scopes = [scope_of(label) for label in labels]
     prefixes: set[str] = {""}
     has_sub: set[str] = set()
@@ -189,7 +199,7 @@ def _implicit_inputs(node: onnx.NodeProto) -> set[str]:
     return out
 
 
-def _node_inputs(graph: GraphProto) -> list[list[str]]:
+def node_inputs(graph: GraphProto) -> list[list[str]]:
     """Every value each node reads: explicit inputs, then names its subgraphs use from outside."""
     out = []
     for node in graph.node:
@@ -205,7 +215,7 @@ def execution_order(graph: GraphProto | ModelProto) -> list[int]:
     """Node indices in execution order: the file's order if it is topological, else Kahn's order
     preferring the lowest index (deterministic; ORT's own walk may differ only on unsorted files)."""
     g = _graph_of(graph)
-    inputs = _node_inputs(g)
+    inputs = node_inputs(g)
     producer = _producers(g)
     n = len(g.node)
     if all(producer.get(x, -1) < i for i, ins in enumerate(inputs) for x in ins):
@@ -306,8 +316,15 @@ def _peak(members: Sequence[int], inputs: Sequence[Sequence[int]], consumers: Se
     return peak
 
 
-def group_modules(graph: GraphProto | ModelProto, costs: Iterable[NodeCost], *, by: str = "scope") -> ModuleTree:
-    """Group ``graph``'s nodes into modules (``by="scope"`` or ``"node"``) and size every module.
+#: Public name of the liveness walk, for callers that size other node sets (a pipeline stage) the
+#: same way the modules are sized here.
+activation_peak = _peak
+
+
+def group_modules(graph: GraphProto | ModelProto, costs: Iterable[NodeCost], *,
+                  by: str | Mapping[str, str] = "scope") -> ModuleTree:
+    """Group ``graph``'s nodes into modules (``by="scope"``, ``"node"``, or a mapping from node label
+    to dotted module name, see :func:`leaf_modules`) and size every module.
 
     ``costs``: one :class:`NodeCost` per node, matched by name; nodes without one cost nothing.
     See the module docstring for what a module's bytes mean.
@@ -318,12 +335,12 @@ def group_modules(graph: GraphProto | ModelProto, costs: Iterable[NodeCost], *, 
     labels = [labels_all[i] for i in order]
     matched = _match_costs(labels_all, costs)
     cost = [matched[i] for i in order]
-    leaf = _leaf_modules(labels, by)
+    leaf = leaf_modules(labels, by)
 
     # values -> positions in execution order
     pos_of = {node_i: pos for pos, node_i in enumerate(order)}
     producer = {name: pos_of[i] for name, i in _producers(g).items()}
-    raw_inputs = _node_inputs(g)
+    raw_inputs = node_inputs(g)
     n = len(order)
     inputs: list[list[int]] = []
     consumers: list[list[int]] = [[] for _ in range(n)]

@@ -1,0 +1,112 @@
+"""``ortmem partition``: argument parsing and output, for ``ortmem/cli.py`` to wire in::
+
+    p = sub.add_parser("partition", help=...); add_partition_arguments(p); p.set_defaults(func=main_partition)
+
+``ortmem partition MODEL --device NAME=BYTES ... [--stats stats.csv] [--dim NAME=VALUE]... [--by scope|node]
+[--out DIR]``: devices in preference order (fastest first); BYTES is an integer with an optional unit
+(``512MiB``, ``2GB``, ``1.5GiB``; ``KB/MB/GB/TB`` are powers of 1000, ``KiB/MiB/GiB/TiB`` and the bare
+letters ``K/M/G/T`` powers of 1024). Exit codes: 0 planned, 1 nothing fits (the minimum each device
+would need is printed), 2 bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_BYTES = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """``"512MiB"`` -> 536870912; ``"2GB"`` -> 2000000000; ``"1024"`` -> 1024."""
+    m = _BYTES.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a byte count: {text!r} (examples: 1048576, 512MiB, 2GB, 1.5GiB)")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if "." not in m.group(1):
+        return int(m.group(1)) * _UNITS[m.group(2).lower()]
+    return int(round(value))
+
+
+def _device(text: str) -> tuple[str, int]:
+    name, sep, value = text.rpartition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=BYTES, got {text!r}")
+    try:
+        return name, parse_bytes(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _provider(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value:
+        raise argparse.ArgumentTypeError(f"expected DEVICE=PROVIDER, got {text!r}")
+    return name, value
+
+
+def _bytes_arg(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
+    from .estimate_cli import _dim
+
+    parser.add_argument("model", help="path to an .onnx file")
+    parser.add_argument("--device", type=_device, action="append", default=[], required=True, metavar="NAME=BYTES",
+                        help="a device and its memory budget, in preference order (repeatable), e.g. "
+                             "--device cuda:0=6GiB --device cpu=32GiB")
+    parser.add_argument("--stats", metavar="CSV", help="measured per-node memory (ortmem stats / ORT's node stats CSV)")
+    parser.add_argument("--dim", type=_dim, action="append", default=[], metavar="NAME=VALUE",
+                        help="value of a symbolic input dimension (repeatable), e.g. --dim batch=1 --dim seq=512")
+    parser.add_argument("--by", choices=("scope", "node"), default="scope",
+                        help="modules from name scopes (default) or one node each")
+    parser.add_argument("--out", metavar="DIR", help="write the stages, weights.bin, plan.json and the report here")
+    parser.add_argument("--provider", type=_provider, action="append", default=[], metavar="DEVICE=PROVIDER",
+                        help="execution provider for a device (default: from its name; unknown names run on the CPU)")
+    parser.add_argument("--cut-slack", type=float, default=0.02, metavar="F",
+                        help="share of a device's budget that fewer stages / fewer crossing tensors may cost (0.02)")
+    parser.add_argument("--overhead", type=_bytes_arg, default=None, metavar="BYTES",
+                        help="fixed bytes per stage session (default: measured CPU session cost; 0 elsewhere)")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="do not check CPU stages with the estimator (first-order costs only)")
+    parser.add_argument("--weights", choices=("auto", "link", "copy"), default="auto",
+                        help="hard-link the source's data file (auto where possible) or copy the weights once")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the report")
+
+
+def main_partition(args: argparse.Namespace) -> int:
+    from .device_map import PlanError
+    from .partition import partition
+
+    devices: dict[str, int] = {}
+    for name, b in args.device:
+        if name in devices:
+            print(f"ortmem partition: device {name!r} given twice", file=sys.stderr)
+            return 2
+        devices[name] = b
+    try:
+        plan = partition(args.model, devices, stats_csv=args.stats, dims=dict(args.dim), by=args.by, out_dir=args.out,
+                         providers_per_device=dict(args.provider) or None, cut_slack=args.cut_slack,
+                         stage_overhead=args.overhead, verify=not args.no_verify, weights=args.weights)
+    except PlanError as e:
+        print(f"ortmem partition: {e}", file=sys.stderr)
+        if e.needed:
+            print("minimum budget per device (the others unchanged):", file=sys.stderr)
+            for d, v in e.needed.items():
+                print(f"  {d}: {'no budget alone suffices' if v is None else f'{v:,} B'}", file=sys.stderr)
+        return 1
+    print(plan.to_json() if args.json else plan.report())
+    if args.out and not args.json:
+        print(f"\nwrote {args.out}: {len(plan.stages)} stage file(s), weights.bin ({plan.weights_mode}), plan.json, "
+              "report.txt, report.json")
+    return 0
