@@ -162,10 +162,75 @@ def _symbolic(m: onnx.ModelProto) -> onnx.ModelProto | None:
     c = onnx.ModelProto()
     c.CopyFrom(m)
     _externals_as_inputs(c.graph)
+    _shape_stand_ins(c.graph, _ranks(c))
     try:
         return SymbolicShapeInference.infer_shapes(c, auto_merge=True, guess_output_rank=False)
     except Exception:  # noqa: BLE001 - it gives up on some graphs (optional Loop inputs, unknown ops)
         return None
+
+
+_REDUCE_STAND_IN = {"ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare", "ReduceMax",
+                    "ReduceMin", "ReduceProd", "ReduceMean"}
+
+
+def _ranks(m: onnx.ModelProto) -> dict[str, int]:
+    """Ranks of main-graph values from ONNX's inference (enough to spell a Transpose)."""
+    out: dict[str, int] = {}
+    inferred = _infer(m)
+    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        t = _shape_of(vi.type)
+        if t is not None and t.dims is not None:
+            out[vi.name] = len(t.dims)
+    for t in m.graph.initializer:
+        out[t.name] = len(t.dims)
+    return out
+
+
+def _shape_stand_ins(g: onnx.GraphProto, ranks: Mapping[str, int] | None = None) -> None:
+    """Ops ORT's optimizer creates that ``symbolic_shape_infer`` has no rule for (it then gives up on
+    the whole graph), replaced in this private copy by standard ops of the same output shape:
+    ``FusedMatMul`` is a ``MatMul`` (``alpha`` scales values, not shapes), behind a ``Transpose`` of
+    the last two axes for ``transA``/``transB`` when the operand's rank is known; ``FusedConv`` is a
+    ``Conv`` (its activation is element-wise); a reduction with axes as an input is a ``ReduceSum``."""
+    ranks = ranks or {}
+    extra: list[tuple[int, onnx.NodeProto]] = []
+    for k, n in enumerate(g.node):
+        if n.domain == "com.microsoft" and n.op_type == "FusedMatMul":
+            flags = {a.name: a.i for a in n.attribute}
+            if flags.get("transBatchA") or flags.get("transBatchB"):
+                continue
+            pending: list[tuple[int, onnx.NodeProto]] = []
+            for slot, name in ((0, "transA"), (1, "transB")):
+                if not flags.get(name):
+                    continue
+                r = ranks.get(n.input[slot])
+                if r is None or r < 2:
+                    pending = []
+                    break
+                perm = list(range(r - 2)) + [r - 1, r - 2]
+                pending.append((slot, onnx.helper.make_node("Transpose", [n.input[slot]],
+                                                            [f"{n.input[slot]}__shape_T{k}"], perm=perm)))
+            else:
+                for slot, t in pending:
+                    extra.append((k, t))
+                    n.input[slot] = t.output[0]
+                n.domain, n.op_type = "", "MatMul"
+                del n.attribute[:]
+        elif n.domain in ("", "ai.onnx") and n.op_type in _REDUCE_STAND_IN and len(n.input) >= 2:
+            n.op_type = "ReduceSum"  # axes as an input (opset 18+): the one reduction the tool follows
+        elif n.domain == "com.microsoft" and n.op_type == "FusedConv":
+            keep = [a for a in n.attribute if a.name not in ("activation", "activation_params")]
+            del n.attribute[:]
+            n.attribute.extend(keep)
+            n.domain, n.op_type = "", "Conv"
+            del n.input[3:]  # the optional residual input Z
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                _shape_stand_ins(a.g)
+            for sg in a.graphs:
+                _shape_stand_ins(sg)
+    for k, t in reversed(extra):  # each Transpose right before the node that reads it
+        g.node.insert(k, t)
 
 
 def _externals_as_inputs(g: onnx.GraphProto) -> None:

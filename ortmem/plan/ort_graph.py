@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Iterator, Literal
+from typing import Iterator, Literal, Sequence
 
 from onnx import AttributeProto, GraphProto, NodeProto, TensorProto
 
@@ -247,13 +247,18 @@ class OrtGraph:
                     stack.append((j, False))
         return order
 
-    def _kahn_priority(self) -> list[int]:
+    def priority_order(self, rank: Sequence[int] | None = None) -> list[int]:
+        """``PRIORITY_BASED`` as ORT would run this graph if node ``i`` had index ``rank[i]``: what a
+        planner that rewrites the file order gets back from ORT (Shape/Size still jump the queue)."""
+        return self._kahn_priority(rank)
+
+    def _kahn_priority(self, rank: Sequence[int] | None = None) -> list[int]:
         n = len(self.nodes)
         indeg = [len(self.input_nodes(i)) for i in range(n)]
 
         def key(i: int) -> tuple[int, int, int]:
             high = self.nodes[i].op_type in ("Shape", "Size")
-            return (0 if high else 1, 0, i)
+            return (0 if high else 1, rank[i] if rank is not None else i, i)
 
         ready = [key(i) for i in range(n) if indeg[i] == 0]
         heapq.heapify(ready)
