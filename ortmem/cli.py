@@ -126,8 +126,16 @@ def _add_partition(sub) -> None:
     p.set_defaults(func=partition_cli.main_partition)
 
 
+def _add_recompute(sub) -> None:
+    from .plan import recompute_cli
+
+    p = sub.add_parser("recompute", help="lower the activation peak: recompute cheap tensors, reorder nodes")
+    recompute_cli.add_recompute_arguments(p)
+    p.set_defaults(func=recompute_cli.main_recompute)
+
+
 SUBCOMMANDS: list[Callable] = [_add_inspect, _add_convert, _add_bench, _add_cache, _add_estimate, _add_stats,
-                               _add_partition]
+                               _add_partition, _add_recompute]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,6 +50,7 @@ class Handoff:
     source: Optional[Model] = None
     tempdir: Optional[Path] = None
     memory: Optional[InMemoryConversion] = None
+    extra_tempdirs: list[Path] = field(default_factory=list)
 
     def register(self, options) -> None:
         if self.memory is not None:
@@ -67,9 +68,23 @@ class Handoff:
         self.cleanup()
 
     def cleanup(self) -> None:
-        if self.tempdir is not None:
-            shutil.rmtree(self.tempdir, ignore_errors=True)
-            self.tempdir = None
+        for d in [self.tempdir, *self.extra_tempdirs]:
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
+        self.tempdir, self.extra_tempdirs = None, []
+
+    def skeleton(self) -> onnx.ModelProto:
+        """The weightless ModelProto ORT is about to be given (parsed from the path or the bytes)."""
+        if isinstance(self.model, str):
+            return onnx.load(self.model, load_external_data=False)
+        return onnx.ModelProto.FromString(self.model)
+
+    @property
+    def folder(self) -> Optional[str]:
+        """Where the external data of :meth:`skeleton` lives."""
+        if FOLDER_KEY in self.config:
+            return self.config[FOLDER_KEY]
+        return str(Path(self.model).resolve().parent) if isinstance(self.model, str) else None
 
 
 #: Execution providers for which ORT itself applies DQMatMulToMatMulNBits, so rewriting ahead of

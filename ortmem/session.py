@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -37,6 +38,11 @@ class InferenceSession(ort.InferenceSession):
       ORT borrows (no file written; a higher peak, see ``ortmem.inmemory``);
     - ``trim``: keep glibc from hoarding what conversion and ORT free during creation, and give it
       back afterwards (:func:`ortmem.hygiene.allocator_hygiene`; default True; a no-op off glibc);
+    - ``recompute``: lower the activation peak by recomputing cheap tensors and reordering nodes
+      (``True``/``"auto"``, a budget in bytes, a plan string from ``ortmem recompute``, ``"order"``, or a
+      dict; see :func:`ortmem.plan.recompute.apply_for_session`), planned for ``dims`` (symbolic
+      dimension sizes). A model written by ``ortmem recompute`` always runs with the execution order
+      and optimizer settings it records;
     - ``progress``: ``callable(done_bytes, total_bytes, name)`` called while converting.
 
     ``self.ortmem_report`` tells what was converted (None when nothing was, or on a cache hit) and
@@ -53,6 +59,8 @@ class InferenceSession(ort.InferenceSession):
         convert: bool = True,
         cache: Union[bool, str, os.PathLike] = True,
         trim: bool = True,
+        recompute: Any = None,
+        dims: Optional[dict[str, int]] = None,
         progress: Optional[Callable[[int, int, str], None]] = None,
         **kwargs: Any,
     ) -> None:
@@ -69,6 +77,7 @@ class InferenceSession(ort.InferenceSession):
             self.ortmem_report = options.report
             self.ortmem_cache_hit = options.cache_hit
             try:
+                self.ortmem_recompute = _recompute_changes(self._ortmem_handoff, recompute, dims)
                 super().__init__(self._ortmem_handoff.model, sess_options, providers, provider_options, **kwargs)
             finally:
                 self._ortmem_handoff.after_create()
@@ -77,12 +86,22 @@ class InferenceSession(ort.InferenceSession):
         # Called by ORT's __init__ and again by its EP fallback (_reset_session): both need the
         # handoff's config entries, and neither may leave them in the user's options.
         user_options = self._sess_options_initial
-        with scoped_config(user_options, self._ortmem_handoff.config) as options:
+        changes = getattr(self, "ortmem_recompute", None) or {}
+        config = dict(self._ortmem_handoff.config)
+        for key, value in (changes.get("session_config") or {}).items():
+            from .plan.recompute import merge_config_value
+
+            config[key] = merge_config_value(key, str(value), get_config(user_options, key) if user_options else None)
+        with scoped_config(user_options, config) as options:
             self._ortmem_handoff.register(options)
             self._sess_options = options
+            previous_order = options.execution_order
+            if "execution_order" in changes:
+                options.execution_order = getattr(ort.ExecutionOrder, str(changes["execution_order"]))
             try:
                 super()._create_inference_session(providers, provider_options, disabled_optimizers)
             finally:
+                options.execution_order = previous_order
                 if self._sess_options is options and options is user_options:
                     self._sess_options = user_options
 
@@ -97,3 +116,30 @@ def _gpu_providers(providers: Optional[Sequence[Any]]) -> bool:
     """CUDA and DML run a fused fp16 MatMulNBits in fp16; the CPU EP runs it in fp32."""
     names = [p if isinstance(p, str) else p[0] for p in (providers or ())]
     return any(n in ("CUDAExecutionProvider", "DmlExecutionProvider") for n in names)
+
+
+def _recompute_changes(handoff: "_handoff.Handoff", recompute: Any, dims: Optional[dict[str, int]]) -> dict[str, Any]:
+    """Plan or replay a recompute rewrite on what ORT is about to get; returns the session changes.
+
+    A model rewritten by ``ortmem recompute`` records its execution order and optimizer settings in
+    its metadata: those apply whether or not ``recompute`` is given. A new plan is made on ORT's
+    optimized graph, written into a temporary folder that goes once the session exists.
+    """
+    from .errors import OrtmemError
+    from .plan import recompute as rc
+
+    if handoff.memory is not None:
+        if recompute not in (None, False):
+            raise OrtmemError("recompute= needs the converted model on disk: use cache=True (the default)")
+        return {}
+    skeleton = handoff.skeleton()
+    recorded = rc.recorded_settings(skeleton)
+    if recorded or recompute in (None, False):
+        return recorded
+    workdir = Path(tempfile.mkdtemp(prefix="ortmem-recompute-"))
+    handoff.extra_tempdirs.append(workdir)
+    new_model, changes = rc.apply_for_session(skeleton, recompute, dims, folder=handoff.folder, workdir=workdir)
+    if changes:
+        handoff.model = new_model.SerializeToString()
+        handoff.config[_handoff.FOLDER_KEY] = str(changes.get("model_folder") or handoff.folder)
+    return changes

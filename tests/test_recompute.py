@@ -320,3 +320,32 @@ def test_cli(tiny_llama, tmp_path, capsys):
     assert parse_bytes("64MiB") == 64 << 20 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("4096") == 4096
     with pytest.raises(argparse.ArgumentTypeError):
         parse_bytes("lots")
+
+
+def test_session_hook_applies_recompute(tiny_llama):
+    """`ortmem.InferenceSession(..., recompute=True)` rewrites, runs with the recorded order and
+    settings, gives ORT's outputs bit for bit, and leaves the user's options as they were."""
+    import ortmem
+    from ortmem.measure.inputs import make_inputs
+
+    dims = {"batch": 2, "seq": 64}
+    so = ort.SessionOptions()
+    plain = ort.InferenceSession(str(tiny_llama), providers=["CPUExecutionProvider"])
+    feeds = make_inputs(plain, {"dims": dims})
+    expected = plain.run(None, feeds)
+    sess = ortmem.InferenceSession(tiny_llama, so, recompute=True, dims=dims)
+    assert sess.ortmem_recompute.get("execution_order") in ("DEFAULT", "PRIORITY_BASED")
+    assert sess.get_session_options().get_session_config_entry(rc.DISABLE_OPTIMIZERS_KEY) == rc.CSE
+    got = sess.run(None, feeds)
+    assert all(np.array_equal(a, b) for a, b in zip(expected, got))
+    assert so.execution_order == ort.ExecutionOrder.DEFAULT
+    try:
+        left = so.get_session_config_entry(rc.DISABLE_OPTIMIZERS_KEY)
+    except Exception:  # noqa: BLE001 - absent key
+        left = ""
+    assert left == ""
+    # a model written by `ortmem recompute` runs with what it records, without asking
+    rewritten, changes = rc.apply_for_session(load_proto(str(tiny_llama)), True, dims)
+    again = ortmem.InferenceSession(rewritten)
+    assert again.ortmem_recompute == changes
+    assert all(np.array_equal(a, b) for a, b in zip(expected, again.run(None, feeds)))
