@@ -75,6 +75,8 @@ class Handoff:
 
     def skeleton(self) -> onnx.ModelProto:
         """The weightless ModelProto ORT is about to be given (parsed from the path or the bytes)."""
+        if self.source is not None and self.source.pristine and self.model == str(self.source.path):
+            return self.source.skeleton  # already parsed by the loader
         if isinstance(self.model, str):
             return onnx.load(self.model, load_external_data=False)
         return onnx.ModelProto.FromString(self.model)

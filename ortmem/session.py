@@ -118,6 +118,10 @@ def _gpu_providers(providers: Optional[Sequence[Any]]) -> bool:
     return any(n in ("CUDAExecutionProvider", "DmlExecutionProvider") for n in names)
 
 
+#: Metadata prefix of a model rewritten by ``ortmem recompute`` (``ortmem.plan.recompute.META_PREFIX``).
+RECOMPUTE_METADATA = "ortmem.recompute."
+
+
 def _recompute_changes(handoff: "_handoff.Handoff", recompute: Any, dims: Optional[dict[str, int]]) -> dict[str, Any]:
     """Plan or replay a recompute rewrite on what ORT is about to get; returns the session changes.
 
@@ -126,13 +130,16 @@ def _recompute_changes(handoff: "_handoff.Handoff", recompute: Any, dims: Option
     optimized graph, written into a temporary folder that goes once the session exists.
     """
     from .errors import OrtmemError
-    from .plan import recompute as rc
 
     if handoff.memory is not None:
         if recompute not in (None, False):
             raise OrtmemError("recompute= needs the converted model on disk: use cache=True (the default)")
         return {}
     skeleton = handoff.skeleton()
+    if recompute in (None, False) and not any(p.key.startswith(RECOMPUTE_METADATA) for p in skeleton.metadata_props):
+        return {}  # the common case: nothing to plan, nothing recorded (and no planner imported)
+    from .plan import recompute as rc
+
     recorded = rc.recorded_settings(skeleton)
     if recorded or recompute in (None, False):
         return recorded
