@@ -20,16 +20,13 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from .weights import page_align
+
 MS_DOMAIN = "com.microsoft"
 BORROW_KEY = "session.use_external_initializer_file_buffers_directly"
-PAGE = mmap.PAGESIZE
 
 #: MatMulNBits input positions.
 B, SCALES, ZERO_POINTS = 1, 2, 3
-
-
-def _align(n: int) -> int:
-    return -(-n // PAGE) * PAGE
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,7 +46,7 @@ def matmulnbits_unread_inputs(bits: int, block_size: int, accuracy_level: int, s
     offsets, size = {}, 0
     for pos, a in arrays.items():
         offsets[pos] = size
-        size = _align(size + a.nbytes)
+        size = page_align(size + a.nbytes)
     buf = mmap.mmap(-1, size)
     inits = []
     for pos, a in arrays.items():

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, Optional
 import platformdirs
 
 from .errors import CacheError
+from .weights import PAGE
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,6 @@ MANIFEST = "manifest.json"
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.bin"
 FORMAT = 1
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def cache_root() -> Path:
@@ -43,10 +43,6 @@ def cache_root() -> Path:
     path = Path(root) if root else Path(platformdirs.user_cache_dir("ortmem"))
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def align(n: int, to: int = PAGE) -> int:
-    return -(-n // to) * to
 
 
 def make_key(parts: dict[str, Any]) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -44,30 +45,6 @@ def _dim(text: str) -> tuple[str, int]:
     from .plan.estimate_cli import _dim as parse
 
     return parse(text)
-
-
-def _add_estimate(sub) -> None:
-    from .plan import estimate_cli
-
-    p = sub.add_parser("estimate", help="predict session-creation and activation memory from metadata alone")
-    estimate_cli.add_estimate_arguments(p)
-    p.set_defaults(func=estimate_cli.main_estimate)
-
-
-def _add_stats(sub) -> None:
-    from .plan import estimate_cli
-
-    p = sub.add_parser("stats", help="run the model and record per-node memory (ORT's CSV format)")
-    estimate_cli.add_stats_arguments(p)
-    p.set_defaults(func=estimate_cli.main_stats)
-
-
-def _add_bench(sub) -> None:
-    from .measure import bench
-
-    p = sub.add_parser("bench", help="measure session creation (memory, time) per strategy, each in fresh processes")
-    bench.add_arguments(p)
-    p.set_defaults(func=bench.main)
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -118,24 +95,33 @@ def _add_cache(sub) -> None:
     p.set_defaults(func=_cmd_cache)
 
 
-def _add_partition(sub) -> None:
-    from .plan import partition_cli
+#: Subcommands whose arguments and main live in the module that owns the stage:
+#: (name, module, add-arguments function, main function, help).
+DELEGATED = [
+    ("bench", "ortmem.measure.bench", "add_arguments", "main",
+     "measure session creation (memory, time) per strategy, each in fresh processes"),
+    ("estimate", "ortmem.plan.estimate_cli", "add_estimate_arguments", "main_estimate",
+     "predict session-creation and activation memory from metadata alone"),
+    ("stats", "ortmem.plan.estimate_cli", "add_stats_arguments", "main_stats",
+     "run the model and record per-node memory (ORT's CSV format)"),
+    ("partition", "ortmem.plan.partition_cli", "add_partition_arguments", "main_partition",
+     "split a model over devices with memory budgets (stages + plan.json)"),
+    ("recompute", "ortmem.plan.recompute_cli", "add_recompute_arguments", "main_recompute",
+     "lower the activation peak: recompute cheap tensors, reorder nodes"),
+]
 
-    p = sub.add_parser("partition", help="split a model over devices with memory budgets (stages + plan.json)")
-    partition_cli.add_partition_arguments(p)
-    p.set_defaults(func=partition_cli.main_partition)
+
+def _delegate(name: str, module: str, add: str, run: str, help: str) -> Callable:
+    def add_parser(sub) -> None:
+        owner = importlib.import_module(module)
+        p = sub.add_parser(name, help=help)
+        getattr(owner, add)(p)
+        p.set_defaults(func=getattr(owner, run))
+
+    return add_parser
 
 
-def _add_recompute(sub) -> None:
-    from .plan import recompute_cli
-
-    p = sub.add_parser("recompute", help="lower the activation peak: recompute cheap tensors, reorder nodes")
-    recompute_cli.add_recompute_arguments(p)
-    p.set_defaults(func=recompute_cli.main_recompute)
-
-
-SUBCOMMANDS: list[Callable] = [_add_inspect, _add_convert, _add_bench, _add_cache, _add_estimate, _add_stats,
-                               _add_partition, _add_recompute]
+SUBCOMMANDS: list[Callable] = [_add_inspect, _add_convert, _add_cache] + [_delegate(*d) for d in DELEGATED]
 
 
 def build_parser() -> argparse.ArgumentParser:

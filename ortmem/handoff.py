@@ -195,8 +195,5 @@ def _spill(write, convert: Optional[ConvertOptions] = None) -> Handoff:
     except BaseException:
         shutil.rmtree(tempdir, ignore_errors=True)
         raise
-    if handoff.tempdir is not None:  # converted into its own temporary folder: ours is no longer read
-        shutil.rmtree(tempdir, ignore_errors=True)
-    else:
-        handoff.tempdir = tempdir
+    handoff.tempdir = tempdir
     return handoff

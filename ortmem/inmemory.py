@@ -25,13 +25,10 @@ import numpy as np
 
 from .borrowing import BORROW_KEY, B, SCALES, ZERO_POINTS, matmulnbits_unread_inputs
 from .model import Model
+from .weights import page_align
 from .passes.dq_matmul import ConversionPlan, Progress, convert_into_memory, rewrite_skeleton
 
 log = logging.getLogger(__name__)
-
-
-def _align(n: int) -> int:
-    return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 @dataclass
@@ -104,7 +101,7 @@ def convert_in_memory(model: Model, plan: ConversionPlan, *, progress: Optional[
                                                r.zero_points is not None)
             for pos, t in ((B, r.B), (SCALES, r.scales), (ZERO_POINTS, r.zero_points)):
                 if t is not None and pos in unread:
-                    conv.releasable.append((t.offset, _align(t.nbytes)))
+                    conv.releasable.append((t.offset, page_align(t.nbytes)))
     return conv
 
 

@@ -32,6 +32,12 @@ from .errors import WeightStateError
 PAGE = mmap.PAGESIZE
 
 
+def page_align(n: int) -> int:
+    """``n`` rounded up to a whole page: every tensor ortmem writes or hands over starts on a page, so
+    ORT can map it, and borrow it as naturally aligned for any dtype."""
+    return -(-n // PAGE) * PAGE
+
+
 class WeightState(str, enum.Enum):
     MAPPED = "mapped"
     CONVERTED = "converted"

@@ -27,7 +27,7 @@ from ..dtypes import dtype_info
 from ..errors import ConversionError
 from ..model import Model
 from ..onnx_walk import iter_graphs, iter_tensor_sites, is_external, node_label
-from ..weights import PAGE, WeightRef
+from ..weights import WeightRef, page_align
 from . import dq_gather
 from . import nbits_layout as nb
 from .dq_gather import GatherRewrite
@@ -37,10 +37,6 @@ MS_DOMAIN = "com.microsoft"
 WEIGHTS_FILE = "weights.bin"
 
 Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, tensor name)
-
-
-def _align(n: int) -> int:
-    return -(-n // PAGE) * PAGE
 
 
 @dataclass
@@ -348,7 +344,7 @@ def _layout(plan: ConversionPlan) -> None:
     for t in _out_tensors(plan):
         if t.location is None:
             t.offset = offset
-            offset = _align(offset + t.nbytes)
+            offset = page_align(offset + t.nbytes)
     plan.size = offset
 
 
@@ -539,11 +535,11 @@ class _FileSink:
         self.scratch.lock.release()
 
     def views(self, outs: list[OutTensor], dtypes: list) -> list[np.ndarray]:
-        buf = self.scratch.take(sum(_align(t.nbytes) for t in outs))
+        buf = self.scratch.take(sum(page_align(t.nbytes) for t in outs))
         views, pos = [], 0
         for t, dt in zip(outs, dtypes):
             views.append(buf[pos : pos + t.nbytes].view(dt).reshape(_view_shape(t, dt)))
-            pos += _align(t.nbytes)
+            pos += page_align(t.nbytes)
         return views
 
     def commit(self, outs: list[OutTensor], views: list[np.ndarray]) -> None:
