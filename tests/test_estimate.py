@@ -261,3 +261,17 @@ def test_embedded_subgraph_initializer_held_in_node_attributes(tmp_path, rng):
     outer = estimate(_save(_loop_model(body, B=1, outer_inits=[W]), tmp_path / "outer.onnx"))
     d = local.ort.after_create_bytes_with_hygiene - outer.ort.after_create_bytes_with_hygiene
     assert d == 2 * 4 * 1024 * 1024
+
+
+def test_incomplete_symbolic_inference_writes_nothing_to_the_working_directory(tmp_path, monkeypatch):
+    """ORT's ``symbolic_shape_infer`` saves ``sym_shape_infer_temp.onnx`` into the current directory
+    whenever it cannot finish; ortmem must give up silently instead (no write the user did not ask for)."""
+    from ortmem.plan.activations import _symbolic
+
+    m = _model([helper.make_node("Mystery", ["x"], ["y"], domain="example.unknown")],
+               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [])
+    m.opset_import.append(helper.make_opsetid("example.unknown", 1))
+    monkeypatch.chdir(tmp_path)
+    assert _symbolic(m) is None
+    assert list(tmp_path.iterdir()) == []

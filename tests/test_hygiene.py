@@ -614,6 +614,9 @@ def test_bench_16x4096_int4(tmp_path: Path) -> None:
         print(f"{model:6} {mode:8} {m['peak'] / MiB:8.0f}  {m['after'] / MiB:9.0f}  {m['trimmed'] / MiB:14.0f}"
               f"  {m['init_s']:6.2f}   {peaks}")
     plain, clean, native = med[("qdq", "plain")], med[("qdq", "hygiene")], med[("twin", "plain")]
-    assert clean["peak"] <= plain["peak"] - 100 * MiB  # measured 493 -> 309 MiB
-    assert clean["after"] <= plain["after"] - 100 * MiB  # measured 493 -> 299 MiB
+    # How much plain ORT keeps depends on glibc's heap layout and varies between machines and runs
+    # (measured 493 -> 309 MiB peak on one, 409 -> 307 on another; 160 MiB of weights): the claim is
+    # that hygiene removes a large part of it, with margin for that spread, and lands on the twin.
+    assert clean["peak"] <= plain["peak"] - 48 * MiB
+    assert clean["after"] <= plain["after"] - 48 * MiB
     assert clean["after"] <= native["after"] + 16 * MiB  # hygiene closes the gap to the native twin

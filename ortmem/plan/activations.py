@@ -164,9 +164,23 @@ def _symbolic(m: onnx.ModelProto) -> onnx.ModelProto | None:
     _externals_as_inputs(c.graph)
     _shape_stand_ins(c.graph, _ranks(c))
     try:
-        return SymbolicShapeInference.infer_shapes(c, auto_merge=True, guess_output_rank=False)
+        return _infer_without_dump(SymbolicShapeInference, c)
     except Exception:  # noqa: BLE001 - it gives up on some graphs (optional Loop inputs, unknown ops)
         return None
+
+
+def _infer_without_dump(tool: type, m: onnx.ModelProto) -> onnx.ModelProto | None:
+    """``SymbolicShapeInference.infer_shapes`` minus its last step: when inference is incomplete the
+    tool saves ``sym_shape_infer_temp.onnx`` into the current directory before raising, a write
+    the user never asked for. Same loop as the tool's own (``onnxruntime/tools/symbolic_shape_infer.py``);
+    an incomplete result is ``None``, as the tool's exception was."""
+    sym = tool(2**31 - 1, True, False, 0)  # int_max, auto_merge, guess_output_rank, verbose
+    complete = False
+    sym._preprocess(m)
+    while sym.run_:
+        complete = sym._infer_impl()
+    sym._update_output_from_vi()
+    return sym.out_mp_ if complete else None
 
 
 _REDUCE_STAND_IN = {"ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare", "ReduceMax",
