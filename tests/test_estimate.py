@@ -275,3 +275,36 @@ def test_incomplete_symbolic_inference_writes_nothing_to_the_working_directory(t
     monkeypatch.chdir(tmp_path)
     assert _symbolic(m) is None
     assert list(tmp_path.iterdir()) == []
+
+
+def test_activation_rules_match_ort_run(tmp_path, rng):
+    """In-place reuse follows ORT 1.31.1's CPU rule (Relu writes into its dying input, Add/Div/Mul never
+    do), the erf-form GELU with its bias Add runs as one BiasGelu kernel, Where takes 2x scratch: the
+    estimator's activation peak equals the live tensor bytes ``ortmem stats`` measures on a real run."""
+    from ortmem.plan.stats import stats
+
+    n = 256
+    c = lambda name, v: numpy_helper.from_array(np.array(v, np.float32), name)  # noqa: E731
+    gelu = [helper.make_node("MatMul", ["x", "W1"], ["h"], name="up"),
+            helper.make_node("Add", ["h", "b1"], ["hb"], name="bias"),
+            helper.make_node("Div", ["hb", "sqrt2"], ["d"], name="div"),
+            helper.make_node("Erf", ["d"], ["e"], name="erf"),
+            helper.make_node("Add", ["e", "one"], ["e1"], name="add1"),
+            helper.make_node("Mul", ["hb", "e1"], ["m"], name="mul"),
+            helper.make_node("Mul", ["m", "half"], ["g"], name="half_mul"),
+            helper.make_node("MatMul", ["g", "W2"], ["y1"], name="down"),
+            helper.make_node("Relu", ["y1"], ["r"], name="relu"),
+            helper.make_node("Add", ["r", "x"], ["s"], name="residual"),
+            helper.make_node("Neg", ["s"], ["y"], name="neg")]
+    inits = [_w(rng, "W1", (n, 4 * n)), _w(rng, "b1", (4 * n,)), _w(rng, "W2", (4 * n, n)),
+             c("sqrt2", 2 ** 0.5), c("one", 1.0), c("half", 0.5)]
+    m = _model(gelu, [helper.make_tensor_value_info("x", F, ["batch", n])],
+               [helper.make_tensor_value_info("y", F, ["batch", n])], inits)
+    path = _save(m, tmp_path / "gelu.onnx")
+    dims = {"batch": 8}
+    e = estimate(path, dims=dims)
+    measured = stats(path, dims=dims, runs=1).liveness_peak_bytes
+    assert e.activation_peak_bytes == measured
+    # the MatMul output and the BiasGelu output are alive together; the GELU's inner tensors never exist
+    h = 8 * 4 * n * 4
+    assert 2 * h <= e.activation_peak_bytes < 3 * h

@@ -8,7 +8,8 @@ order ORT executes nodes in (:mod:`ortmem.plan.ort_graph`).
 
 What ORT's allocation planner does that is modelled (``onnxruntime/core/framework/allocation_planner.cc``):
 aliasing kernels (Reshape, Squeeze, Unsqueeze, Flatten, Identity) share their input's buffer; a
-``MayInplace`` kernel (element-wise ops) writes into an input buffer whose last use it is; graph inputs
+``MayInplace(0, 0)`` kernel (on ORT 1.31.1's CPU EP only the activation functions and Softmax, see
+:data:`ORT_CPU_INPLACE_OPS`) writes into input 0's buffer when this is its last use; graph inputs
 (fed by the caller) and initializers are not activations; graph outputs live to the end of the run.
 Sizes are rounded up to the arena's 256-byte granule. Known per-node workspace: a MatMulNBits whose
 weight is not pre-packed dequantizes B into a K*N*4-byte buffer on every run; a packed one quantizes
@@ -30,19 +31,13 @@ from . import ort_graph as og
 ARENA_GRANULE = 256
 
 ALIAS_OPS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
-INPLACE_OPS = {
-    "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Elu", "Selu", "HardSigmoid", "Softplus", "Softsign", "Erf",
-    "Exp", "Log", "Neg", "Abs", "Sqrt", "Reciprocal", "Floor", "Ceil", "Clip", "Add", "Sub", "Mul", "Div",
-    "Pow", "Gelu", "FastGelu", "QuickGelu", "BiasGelu", "Sum", "Where", "Not", "Cast",
-}
-
 #: Kernels that declare ``MayInplace(0, 0)`` on ORT 1.31.1's CPU EP, measured one op at a time on a
 #: fresh 4 MiB activation with static shapes (``bench/recompute/inplace.py``): the activation
 #: functions and Softmax/LogSoftmax. The binary element-wise ops (Add, Sub, Mul, Div, Pow, Sum, Max)
 #: and Neg, Sqrt, Exp, Log, Erf, Abs, Floor, Ceil, Reciprocal, Gelu/FastGelu/QuickGelu and Dropout
 #: always allocate a new output. ORT's planner (``allocation_planner.cc``) also needs the input's and
 #: output's shapes to be provably equal (same dim values or the same non-empty dim_param), see
-#: :func:`ortmem.plan.liveness.context`. ``INPLACE_OPS`` above is the estimator's own (older) set.
+#: :meth:`ortmem.plan.liveness.Context.inplace_slots`, the one rule the estimator and the planners share.
 ORT_CPU_INPLACE_OPS = frozenset({
     "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Softplus", "Softsign", "Elu", "Selu", "Celu", "HardSigmoid",
     "ThresholdedRelu", "Shrink", "Clip", "Softmax", "LogSoftmax",
@@ -372,6 +367,101 @@ def _contrib_shapes(g: og.OrtGraph, shapes: Shapes) -> None:
                 table[out] = TensorShape(a.elem_type, [*a.dims[:-1], _attr_int(node.proto, "N")])
 
 
+# ------------------------------------------------------------------------------------ fusions
+def _scalar(g: og.OrtGraph, name: str) -> float | None:
+    """The value of a one-element constant whose bytes are in the graph, else None."""
+    hit = g.find_initializer(name) if name else None
+    if hit is None or hit[1].data_location == TensorProto.EXTERNAL:
+        return None
+    try:
+        from onnx import numpy_helper
+
+        a = numpy_helper.to_array(hit[1])
+        return float(a.reshape(-1)[0]) if a.size == 1 else None
+    except Exception:  # noqa: BLE001 - not a readable number
+        return None
+
+
+def _only_consumer(g: og.OrtGraph, value: str, op: str) -> og.OrtNode | None:
+    """The single node reading ``value`` when it is a default-domain ``op`` and ``value`` is no graph output."""
+    users = g.consumers.get(value, [])
+    if len(users) != 1 or value in g.outputs or g.implicit_users.get(value):
+        return None
+    n = g.nodes[users[0][0]]
+    return n if n.op_type == op and n.domain in ("", "ai.onnx") else None
+
+
+def _other_input(node: og.OrtNode, value: str) -> str | None:
+    ins = [v for v in node.inputs if v]
+    if len(ins) != 2 or value not in ins:
+        return None
+    return ins[1] if ins[0] == value else ins[0]
+
+
+def _near(v: float | None, target: float, tol: float = 1e-3) -> bool:
+    return v is not None and abs(v - target) <= tol * max(1.0, abs(target))
+
+
+def ort_fusions(root: og.OrtGraph) -> dict[int, int]:
+    """Element-wise chains ORT's level-2 optimizer replaces by one kernel on the CPU EP, as
+    ``{id(inner node): id(last node)}`` for :func:`graph_activation`'s ``merged``.
+
+    ``GeluFusion`` (``onnxruntime/core/optimizer/gelu_fusion.cc``): ``x -> Div(sqrt 2) | Mul(1/sqrt 2)
+    -> Erf -> Add(1) -> Mul(x) -> Mul(0.5)``, or the 0.5 applied to ``x`` first
+    (``Mul(x, 0.5) -> Mul(., Add)``), every inner value read once and no graph output; then
+    ``BiasGeluFusion`` (``bias_gelu_fusion.cc``) takes in the ``Add`` of a 1-D constant bias that
+    produces ``x`` when ``x`` is read by the Gelu alone. Measured on paraphrase-MiniLM-L3 (ORT 1.31.1,
+    ``ortmem stats``): the FFN's ``Add -> Div -> Erf -> Add -> Mul -> Mul`` runs as one ``BiasGelu``,
+    so the live peak is MatMul output + Gelu output, not three 4x-hidden tensors. Other fusions
+    (attention, layer norm from primitives, QuickGelu, MatMul+Add) are not replayed."""
+    merged: dict[int, int] = {}
+    for g in og.walk(root):
+        for div in g.nodes:
+            if div.domain not in ("", "ai.onnx") or div.op_type not in ("Div", "Mul") or len(div.inputs) != 2:
+                continue
+            x, c = div.inputs
+            if div.op_type == "Div" and not _near(_scalar(g, c), 2 ** 0.5):
+                continue
+            if div.op_type == "Mul":
+                if not _near(_scalar(g, c), 0.5 ** 0.5):
+                    x, c = c, x
+                    if not _near(_scalar(g, c), 0.5 ** 0.5):
+                        continue
+            erf = _only_consumer(g, div.outputs[0], "Erf")
+            add = erf and _only_consumer(g, erf.outputs[0], "Add")
+            if add is None or not _near(_scalar(g, _other_input(add, erf.outputs[0]) or ""), 1.0):
+                continue
+            mul1 = _only_consumer(g, add.outputs[0], "Mul")
+            if mul1 is None:
+                continue
+            other = _other_input(mul1, add.outputs[0])
+            group: list[og.OrtNode] | None = None
+            if other == x:  # x * (1 + erf) * 0.5
+                mul2 = _only_consumer(g, mul1.outputs[0], "Mul")
+                if mul2 is not None and _near(_scalar(g, _other_input(mul2, mul1.outputs[0]) or ""), 0.5):
+                    group = [div, erf, add, mul1, mul2]
+            elif other is not None and other in g.producer:  # (0.5 * x) * (1 + erf)
+                half = g.nodes[g.producer[other]]
+                if (half.op_type == "Mul" and half.domain in ("", "ai.onnx") and x in half.inputs
+                        and _near(_scalar(g, _other_input(half, x) or ""), 0.5)
+                        and _only_consumer(g, other, "Mul") is mul1):
+                    group = [half, div, erf, add, mul1]
+            if group is None:
+                continue
+            inner = {id(n) for n in group}
+            users = {id(g.nodes[j]) for j, _ in g.consumers.get(x, [])}
+            bias_add = g.nodes[g.producer[x]] if x in g.producer else None
+            if (bias_add is not None and bias_add.op_type == "Add" and bias_add.domain in ("", "ai.onnx")
+                    and users <= inner and x not in g.outputs and not g.implicit_users.get(x)
+                    and any(len(hit[1].dims) == 1 for v in bias_add.inputs
+                            if (hit := g.find_initializer(v)) is not None)):
+                group.insert(0, bias_add)
+            last = group[-1]
+            for n in group[:-1]:
+                merged[id(n)] = id(last)
+    return merged
+
+
 # ------------------------------------------------------------------------------------ lifetimes
 WorkspaceFn = Callable[[og.OrtNode, Shapes], int]
 
@@ -445,7 +535,8 @@ def value_bytes(g: og.OrtGraph, name: str, shapes: Shapes, unknown: dict[tuple[s
 def graph_activation(g: og.OrtGraph, shapes: Shapes, order_kind: og.ExecutionOrder, workspace: WorkspaceFn,
                      unknown: dict[tuple[str, str], UnknownShape] | None = None,
                      removed: frozenset[int] = frozenset(), order: Sequence[int] | None = None,
-                     inplace: Callable[[og.OrtNode], Sequence[int]] | None = None) -> GraphActivation:
+                     inplace: Callable[[og.OrtNode], Sequence[int]] | None = None,
+                     merged: Mapping[int, int] | None = None) -> GraphActivation:
     """Peak of the activations alive in ``g`` (subgraph peaks count as their node's workspace).
 
     ``removed`` holds ``id()`` of nodes ORT's optimizer turns into constants (folded chains, DQ nodes
@@ -453,10 +544,16 @@ def graph_activation(g: og.OrtGraph, shapes: Shapes, order_kind: og.ExecutionOrd
     ``order`` (node indices of ``g``, a topological order) replaces ORT's ``order_kind`` order for this
     graph only, so a planner can score a candidate order with the same rules (subgraphs keep
     ``order_kind``). ``inplace(node)`` names the input slots whose dying buffer ``node``'s first output
-    may overwrite (None: any input of an op in ``INPLACE_OPS``, the estimator's rule)."""
+    may overwrite; ORT's rule is :meth:`ortmem.plan.liveness.Context.inplace_slots` (what the estimator
+    and the planners pass); None: no in-place reuse. ``merged`` maps ``id()`` of a node ORT's optimizer
+    fuses into a later one to ``id()`` of that last node of the group (:func:`ort_fusions`): the
+    group's inner values are never allocated and what it reads from outside stays alive until the
+    fused node has run, as it does for the single kernel ORT executes."""
+    merged = merged or {}
     unknown = {} if unknown is None else unknown
     order = [i for i in (g.execution_order(order_kind) if order is None else order) if id(g.nodes[i]) not in removed]
     pos = {i: p for p, i in enumerate(order)}
+    pos_of = {id(g.nodes[i]): p for i, p in pos.items()}
     outputs = set(g.outputs)
     local_values = {o for n in g.nodes if id(n) not in removed for o in n.outputs if o}
 
@@ -469,12 +566,16 @@ def graph_activation(g: og.OrtGraph, shapes: Shapes, order_kind: og.ExecutionOrd
         return v
 
     last_use: dict[str, int] = {}
+    group_reads: dict[int, list[str]] = {}  # id(last node of a fused group) -> what its inner nodes read
     for n in g.nodes:
         if id(n) in removed:
             continue
+        at = pos_of.get(merged[id(n)], pos[n.index]) if id(n) in merged else pos[n.index]
+        if id(n) in merged:
+            group_reads.setdefault(merged[id(n)], []).extend([*n.inputs, *n.implicit_inputs])
         for v in [*n.inputs, *n.implicit_inputs]:
             if v in local_values:
-                last_use[v] = max(last_use.get(v, -1), pos[n.index])
+                last_use[v] = max(last_use.get(v, -1), at)
     end = len(order)
     for v in outputs:
         if v in local_values:
@@ -490,7 +591,7 @@ def graph_activation(g: og.OrtGraph, shapes: Shapes, order_kind: og.ExecutionOrd
     for p, i in enumerate(order):
         node = g.nodes[i]
         ws = workspace(node, shapes)
-        subs = [graph_activation(sg, shapes, order_kind, workspace, unknown, removed, inplace=inplace)
+        subs = [graph_activation(sg, shapes, order_kind, workspace, unknown, removed, inplace=inplace, merged=merged)
                 for _, sg in node.subgraphs]
         for sub in subs:
             sub_peaks[i] = max(sub_peaks.get(i, 0), sub.peak_bytes)
@@ -501,7 +602,7 @@ def graph_activation(g: og.OrtGraph, shapes: Shapes, order_kind: og.ExecutionOrd
         new = 0
         unk: list[str] = []
         for k, o in enumerate(node.outputs):
-            if not o:
+            if not o or id(node) in merged:  # inside a fused group: never materialised
                 continue
             b = value_bytes(g, o, shapes, unknown)
             if (g.path, o) in unknown:
@@ -515,8 +616,8 @@ def graph_activation(g: og.OrtGraph, shapes: Shapes, order_kind: og.ExecutionOrd
                 if find(src) in buffers:
                     buffers[find(src)].values.append(o)
                 continue
-            slots = None if inplace is None else inplace(node)
-            if k == 0 and o not in outputs and (node.op_type in INPLACE_OPS if slots is None else bool(slots)):
+            slots = inplace(node) if inplace is not None and k == 0 and o not in outputs else ()
+            if slots:
                 reuse = _inplace_source(node, g, shapes, unknown, local_values, last_use, p, find, size, holders, outputs, b,
                                         slots)
                 if reuse is not None:
@@ -535,7 +636,7 @@ def graph_activation(g: og.OrtGraph, shapes: Shapes, order_kind: og.ExecutionOrd
         peak = max(peak, live + ws)
         rows.append(NodeActivation(node, p, in_bytes, out_bytes, new, ws, live + ws, unk))
         # release every value whose last use was this node
-        for v in [*node.inputs, *node.implicit_inputs, *node.outputs]:
+        for v in [*node.inputs, *node.implicit_inputs, *node.outputs, *group_reads.get(id(node), ())]:
             if v in alive_until and alive_until[v] <= p:
                 del alive_until[v]
                 r = find(v)
@@ -615,11 +716,11 @@ def control_flow_workspace(node: og.OrtNode, g: og.OrtGraph, subs: list[GraphAct
 
 
 def _inplace_source(node, g, shapes, unknown, local_values, last_use, p, find, size, holders, outputs,
-                    nbytes, slots=None) -> str | None:
-    """The input buffer a MayInplace kernel would overwrite: same size, produced in this graph, no
-    other holder left after this node, not a graph output."""
+                    nbytes, slots) -> str | None:
+    """The buffer of one of the input ``slots`` a MayInplace kernel would overwrite: same size,
+    produced in this graph, no other holder left after this node, not a graph output."""
     for k, v in enumerate(node.inputs):
-        if slots is not None and k not in slots:
+        if k not in slots:
             continue
         if not v or v not in local_values or v in outputs:
             continue

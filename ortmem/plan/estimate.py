@@ -29,8 +29,8 @@ How (each term measured on ORT 1.31.1 and cited in ``docs/estimator.md``):
 4. **Activations**: :mod:`ortmem.plan.activations` (shape inference with ``dims``, ORT's execution
    order from :mod:`ortmem.plan.ort_graph`, known workspaces).
 
-Everything is computed on the graph ORT *receives*; ORT's other fusions (attention, layer norm,
-GELU, ...) change the activation picture and are not replayed (see docs/estimator.md for the error).
+Everything is computed on the graph ORT *receives*, with GELU/BiasGelu fused as ORT does (level >= 2); its other fusions (attention, layer norm,
+MatMul+Add, ...) change the activation picture and are not replayed (see docs/estimator.md for the error).
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ from ..model import Model
 from ..passes.dq_matmul_match import OrtSettings, dq_matmul_match
 from . import activations as act
 from . import ort_graph as og
+from .liveness import Context, _ort_view
 from .memsim import Heap
 
 MiB = 1 << 20
@@ -57,6 +58,8 @@ CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 #: Tensors this small stay inside the protobuf: ORT does not copy them into an OrtValue
 #: (``Graph::ConvertInitializersIntoOrtValues``, graph.cc).
 ORT_INLINE_MAX = 127
+#: The buffer ORT reads a model file through while parsing it (malloc trace, see ``_simulate``).
+LOAD_BUFFER_BYTES = 4 << 20
 #: NCHWc block (MLAS ``MlasNchwcGetBlockSize``): 16 with AVX-512F, 8 with AVX2.
 _CPU_FLAGS_FILE = "/proc/cpuinfo"
 #: ops ORT's ConstantFolding never folds (control flow, randomness, QDQ kept for fusion).
@@ -548,7 +551,14 @@ def _simulate(plan: _Plan, *, dynamic: bool, all_external: bool, activation_peak
     # node; neither copy's bytes are released (measured: a 4 MiB fp32 weight local to a Loop body,
     # embedded, leaves 8 MiB more in use after creation than the same weight in the main graph).
     emb = [w for w in ws.values() if storage(w) == "embedded" and w.nbytes > ORT_INLINE_MAX]
+    # The load reads the file through a 4 MiB buffer that is freed once the ModelProto is parsed
+    # (malloc trace of ORT 1.31.1 creating a session on an embedded 20 MB and 134 MB model: one
+    # 4,194,304-byte block before the tensors' raw_data strings, freed right after them). Being the
+    # first large mmapped block freed, it lifts glibc's mmap threshold to 4 MiB before the OrtValue
+    # copies are made: from then on every block under 4 MiB lives in the heap.
+    read_buf = h.alloc(min(LOAD_BUFFER_BYTES, sum(w.nbytes for w in emb)), "model file read buffer") if emb else None
     protos = [h.alloc(w.nbytes, "protobuf parse") for w in emb]
+    h.free(read_buf)
     attr_copies = [h.alloc(w.nbytes, f"subgraph attribute copy of {w.key[1]}") for w in emb if w.key[0]]
     held: dict[tuple[str, str], Any] = {}
     for w, blk in zip(emb, protos):
@@ -597,13 +607,19 @@ def _simulate(plan: _Plan, *, dynamic: bool, all_external: bool, activation_peak
         for w in ws.values():
             if w.dropped_by == "qdq":
                 drop(w.key)
-    # B3: NCHWc reorder (all copies and new weights exist together until the transformer ends)
-    copies = []
+    # B3: NCHWc reorder, Conv by Conv (``NchwcTransformerImpl::TransformConv``): ``Initializer
+    # conv_W`` copies the filter, ``std::vector<float> reordered_filter`` receives the reordered one,
+    # its bytes are set into a TensorProto's raw_data and ``AddInitializerWithOrtValue`` copies them
+    # into the kept OrtValue; leaving the scope frees the proto, the vector and the copy, in that
+    # order. Malloc trace of ORT 1.31.1 on the conv net: per filter ``a W, a W', a W'+1, a W'`` then
+    # ``f W'+1, f W', f W``; the original filters are freed after the last Conv.
     for nw in plan.nchwc:
-        copies.append(h.alloc(sum(ws[s].nbytes for s in nw.sources), "NCHWc Initializer copy"))
-        new_blocks[nw.key] = _new_initializer(h, nw, f"reordered {nw.key[1]}")
-    for c in copies:
-        h.free(c)
+        copy = h.alloc(sum(ws[s].nbytes for s in nw.sources), "NCHWc Initializer copy")
+        work = h.alloc(nw.nbytes, f"reordered filter {nw.key[1]}")
+        proto = h.alloc(nw.nbytes + 1, f"TensorProto {nw.key[1]}")
+        new_blocks[nw.key] = h.alloc(nw.nbytes, f"reordered {nw.key[1]}")
+        for b in (proto, work, copy):
+            h.free(b)
     for w in ws.values():
         if w.dropped_by == "nchwc":
             drop(w.key)
@@ -780,10 +796,10 @@ def _weight_sources(g: og.OrtGraph, values: list[str], removed: frozenset[int]):
 
 
 def _node_rows(root: og.OrtGraph, shapes: act.Shapes, order: og.ExecutionOrder, workspace,
-               unknown: dict, removed: frozenset[int]) -> tuple[int, list[NodeRow]]:
+               unknown: dict, removed: frozenset[int], inplace, merged) -> tuple[int, list[NodeRow]]:
     rows: list[NodeRow] = []
     charged: set[tuple[str, str]] = set()
-    top = act.graph_activation(root, shapes, order, workspace, unknown, removed)
+    top = act.graph_activation(root, shapes, order, workspace, unknown, removed, inplace=inplace, merged=merged)
 
     def emit(ga: act.GraphActivation) -> int:
         """Rows of one graph; returns the weights charged in it (subgraphs included)."""
@@ -805,7 +821,8 @@ def _node_rows(root: og.OrtGraph, shapes: act.Shapes, order: og.ExecutionOrder, 
             total += wbytes
             sub_total = 0
             for _, sg in node.subgraphs:
-                sub = act.graph_activation(sg, shapes, order, workspace, unknown, removed)
+                sub = act.graph_activation(sg, shapes, order, workspace, unknown, removed, inplace=inplace,
+                                           merged=merged)
                 sub_total += emit(sub)
             row.subgraph_weights_bytes = sub_total
             total += sub_total
@@ -850,11 +867,20 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
     model_file = Path(model.path).name
     plan = _plan(root, skeleton, shapes, st, model_file)
     nchwc = st.level >= 99 and bool(_nchwc_block())
-    workspace = _workspace_fn(plan, st, nchwc)
+    estimator_ws = _workspace_fn(plan, st, nchwc)
+
+    def workspace(node: og.OrtNode, sh: act.Shapes) -> int:
+        return estimator_ws(node, sh) + act.kernel_temporaries(node, sh)
+
+    # in-place reuse: the rule measured on ORT 1.31.1 that the planners use too (liveness.Context)
+    rules = Context(skeleton, root, shapes, plan.removed, workspace, dims, st.execution_order, _ort_view(skeleton))
+    merged = act.ort_fusions(root) if st.level >= 2 else {}  # Gelu/BiasGelu run as one kernel
     unknown: dict = {}
-    act_peak, rows = _node_rows(root, shapes, st.execution_order, workspace, unknown, plan.removed)
+    act_peak, rows = _node_rows(root, shapes, st.execution_order, workspace, unknown, plan.removed,
+                                rules.inplace_slots, merged)
     other = "PRIORITY_BASED" if st.execution_order == "DEFAULT" else "DEFAULT"
-    other_peak = act.graph_activation(root, shapes, other, workspace, {}, plan.removed).peak_bytes
+    other_peak = act.graph_activation(root, shapes, other, workspace, {}, plan.removed,
+                                      inplace=rules.inplace_slots, merged=merged).peak_bytes
 
     def side(all_external: bool, fixed: int) -> Side:
         touch = _run_touch(plan, shapes, root, all_external)
@@ -897,7 +923,7 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
     }
     notes = list(plan.notes)
     if st.level >= 1:
-        notes.append("activations are computed on the graph as given; ORT's own fusions (layer norm, GELU, "
+        notes.append("activations are computed on the graph as given; GELU/BiasGelu fused as ORT does; ORT's other fusions (layer norm, "
                      "attention, MatMul+Add) change intermediate tensors")
     return Estimate(
         model=str(model.path),
