@@ -17,6 +17,7 @@ skeleton whose large tensors are external data:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import tempfile
@@ -26,7 +27,8 @@ from typing import Optional, Union
 
 import onnx
 
-from .cache import Cache
+from .cache import Cache, Entry
+from .errors import CacheError
 from .convert import convert_cached, lookup_converted
 from .inmemory import InMemoryConversion, convert_in_memory
 from .loader import load
@@ -34,6 +36,9 @@ from .model import Model
 from .onnx_walk import iter_graphs
 from .passes.dq_matmul import ConversionReport, Progress, plan_conversion
 from .passes.dq_matmul_match import OrtSettings
+from .prepacked import prepacked_model, save_prepacked
+
+log = logging.getLogger(__name__)
 
 FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
@@ -51,6 +56,8 @@ class Handoff:
     tempdir: Optional[Path] = None
     memory: Optional[InMemoryConversion] = None
     extra_tempdirs: list[Path] = field(default_factory=list)
+    #: ``model`` is a cache entry's pre-packed model: what to load instead if ORT refuses it.
+    fallback: Optional[str] = None
 
     def register(self, options) -> None:
         if self.memory is not None:
@@ -106,6 +113,10 @@ class ConvertOptions:
     fp16_in_fp32: Optional[bool] = None  # None: ask ORT's CPU EP; False when a GPU EP runs fp16 natively
     report: Optional[ConversionReport] = None  # filled in: what was converted (None on a cache hit)
     cache_hit: bool = False
+    #: On a cache hit, load ORT's pre-packed MatMulNBits weights saved beside the entry (saving them
+    #: on the first hit): CPU EP only, and only when ORT pre-packs at all. See ortmem.prepacked.
+    prepacked: bool = False
+    sess_options: Optional[object] = None  # the user's options (the packing sessions copy MLAS settings)
 
 
 def prepare(model: ModelInput, convert: Optional[ConvertOptions] = None) -> Handoff:
@@ -115,7 +126,7 @@ def prepare(model: ModelInput, convert: Optional[ConvertOptions] = None) -> Hand
     if isinstance(model, (str, os.PathLike)):
         entry = _cache_hit(Path(model), convert)
         if entry is not None:  # a warm start: nothing to parse but the entry, which ORT reads itself
-            return Handoff(model=str(entry.model_path))
+            return _warm_start(entry, convert)
         return _converted_or_as_is(load(model), convert)
     if isinstance(model, (bytes, bytearray, memoryview)):
         return _spill(lambda f: f.write(model), convert)
@@ -138,7 +149,7 @@ def _converted_or_as_is(model: Model, convert: Optional[ConvertOptions]) -> Hand
         if entry is None:
             return from_model(model)
         _consume(model)
-        return Handoff(model=str(entry.model_path))
+        return _warm_start(entry, convert) if hit else Handoff(model=str(entry.model_path))
     plan = plan_conversion(model, settings, carry_unchanged=True, fp16_in_fp32=convert.fp16_in_fp32)
     if not plan.has_work:
         return from_model(model)
@@ -155,6 +166,27 @@ def _cache_hit(path: Path, convert: Optional[ConvertOptions]):
     entry = lookup_converted(convert.cache, path, convert.settings or OrtSettings(), convert.fp16_in_fp32)
     convert.cache_hit = entry is not None
     return entry
+
+
+def _warm_start(entry: Entry, convert: ConvertOptions) -> Handoff:
+    """A cache hit, loaded by path: the entry's pre-packed model when ``convert.prepacked`` (saved
+    now if this is the first hit, or if the saved one is for another CPU or ORT), else the entry.
+
+    The packing is paid once, by the first warm start, rather than by the cold start (whose init
+    time it would double) or beside a live session (whose peak it would raise): it runs before ORT's
+    session exists, in groups of a few tensors, and peaks well under the session itself.
+    """
+    if convert.prepacked:
+        path = prepacked_model(entry.path)
+        if path is None:
+            try:
+                path = save_prepacked(entry.path, sess_options=convert.sess_options)
+            except CacheError as exc:
+                log.warning("ortmem: could not save pre-packed weights for %s (%s); loading %s",
+                            entry.path, exc, entry.model_path.name)
+        if path is not None:
+            return Handoff(model=str(path), fallback=str(entry.model_path))
+    return Handoff(model=str(entry.model_path))
 
 
 def _has_dequantize(model: Model) -> bool:

@@ -38,6 +38,9 @@ class InferenceSession(ort.InferenceSession):
       ORT borrows (no file written; a higher peak, see ``ortmem.inmemory``);
     - ``trim``: keep glibc from hoarding what conversion and ORT free during creation, and give it
       back afterwards (:func:`ortmem.hygiene.allocator_hygiene`; default True; a no-op off glibc);
+    - ``prepacked``: on a cache hit with the CPU EP, load ORT's pre-packed weights saved beside the
+      entry (the first hit saves them), so packed weights are mapped from the page cache instead of
+      copied to the heap (default True; :mod:`ortmem.prepacked`);
     - ``recompute``: lower the activation peak by recomputing cheap tensors and reordering nodes
       (``True``/``"auto"``, a budget in bytes, a plan string from ``ortmem recompute``, ``"order"``, or a
       dict; see :func:`ortmem.plan.recompute.apply_for_session`), planned for ``dims`` (symbolic
@@ -59,6 +62,7 @@ class InferenceSession(ort.InferenceSession):
         convert: bool = True,
         cache: Union[bool, str, os.PathLike] = True,
         trim: bool = True,
+        prepacked: bool = True,
         recompute: Any = None,
         dims: Optional[dict[str, int]] = None,
         progress: Optional[Callable[[int, int, str], None]] = None,
@@ -71,16 +75,34 @@ class InferenceSession(ort.InferenceSession):
             progress=progress,
             prepacking=get_config(sess_options, "session.disable_prepacking") != "1" if sess_options else True,
             fp16_in_fp32=False if _gpu_providers(providers) else None,
+            sess_options=sess_options,
         )
+        options.prepacked = prepacked and options.prepacking and _cpu_only(providers)
         with allocator_hygiene() if trim else contextlib.nullcontext():
             self._ortmem_handoff = _handoff.prepare(model, options)
             self.ortmem_report = options.report
             self.ortmem_cache_hit = options.cache_hit
             try:
                 self.ortmem_recompute = _recompute_changes(self._ortmem_handoff, recompute, dims)
-                super().__init__(self._ortmem_handoff.model, sess_options, providers, provider_options, **kwargs)
+                try:
+                    super().__init__(self._ortmem_handoff.model, sess_options, providers, provider_options, **kwargs)
+                except Exception as exc:  # noqa: BLE001 - ORT raises its own pybind types
+                    if self._ortmem_handoff.fallback is None:
+                        raise
+                    self._retry_without_prepacked(exc, sess_options, providers, provider_options, **kwargs)
             finally:
                 self._ortmem_handoff.after_create()
+
+    def _retry_without_prepacked(self, exc: Exception, *args: Any, **kwargs: Any) -> None:
+        """ORT refused a cache entry's pre-packed model: drop those files and load the entry itself."""
+        from .prepacked import discard_prepacked
+
+        handoff = self._ortmem_handoff
+        log.warning("ortmem: onnxruntime could not load the pre-packed model %s (%s); using %s",
+                    handoff.model, exc, handoff.fallback)
+        discard_prepacked(Path(str(handoff.model)).parent)
+        handoff.model, handoff.fallback = handoff.fallback, None
+        super().__init__(handoff.model, *args, **kwargs)
 
     def _create_inference_session(self, providers, provider_options, disabled_optimizers=None):
         # Called by ORT's __init__ and again by its EP fallback (_reset_session): both need the
@@ -106,16 +128,25 @@ class InferenceSession(ort.InferenceSession):
                     self._sess_options = user_options
 
 
+def _provider_names(providers: Optional[Sequence[Any]]) -> list[str]:
+    """The EP names ORT will be given (entries may be ``(name, options)``); ORT's default when None."""
+    return [p if isinstance(p, str) else p[0] for p in (providers or ort.get_available_providers())]
+
+
+def _cpu_only(providers: Optional[Sequence[Any]]) -> bool:
+    """True when ORT will run everything on its CPU EP (pre-packed weights are CPU kernel layouts).
+    The Azure EP, listed by every default build, only serves remote endpoints and runs no local node."""
+    return set(_provider_names(providers)) <= {"CPUExecutionProvider", "AzureExecutionProvider"}
+
+
 def _fusing_providers_only(providers: Optional[Sequence[Any]]) -> bool:
     """True when every requested provider is one for which ORT fuses DQ+MatMul itself."""
-    names = [p if isinstance(p, str) else p[0] for p in (providers or ort.get_available_providers())]
-    return all(n in _handoff.FUSING_PROVIDERS for n in names)
+    return all(n in _handoff.FUSING_PROVIDERS for n in _provider_names(providers))
 
 
 def _gpu_providers(providers: Optional[Sequence[Any]]) -> bool:
     """CUDA and DML run a fused fp16 MatMulNBits in fp16; the CPU EP runs it in fp32."""
-    names = [p if isinstance(p, str) else p[0] for p in (providers or ())]
-    return any(n in ("CUDAExecutionProvider", "DmlExecutionProvider") for n in names)
+    return bool(providers) and any(n in ("CUDAExecutionProvider", "DmlExecutionProvider") for n in _provider_names(providers))
 
 
 #: Metadata prefix of a model rewritten by ``ortmem recompute`` (``ortmem.plan.recompute.META_PREFIX``).

@@ -81,6 +81,7 @@ class ProbeResult:
     peak_run_bytes: int | None = None
     helper_peak_run_bytes: int | None = None
     rss_after_run_bytes: int | None = None
+    anon_after_run_bytes: int | None = None  # RssAnon (+RssShmem) after the first run, this process only
     peak_bytes: int = 0
     peak_anon_bytes: int = 0
     peak_file_bytes: int = 0
@@ -351,5 +352,6 @@ def _assemble(
         res.helper_peak_run_bytes = helper_run
         res.peak_run_bytes = ar["hwm"] + helper_run
         res.rss_after_run_bytes = ar["rss"] + sum(helpers_after(t_end))
+        res.anon_after_run_bytes = ar["anon"]
         res.peak_bytes = max(peak_create, res.peak_run_bytes)
     return res

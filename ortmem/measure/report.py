@@ -58,6 +58,7 @@ METRICS = (
     "peak_run_bytes",
     "steady_bytes",
     "rss_after_create_bytes",
+    "anon_after_run_bytes",
     "peak_anon_bytes",
     "peak_file_bytes",
     "baseline_rss_bytes",
@@ -65,7 +66,7 @@ METRICS = (
     "create_cpu_s",
     "run_wall_s",
 )
-RATIO_METRICS = ("peak_bytes", "steady_bytes", "create_wall_s")
+RATIO_METRICS = ("peak_bytes", "peak_create_bytes", "steady_bytes", "create_wall_s")
 
 
 @dataclass
@@ -293,8 +294,8 @@ def _memray_line(name: str, sr: "StrategyResult") -> str:
 def render_table(report: BenchReport) -> str:
     """Plain-text table per model: medians with (min-max) and ratios to ``ort`` / ``twin``."""
     header = [
-        "strategy", "peak MiB", "steady MiB", "anon pk", "file pk", "base MiB",
-        "init s", "first run s", "peak/ort", "peak/twin", "out", "flags",
+        "strategy", "peak MiB", "create pk", "steady MiB", "anon pk", "file pk", "anon run", "base MiB",
+        "init s", "first run s", "peak/ort", "peak/twin", "create/twin", "out", "flags",
     ]
     blocks = []
     for mr in report.models:
@@ -315,14 +316,18 @@ def render_table(report: BenchReport) -> str:
                 [
                     name,
                     _mib_range(sr.stat("peak_bytes")),
+                    _mib(sr.stat("peak_create_bytes")),
                     _mib_range(sr.stat("steady_bytes")),
                     _mib(sr.stat("peak_anon_bytes")),
                     _mib(sr.stat("peak_file_bytes")),
+                    _mib(sr.stat("anon_after_run_bytes")),
                     _mib(sr.stat("baseline_rss_bytes")),
                     _s_range(sr.stat("create_wall_s")),
                     _s_range(sr.stat("run_wall_s")),
                     f"{ratios['ort']['peak_bytes']:.2f}" if "peak_bytes" in ratios.get("ort", {}) else "-",
                     f"{ratios['twin']['peak_bytes']:.2f}" if "peak_bytes" in ratios.get("twin", {}) else "-",
+                    (f"{ratios['twin']['peak_create_bytes']:.2f}" if "peak_create_bytes" in ratios.get("twin", {})
+                     else "-"),
                     "-" if same is None else ("=ort" if same else "DIFF"),
                     ", ".join(flags),
                 ]
@@ -339,7 +344,8 @@ def render_table(report: BenchReport) -> str:
                 lines.append(_memray_line(name, sr))
         blocks.append("\n".join(lines))
     legend = (
-        "peak: VmHWM over creation and first run (+helpers); steady: RSS after the first run; "
-        "anon/file pk: sampled RssAnon/RssFile peaks; base: RSS after imports"
+        "peak: VmHWM over creation and first run (+helpers); create pk: the same over creation only; "
+        "steady: RSS after the first run; anon/file pk: sampled RssAnon/RssFile peaks; anon run: RssAnon "
+        "after the first run; base: RSS after imports"
     )
     return "\n\n".join(blocks + [legend])

@@ -1,0 +1,358 @@
+"""ortmem.prepacked: bounded-peak saving of ORT's pre-packed MatMulNBits weights next to a converted
+model folder, and loading them back safely. Real ORT sessions on a small synthetic native model."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from ortmem import prepacked as pp
+from ortmem.synth import SynthConfig, write_model
+
+# ~27 MiB of int4 codes (packed ~40 MiB at accuracy 4): big enough for memory to be measurable.
+CONFIG = SynthConfig(hidden=1024, intermediate=2816, layers=4, vocab=4000, heads=8, form="native",
+                     storage="external", name="pp")
+IDS = (np.arange(12, dtype=np.int64).reshape(1, 12) * 331) % CONFIG.vocab
+
+
+def _make_entry(folder: Path) -> Path:
+    """A converted-entry-shaped folder: model.onnx + weights.bin holding every large tensor."""
+    folder.mkdir(parents=True, exist_ok=True)
+    src = write_model(CONFIG, folder / "src.onnx")
+    m = onnx.load(str(src), load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = pp.WEIGHTS_FILE
+    onnx.save_model(m, str(folder / pp.MODEL_FILE))
+    os.rename(folder / "src.onnx.data", folder / pp.WEIGHTS_FILE)
+    src.unlink()
+    return folder
+
+
+def _run(model: Path, **config: str) -> np.ndarray:
+    so = ort.SessionOptions()
+    for k, v in config.items():
+        so.add_session_config_entry(k, v)
+    s = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+    return s.run(None, {"input_ids": IDS})[0]
+
+
+def _clone(entry: Path, dest: Path) -> Path:
+    """Copy of an entry whose pre-packed files can be damaged (weights.bin hard-linked)."""
+    dest.mkdir()
+    for f in entry.iterdir():
+        if f.name == pp.WEIGHTS_FILE:
+            os.link(f, dest / f.name)
+        elif f.is_file():
+            shutil.copy2(f, dest / f.name)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def entry(tmp_path_factory) -> Path:
+    folder = _make_entry(tmp_path_factory.mktemp("pp") / "entry")
+    report = pp.PrepackReport(None)
+    path = pp.save_prepacked(folder, report=report, group_bytes=8 << 20)
+    assert path == folder / pp.PREPACKED_MODEL
+    assert report.tensors == 4 * 7 + 1 and report.groups > 2 and not report.skipped
+    return folder
+
+
+@pytest.fixture(scope="module")
+def twin_out(entry) -> np.ndarray:
+    return _run(entry / pp.MODEL_FILE)
+
+
+def test_key_parts_name_ort_and_cpu():
+    parts = pp.prepacked_key_parts()
+    assert parts["onnxruntime"] == ort.__version__
+    assert parts["prepacked_format"] == pp.PREPACKED_FORMAT
+    assert isinstance(parts["cpu_flags"], list) and parts["cpu_flags"] == sorted(parts["cpu_flags"])
+    json.dumps(parts)  # goes into a cache key
+
+
+def test_reload_is_bit_identical_to_the_twin(entry, twin_out):
+    assert pp.verify_prepacked(entry) is None
+    assert pp.prepacked_model(entry) == entry / pp.PREPACKED_MODEL
+    out = _run(entry / pp.PREPACKED_MODEL)
+    assert np.array_equal(out, twin_out)
+    # The blobs do not depend on the graph optimization level (compare like with like: the level
+    # changes the twin's own numerics through norm fusions).
+    outs = []
+    for model in (entry / pp.MODEL_FILE, entry / pp.PREPACKED_MODEL):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        s = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+        outs.append(s.run(None, {"input_ids": IDS})[0])
+    assert np.array_equal(outs[0], outs[1])
+
+
+def test_only_b_moves_and_blobs_are_page_aligned(entry):
+    m = onnx.load(str(entry / pp.PREPACKED_MODEL), load_external_data=False)
+    moved = 0
+    for t in m.graph.initializer:
+        kv = {e.key: e.value for e in t.external_data}
+        if kv.get("location") == pp.PREPACKED_DATA:
+            moved += 1
+            assert int(kv["offset"]) % pp.PAGE == 0
+            key, *blobs = kv["prepacked_0"].split("|")
+            assert key.startswith("MatMulNBits+")
+            for b in blobs:
+                assert int(b.split(";")[0]) % pp.PAGE == 0
+        else:
+            assert not any(k.startswith("prepacked") for k in kv)
+    assert moved == 4 * 7 + 1
+
+
+def test_grouping_does_not_change_the_bytes(entry, tmp_path):
+    other = _make_entry(tmp_path / "one-group")
+    pp.save_prepacked(other, group_bytes=1 << 40)
+    a = json.loads((entry / pp.PREPACKED_MANIFEST).read_text())
+    b = json.loads((other / pp.PREPACKED_MANIFEST).read_text())
+    assert a["digest"] == b["digest"] and a["spans"] == b["spans"]
+    assert (entry / pp.PREPACKED_DATA).read_bytes() == (other / pp.PREPACKED_DATA).read_bytes()
+
+
+_PROBE = r"""
+import json, sys
+import numpy as np, onnxruntime as ort
+def st():
+    d = {}
+    for line in open("/proc/self/status"):
+        k, _, v = line.partition(":")
+        if k in ("RssAnon", "VmHWM"):
+            d[k] = int(v.split()[0]) * 1024
+    return d
+base = st()
+s = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+created = st()
+s.run(None, {"input_ids": np.zeros((1, 4), np.int64)})
+ran = st()
+maps = open("/proc/self/maps").read()
+print(json.dumps({"anon_created": created["RssAnon"] - base["RssAnon"], "anon_run": ran["RssAnon"] - base["RssAnon"],
+                  "hwm": created["VmHWM"], "maps_prepacked": "prepacked.bin" in maps}))
+"""
+
+
+def _probe(model: Path) -> dict:
+    r = subprocess.run([sys.executable, "-c", _PROBE, str(model)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_merged_file_is_what_ort_maps(entry):
+    """Fresh processes: the twin keeps its packed weights on the heap, the reload maps them."""
+    twin = _probe(entry / pp.MODEL_FILE)
+    reload = _probe(entry / pp.PREPACKED_MODEL)
+    blob_bytes = json.loads((entry / pp.PREPACKED_MANIFEST).read_text())["blob_bytes"]
+    assert twin["anon_created"] > 0.7 * blob_bytes  # sanity: the twin really packs on the heap
+    assert reload["maps_prepacked"]
+    assert reload["anon_created"] < twin["anon_created"] - 0.6 * blob_bytes
+    assert reload["anon_run"] < twin["anon_run"] - 0.6 * blob_bytes
+    assert reload["hwm"] < twin["hwm"]
+
+
+def test_truncated_data_is_refused_and_ort_errors_cleanly(entry, tmp_path):
+    bad = _clone(entry, tmp_path / "trunc")
+    size = (bad / pp.PREPACKED_DATA).stat().st_size
+    os.truncate(bad / pp.PREPACKED_DATA, size // 2)
+    assert "wrong size" in pp.verify_prepacked(bad)
+    assert pp.prepacked_model(bad) is None
+    # Loaded anyway, ORT fails with an error naming the problem (no crash, no wrong answer).
+    with pytest.raises(Exception, match="out of bounds"):
+        ort.InferenceSession(str(bad / pp.PREPACKED_MODEL), providers=["CPUExecutionProvider"])
+
+
+def test_corrupted_blob_is_detected(entry, twin_out, tmp_path):
+    """ORT never checks a blob (its checksum field is always 0): a damaged one gives wrong outputs.
+    The manifest's digest is what stops it."""
+    bad = _clone(entry, tmp_path / "corrupt")
+    m = onnx.load(str(bad / pp.PREPACKED_MODEL), load_external_data=False)
+    t = next(t for t in m.graph.initializer if any(e.key == "prepacked_0" for e in t.external_data))
+    kv = {e.key: e.value for e in t.external_data}
+    off, length, _ = kv["prepacked_0"].split("|")[1].split(";")
+    with open(bad / pp.PREPACKED_DATA, "r+b") as f:
+        f.seek(int(off))
+        f.write(b"\x5a" * 256)
+    assert "content changed" in pp.verify_prepacked(bad)
+    assert pp.prepacked_model(bad) is None
+    assert not np.array_equal(_run(bad / pp.PREPACKED_MODEL), twin_out)  # why the check exists
+
+
+
+def test_other_cpu_or_ort_or_base_model_is_refused(entry, tmp_path, monkeypatch):
+    bad = _clone(entry, tmp_path / "stale")
+    with open(bad / pp.MODEL_FILE, "ab") as f:
+        f.write(b" ")
+    assert "changed" in pp.verify_prepacked(bad)
+    monkeypatch.setattr(pp, "prepacked_key_parts", lambda: {"onnxruntime": "0.0"})
+    assert "another onnxruntime" in pp.verify_prepacked(entry)
+
+
+def test_missing_or_garbled_manifest(entry, tmp_path):
+    bad = _clone(entry, tmp_path / "nomanifest")
+    (bad / pp.PREPACKED_MANIFEST).write_text("{not json")
+    assert "unreadable" in pp.verify_prepacked(bad)
+    pp.discard_prepacked(bad)
+    assert pp.verify_prepacked(bad) == "no pre-packed weights saved"
+    assert not (bad / pp.PREPACKED_DATA).exists()
+
+
+def test_nothing_to_pack(entry, tmp_path):
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    assert pp.save_prepacked(entry, sess_options=so) is None
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    from onnx import TensorProto, helper
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    onnx.save_model(helper.make_model(g), str(plain / pp.MODEL_FILE))
+    (plain / pp.WEIGHTS_FILE).write_bytes(b"")
+    assert pp.save_prepacked(plain) is None
+    assert sorted(p.name for p in plain.iterdir()) == [pp.MODEL_FILE, pp.WEIGHTS_FILE]
+
+
+def test_failure_leaves_no_files(entry, tmp_path, monkeypatch):
+    bad = _clone(entry, tmp_path / "fail")
+    pp.discard_prepacked(bad)
+    before = sorted(p.name for p in bad.iterdir())
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pp, "_copy_range", boom)
+    with pytest.raises(pp.PrepackError, match="No space"):
+        pp.save_prepacked(bad)
+    assert sorted(p.name for p in bad.iterdir()) == before
+
+
+def test_b_in_any_file_inside_the_folder_but_never_outside(tmp_path):
+    """Converted entries may hard-link carried source files next to weights.bin: their B packs too."""
+    cfg = SynthConfig.tiny(form="native", storage="external", name="carried")
+    folder = tmp_path / "e"
+    folder.mkdir()
+    src = write_model(cfg, folder / pp.MODEL_FILE)  # data in model.onnx.data, not weights.bin
+    report = pp.PrepackReport(None)
+    assert pp.save_prepacked(folder, weights_name=pp.WEIGHTS_FILE, report=report) is None
+    assert report.skipped and all("not external data in the folder" in s for s in report.skipped)
+    path = pp.save_prepacked(folder)
+    assert path is not None and pp.verify_prepacked(folder) is None
+    ids = np.arange(6, dtype=np.int64).reshape(1, 6)
+    outs = [ort.InferenceSession(str(m), providers=["CPUExecutionProvider"]).run(None, {"input_ids": ids})[0]
+            for m in (src, path)]
+    assert np.array_equal(outs[0], outs[1])
+
+    # A location escaping the folder is never followed.
+    m = onnx.load(str(src), load_external_data=False)
+    for t in m.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "../elsewhere.data"
+    onnx.save_model(m, str(folder / "escape.onnx"))
+    assert pp.save_prepacked(folder, model_name="escape.onnx") is None
+
+
+# ---- the hook: warm starts load (and the first one saves) the pre-packed model ----
+
+QDQ_FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
+
+
+@pytest.fixture
+def qdq(tmp_path) -> Path:
+    path = tmp_path / "q" / "model.onnx"
+    path.parent.mkdir()
+    return write_model(SynthConfig.tiny(storage="external"), path)
+
+
+def _ort_qdq(path: Path) -> np.ndarray:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, QDQ_FEEDS)[0]
+
+
+def test_first_warm_start_saves_and_later_ones_load_the_prepacked_model(qdq, tmp_path):
+    import ortmem
+
+    cache = tmp_path / "cache"
+    expected = _ort_qdq(qdq)
+    cold = ortmem.InferenceSession(qdq, cache=cache)
+    assert not cold.ortmem_cache_hit and Path(cold._ortmem_handoff.model).name == pp.MODEL_FILE
+    entry = Path(cold._ortmem_handoff.model).parent
+    assert not (entry / pp.PREPACKED_MANIFEST).exists()  # the cold start does not pay for packing
+
+    first = ortmem.InferenceSession(qdq, cache=cache)
+    assert first.ortmem_cache_hit and Path(first._ortmem_handoff.model) == entry / pp.PREPACKED_MODEL
+    stamp = (entry / pp.PREPACKED_DATA).stat().st_mtime_ns
+    second = ortmem.InferenceSession(qdq, cache=cache)
+    assert Path(second._ortmem_handoff.model) == entry / pp.PREPACKED_MODEL
+    assert (entry / pp.PREPACKED_DATA).stat().st_mtime_ns == stamp  # loaded, not saved again
+    for s in (cold, first, second):
+        assert np.array_equal(s.run(None, QDQ_FEEDS)[0], expected)
+
+
+def test_prepacked_only_for_cpu_with_prepacking_on(qdq, tmp_path):
+    import ortmem
+
+    cache = tmp_path / "cache"
+    ortmem.InferenceSession(qdq, cache=cache)
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    ortmem.InferenceSession(qdq, so, cache=cache)  # a cold start for these options (another key)
+    warm = ortmem.InferenceSession(qdq, so, cache=cache)
+    assert warm.ortmem_cache_hit and Path(warm._ortmem_handoff.model).name == pp.MODEL_FILE
+    assert not (Path(warm._ortmem_handoff.model).parent / pp.PREPACKED_MANIFEST).exists()
+    opted_out = ortmem.InferenceSession(qdq, cache=cache, prepacked=False)
+    assert opted_out.ortmem_cache_hit and Path(opted_out._ortmem_handoff.model).name == pp.MODEL_FILE
+    assert not (Path(opted_out._ortmem_handoff.model).parent / pp.PREPACKED_MANIFEST).exists()
+
+
+def test_damaged_prepacked_files_are_packed_again(qdq, tmp_path):
+    import ortmem
+
+    cache = tmp_path / "cache"
+    expected = _ort_qdq(qdq)
+    ortmem.InferenceSession(qdq, cache=cache)
+    first = ortmem.InferenceSession(qdq, cache=cache)
+    entry = Path(first._ortmem_handoff.model).parent
+    spans = json.loads((entry / pp.PREPACKED_MANIFEST).read_text())["spans"]
+    off, _ = spans[-1]  # a blob: used as is by ORT if its key is intact, so it must be caught
+    with open(entry / pp.PREPACKED_DATA, "r+b") as f:
+        f.seek(off)
+        f.write(b"\x5a" * 64)
+    again = ortmem.InferenceSession(qdq, cache=cache)
+    assert Path(again._ortmem_handoff.model).name == pp.PREPACKED_MODEL
+    assert pp.verify_prepacked(entry) is None  # saved afresh
+    assert np.array_equal(again.run(None, QDQ_FEEDS)[0], expected)
+
+
+def test_a_prepacked_model_ort_refuses_falls_back_to_the_entry(qdq, tmp_path, monkeypatch, caplog):
+    import ortmem
+    from ortmem import handoff
+
+    cache = tmp_path / "cache"
+    expected = _ort_qdq(qdq)
+    ortmem.InferenceSession(qdq, cache=cache)
+    ortmem.InferenceSession(qdq, cache=cache)  # saves the pre-packed files
+    entry = next(p for p in cache.iterdir() if (p / pp.PREPACKED_MANIFEST).exists())
+    m = onnx.load(str(entry / pp.PREPACKED_MODEL), load_external_data=False)
+    for t in m.graph.initializer:  # a blob past the end of the file: ORT fails session creation
+        for e in t.external_data:
+            if e.key.startswith("prepacked_"):
+                key, rest = e.value.split("|", 1)
+                e.value = f"{key}|{1 << 40};{rest.split(';', 1)[1]}"
+    onnx.save_model(m, str(entry / pp.PREPACKED_MODEL))  # verification is bypassed below
+    monkeypatch.setattr(handoff, "prepacked_model", lambda d: Path(d) / pp.PREPACKED_MODEL)
+    s = ortmem.InferenceSession(qdq, cache=cache)
+    assert "could not load the pre-packed model" in caplog.text
+    assert Path(s._ortmem_handoff.model).name == pp.MODEL_FILE and not (entry / pp.PREPACKED_MANIFEST).exists()
+    assert np.array_equal(s.run(None, QDQ_FEEDS)[0], expected)
