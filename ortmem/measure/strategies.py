@@ -204,11 +204,12 @@ def prepare_warm(model_path: str, options: dict, workdir: str) -> str:
 
 
 def create_ortmem_warm(model_path: str, options: dict) -> Any:
-    """``ortmem.InferenceSession`` on a cache hit: nothing is converted."""
+    """``ortmem.InferenceSession`` on a cache hit: nothing is converted. ``options["prepacked"]``
+    (default True) is passed on: False loads the entry itself, as a twin, not its pre-packed model."""
     import ortmem
 
     return ortmem.InferenceSession(model_path, _session_options(options), providers=["CPUExecutionProvider"],
-                                   cache=_bench_cache("warm"))
+                                   cache=_bench_cache("warm"), prepacked=bool(options.get("prepacked", True)))
 
 
 def prepare_warm1(model_path: str, options: dict, workdir: str) -> str:
