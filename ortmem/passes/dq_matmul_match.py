@@ -60,7 +60,6 @@ __all__ = [
     "Rejected",
     "MatchResult",
     "GatherCandidate",
-    "GatherRejected",
     "GatherMatchResult",
     "OrtSettings",
     "dq_matmul_match",
@@ -170,7 +169,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Rejected:
-    """A DQ node feeding a MatMul/Gemm that ORT leaves alone (``ort_outcome="kept"``), and why.
+    """A DQ node feeding a MatMul/Gemm (or, from :func:`dq_gather_match`, a Gather) that stays as it
+    is (``ort_outcome="kept"``), and why.
 
     ``code`` is a stable identifier (see ``docs/ort-fusion-rules.md``); ``reason`` is for people.
     One record per (DQ, consumer) pair: a DQ feeding two MatMuls is reported twice.
@@ -1222,20 +1222,9 @@ class GatherCandidate:
     notes: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class GatherRejected:
-    graph_path: str
-    node: str
-    node_index: int
-    consumer: str
-    consumer_index: int
-    code: str
-    reason: str
-
-
 class GatherMatchResult(NamedTuple):
     candidates: list[GatherCandidate]
-    rejected: list[GatherRejected]
+    rejected: list[Rejected]
 
 
 def _next_pow2_block(n: int) -> int:
@@ -1382,7 +1371,7 @@ def dq_gather_match(model: ModelProto) -> GatherMatchResult:
     metadata-only, like :func:`dq_matmul_match`.
     """
     candidates: list[GatherCandidate] = []
-    rejected: list[GatherRejected] = []
+    rejected: list[Rejected] = []
     for g in _walk(model):
         for dq_idx, dq in enumerate(g.nodes):
             if dq.op_type != "DequantizeLinear" or not dq.output or not dq.output[0] or len(dq.input) < 2:
@@ -1402,6 +1391,6 @@ def dq_gather_match(model: ModelProto) -> GatherMatchResult:
                 try:
                     candidates.append(_gather_evaluate(g, dq_idx, cons_idx, slot, cast_idx))
                 except _Reject as r:
-                    rejected.append(GatherRejected(g.path, g.label(dq_idx), dq_idx, g.label(cons_idx), cons_idx,
+                    rejected.append(Rejected(g.path, g.label(dq_idx), dq_idx, g.label(cons_idx), cons_idx,
                                                    r.code, r.reason))
     return GatherMatchResult(candidates, rejected)
