@@ -72,6 +72,7 @@ def _add_convert(sub) -> None:
 
 def _cmd_cache(args: argparse.Namespace) -> int:
     from .cache import Cache
+    from .prepacked import PREPACKED_MANIFEST
 
     cache = Cache()
     if args.action == "clear":
@@ -85,7 +86,8 @@ def _cmd_cache(args: argparse.Namespace) -> int:
             source = e.manifest().get("source", "?")
         except (OSError, ValueError):
             source = "(unreadable manifest)"
-        print(f"  {e.key}  {e.size_bytes() / 2**20:9.1f} MiB  {source}")
+        packed = "  (+ pre-packed weights)" if (e.path / PREPACKED_MANIFEST).exists() else ""
+        print(f"  {e.key}  {e.size_bytes() / 2**20:9.1f} MiB  {source}{packed}")
     return 0
 
 

@@ -300,6 +300,19 @@ def test_first_warm_start_saves_and_later_ones_load_the_prepacked_model(qdq, tmp
         assert np.array_equal(s.run(None, QDQ_FEEDS)[0], expected)
 
 
+def test_cache_list_marks_entries_with_prepacked_weights(qdq, tmp_path, monkeypatch, capsys):
+    import ortmem
+    from ortmem.cli import main
+
+    monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "root"))
+    ortmem.InferenceSession(qdq)
+    assert main(["cache", "list"]) == 0
+    assert "pre-packed" not in capsys.readouterr().out
+    ortmem.InferenceSession(qdq)  # the first hit saves them
+    assert main(["cache", "list"]) == 0
+    assert "(+ pre-packed weights)" in capsys.readouterr().out
+
+
 def test_prepacked_only_for_cpu_with_prepacking_on(qdq, tmp_path):
     import ortmem
 
