@@ -173,6 +173,37 @@ def test_real_ort_small_model(tmp_path):
     assert e.ort.steady_bytes_with_hygiene == pytest.approx(r.steady_bytes, rel=0.10)
 
 
+
+def test_real_ortmem_prepacked_warm_start(tmp_path, monkeypatch):
+    """ortmem's default warm start (ORT maps the entry's saved pre-packed MatMulNBits weights) in a
+    fresh process: predicted well below the twin path, and within 25% of the measured creation peak
+    above the baseline (steady within 10%, absolute, like the plain-ORT check above)."""
+    from ortmem.measure.probe import prepare, probe
+    from ortmem.synth import SynthConfig, write_model
+
+    monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "cache"))  # inherited by the probes' children
+    path = tmp_path / "model.onnx"
+    write_model(SynthConfig.tiny(hidden=1024, intermediate=2816, layers=4, vocab=2000, form="qdq",
+                                 storage="external", name="model"), path)
+    dims = {"batch": 1, "seq": 8}
+    # unmeasured: a cold start converts, the first hit saves prepacked.bin
+    prepared = prepare("ortmem-warm", path, options={"dims": dims}, workdir=tmp_path)
+    assert list((tmp_path / "cache").rglob("prepacked.json"))
+    r = probe("ortmem-warm", str(path), options={"dims": dims}, prepared=prepared)
+    e = estimate(path, dims=dims)
+    pp, twin = e.ortmem_prepacked, e.ortmem
+    saved = pp.in_use["mapped_prepacked_weights"]
+    assert saved == twin.in_use["packed_weights"] > 0 and pp.in_use["packed_weights"] == 0
+    # the twin keeps every packed B on the heap; the pre-packed start holds at most one at a time
+    assert pp.session_peak_bytes_without_hygiene < twin.session_peak_bytes_without_hygiene - saved // 2
+    assert pp.session_peak_bytes_with_hygiene < twin.session_peak_bytes_with_hygiene - saved // 2
+    predicted = pp.session_peak_bytes_without_hygiene - e.baseline_bytes
+    measured = r.peak_create_bytes - r.baseline_rss_bytes
+    assert predicted == pytest.approx(measured, rel=0.25)
+    # after the first run the blobs are resident again, as mapped file pages
+    assert pp.steady_bytes_without_hygiene == pytest.approx(r.steady_bytes, rel=0.10)
+    assert r.anon_after_run_bytes - r.baseline_anon_bytes < saved // 2
+
 def test_cli_json(tmp_path, rng, capsys):
     import argparse
 
@@ -186,6 +217,7 @@ def test_cli_json(tmp_path, rng, capsys):
     out = json.loads(capsys.readouterr().out)
     for key in ("session_peak_bytes", "steady_bytes"):
         assert out["ort"][key] > 0 and out["ortmem"][key] > 0
+    assert out["ortmem_prepacked"] == out["ortmem"]  # nothing to convert: no cache entry, no pre-packed start
     assert out["activation_peak_bytes"] == 256 and out["unknown_shapes"] == [] and out["nodes"][0]["node"] == "mm"
     with pytest.raises(SystemExit):
         p.parse_args([str(path), "--dim", "b"])

@@ -9,7 +9,12 @@ the first run (the steady state), anon/file split. Strategies:
 
 * ``ort``: ``onnxruntime.InferenceSession(path)``, the estimator's ``ort.*_without_hygiene``;
 * ``ort-hygiene``: the same inside ``ortmem.hygiene.allocator_hygiene()``: ``ort.*_with_hygiene``;
-* ``ortmem-warm``: ``ortmem.InferenceSession`` on a cache hit: ``ortmem.*``.
+* ``ortmem-warm``: ``ortmem.InferenceSession(..., prepacked=False)`` on a cache hit, i.e. ORT loading
+  the entry's native twin (what a cold start hands ORT too): ``ortmem.*``. Rows taken before
+  pre-packed warm starts existed measured this same path with default options;
+* ``ortmem-prepacked``: ``ortmem.InferenceSession`` on a cache hit with the pre-packed weights saved
+  by an earlier hit (the default warm start): ``ortmem_prepacked.*``. Its preparation runs two starts
+  (cold, then the first hit, which saves ``prepacked.bin``), so every probe loads the saved blobs.
 """
 from __future__ import annotations
 
@@ -24,7 +29,12 @@ STRATEGIES = {
     "ort": "ort",
     "ort-hygiene": f"{HERE / 'strategies.py'}:create_ort_hygiene",
     "ortmem-warm": "ortmem-warm",
+    "ortmem-prepacked": "ortmem-warm",
 }
+#: per-strategy options beside ``dims`` (``create_ortmem_warm`` reads ``prepacked``, default True)
+OPTIONS = {"ortmem-warm": {"prepacked": False}}
+#: strategies whose cache must be filled first (unmeasured, ``prepare("ortmem-warm")``: cold + first hit)
+PREPARE = {"ortmem-warm", "ortmem-prepacked"}
 DIMS = {"batch": 1, "seq": 8, "batch_size": 1, "sequence_length": 8}
 
 
@@ -46,11 +56,12 @@ def main(argv: list[str] | None = None) -> int:
             path = str(Path(args.models) / name / "model.onnx")
             for strat in args.strategies:
                 prepared = None
-                if strat == "ortmem-warm":
+                options = {"dims": DIMS, **OPTIONS.get(strat, {})}
+                if strat in PREPARE:
                     import tempfile
-                    prepared = prepare("ortmem-warm", path, options={"dims": DIMS}, workdir=tempfile.gettempdir())
+                    prepared = prepare("ortmem-warm", path, options=options, workdir=tempfile.gettempdir())
                 for rep in range(args.repeat):
-                    r = probe(STRATEGIES[strat], path, options={"dims": DIMS}, heap_jitter=rep * 24 * 1024,
+                    r = probe(STRATEGIES[strat], path, options=options, heap_jitter=rep * 24 * 1024,
                               prepared=prepared)
                     row = {
                         "model": name, "strategy": strat, "rep": rep,
@@ -58,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
                         "after_create": r.rss_after_create_bytes, "steady": r.steady_bytes,
                         "peak_run": r.peak_run_bytes, "anon_after_create": r.anon_after_create_bytes,
                         "file_after_create": r.file_after_create_bytes, "create_s": r.create_wall_s,
-                        "heap_jitter": r.heap_jitter_bytes,
+                        "heap_jitter": r.heap_jitter_bytes, "anon_steady": r.anon_after_run_bytes,
+                        "baseline_anon": r.baseline_anon_bytes, "baseline_file": r.baseline_file_bytes,
+                        "options": {k: v for k, v in options.items() if k != "dims"},
                     }
                     out.write(json.dumps(row) + "\n")
                     out.flush()

@@ -3,7 +3,10 @@
     python bench/estimator/validate.py MEASUREMENTS.jsonl MODELS_DIR [--json OUT.json] [--act-seq 64]
 
 Memory: medians over the repeats in MEASUREMENTS (bench/estimator/measure.py), absolute RSS in MiB
-(process baseline included), error = predicted / measured - 1. Activations: the estimator's
+(process baseline included), error = predicted / measured - 1. Strategies (measure.py): ``ort``,
+``ort-hygiene``, ``ortmem-warm`` (the hook loading the twin: cold start, or a warm start without
+pre-packed weights; ``ortmem.*``) and ``ortmem-prepacked`` (the default warm start, pre-packed
+weights mapped from the entry; ``ortmem_prepacked.*``). Activations: the estimator's
 ``activation_peak_bytes`` vs ``ortmem.plan.stats`` (ORT's arena counters from its profiler) on the
 same inputs (``batch`` ``--act-batch``, sequence ``--act-seq``, generated ids). Measured = tensor bytes
 alive per ORT's profiled ``output_size`` (aliases shared); the arena's in-use peak is shown beside it.
@@ -45,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     act_dims = {"batch": args.act_batch, "seq": args.act_seq, "batch_size": 1, "sequence_length": args.act_seq}
     out = []
     print("| model | ORT peak meas / pred | err | ORT steady meas / pred | err | +hygiene peak | err | +hygiene steady | err "
-          "| ortmem peak | err | ortmem steady | err | activations meas / pred | err |")
-    print("|---" * 17 + "|")
+          "| ortmem peak | err | ortmem steady | err | pre-packed peak | err | pre-packed steady | err "
+          "| activations meas / pred | err |")
+    print("|---" * 21 + "|")
     for name in names:
         path = Path(args.models) / name / "model.onnx"
         e = estimate(path, dims=dims)
@@ -61,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             ("ort", e.ort.session_peak_bytes_without_hygiene, e.ort.steady_bytes_without_hygiene),
             ("ort-hygiene", e.ort.session_peak_bytes_with_hygiene, e.ort.steady_bytes_with_hygiene),
             ("ortmem-warm", e.ortmem.session_peak_bytes_without_hygiene, e.ortmem.steady_bytes_without_hygiene),
+            ("ortmem-prepacked", e.ortmem_prepacked.session_peak_bytes_without_hygiene,
+             e.ortmem_prepacked.steady_bytes_without_hygiene),
         ):
             for key, pred in (("peak_create", side_peak), ("steady", side_steady)):
                 m = med(strategy, key)

@@ -1,7 +1,10 @@
 """``ortmem.plan.estimate``: how much memory a model will need, before a single weight byte is read.
 
-What is predicted, for plain ONNX Runtime and for ortmem's hook (bytes of resident memory, the
-process included, as ``ortmem bench`` measures them):
+What is predicted, for plain ONNX Runtime, for ortmem's hook (cold start, or a warm start without
+pre-packed weights: ORT loading the converted native twin) and for ortmem's default warm start
+(``ortmem_prepacked``: the twin's pre-packed MatMulNBits weights mapped from the cache entry,
+:mod:`ortmem.prepacked`), in bytes of resident memory, the process included, as ``ortmem bench``
+measures them:
 
 * ``session_peak_bytes``: the high-water mark of session creation;
 * ``steady_bytes``: resident memory after the first run;
@@ -110,7 +113,8 @@ class Estimate:
     model: str
     settings: dict[str, Any]
     ort: Side
-    ortmem: Side
+    ortmem: Side  # the hook on a cold start, or a warm start without pre-packed weights (the twin)
+    ortmem_prepacked: Side  # a warm start loading the entry's pre-packed weights (the default)
     activation_peak_bytes: int
     activation_peak_bytes_by_order: dict[str, int]
     unknown_shapes: list[dict[str, Any]]
@@ -536,8 +540,14 @@ def _new_initializer(h: Heap, nw: _New, label: str):
     return kept
 
 
-def _simulate(plan: _Plan, *, dynamic: bool, all_external: bool, activation_peak: int, run_touch: int) -> _Sim:
-    """Replay session creation's allocations (and one run) through the glibc model."""
+def _simulate(plan: _Plan, *, dynamic: bool, all_external: bool, activation_peak: int, run_touch: int,
+              prepacked: bool = False) -> _Sim:
+    """Replay session creation's allocations (and one run) through the glibc model.
+
+    ``prepacked``: ORT loads the cache entry's pre-packed model (:mod:`ortmem.prepacked`): it still
+    packs every MatMulNBits ``B`` on the heap, hashes the result, finds the saved blob and frees its
+    copy once that kernel is done; the saved blobs (MatMulNBits ``B`` only, fp32 MatMul/Gemm packs
+    stay on the heap) are not touched during creation and are read by the first run, file-backed."""
     h = Heap(dynamic=dynamic)
     ws = plan.weights
 
@@ -648,8 +658,10 @@ def _simulate(plan: _Plan, *, dynamic: bool, all_external: bool, activation_peak
                 reads.setdefault(id(node), []).append(nw)
     done: dict[tuple[str, str], int] = {}
     live_src: dict[tuple[str, str], Any] = {}
+    saved = 0  # pre-packed blobs ORT maps from prepacked.bin instead of keeping its heap copy
     for node in plan.kernel_order:
         items = by_node.get(id(node), [])
+        hashed = []
         for obj, pb in items:
             if obj.key not in live_src:
                 if obj.key in new_blocks:
@@ -658,14 +670,20 @@ def _simulate(plan: _Plan, *, dynamic: bool, all_external: bool, activation_peak
                     live_src[obj.key] = h.map_file(obj.nbytes, f"mapped {obj.key[1]}")
                 else:
                     live_src[obj.key], _ = source_block(obj.key, obj.nbytes, f"mapped {obj.key[1]}")
-            h.alloc(pb, f"pre-packed {obj.key[1]}")
-            packed_total += pb
+            blk = h.alloc(pb, f"pre-packed {obj.key[1]}")
+            if prepacked and (node.op_type == "MatMulNBits" or id(node) in plan.fused):
+                hashed.append(blk)
+                saved += pb
+            else:
+                packed_total += pb
         for obj in reads.get(id(node), []):
             if obj.key in held or obj.key in mapped or obj.key in new_blocks:
                 continue
             if isinstance(obj, _W) and storage(obj) != "external":
                 continue
             mapped[obj.key] = h.map_file(obj.nbytes, f"read {obj.key[1]}")
+        for blk in hashed:  # the hash matched a saved blob: the kernel uses the mapping instead
+            h.free(blk)
         for obj, _ in items:
             done[obj.key] = done.get(obj.key, 0) + 1
             if done[obj.key] < len(obj.packs):
@@ -690,8 +708,8 @@ def _simulate(plan: _Plan, *, dynamic: bool, all_external: bool, activation_peak
     if not dynamic:
         h.trim()  # hygiene's malloc_trim(0) after creation
         after_rss = h.rss
-    # one run: external weights read for the first time, the arena's activations
-    h.map_file(run_touch, "first run reads mapped weights")
+    # one run: external weights (and saved pre-packed blobs) read for the first time, the arena's activations
+    h.map_file(run_touch + saved, "first run reads mapped weights")
     h.alloc(activation_peak, "activations")
     steady_rss, steady_in_use = h.rss, h.in_use_total
     in_use = {
@@ -699,6 +717,7 @@ def _simulate(plan: _Plan, *, dynamic: bool, all_external: bool, activation_peak
         "heap_weights": sum(b.size for b in held.values()) + sum(b.size for b in new_blocks.values()),
         "subgraph_proto_copies": sum(b.size for b in attr_copies) + sum(w.nbytes for w in emb if w.key[0]),
         "mapped_weights_read": sum(b.size for b in mapped.values()) + run_touch,
+        "mapped_prepacked_weights": saved,
         "activations": activation_peak,
     }
     return _Sim(after_rss, after_in_use, peak_rss, peak_in_use, peak_at, steady_rss, steady_in_use, in_use)
@@ -882,11 +901,12 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
     other_peak = act.graph_activation(root, shapes, other, workspace, {}, plan.removed,
                                       inplace=rules.inplace_slots, merged=merged).peak_bytes
 
-    def side(all_external: bool, fixed: int) -> Side:
+    def side(all_external: bool, fixed: int, prepacked: bool = False) -> Side:
         touch = _run_touch(plan, shapes, root, all_external)
         base = cal.baseline_bytes + cal.session_fixed_bytes + fixed
-        no = _simulate(plan, dynamic=True, all_external=all_external, activation_peak=act_peak, run_touch=touch)
-        yes = _simulate(plan, dynamic=False, all_external=all_external, activation_peak=act_peak, run_touch=touch)
+        sim = dict(all_external=all_external, activation_peak=act_peak, run_touch=touch, prepacked=prepacked)
+        no = _simulate(plan, dynamic=True, **sim)
+        yes = _simulate(plan, dynamic=False, **sim)
         kept = int(cal.retention_fraction * retention_basis(plan, all_external))
         no.after_create_rss += kept
         no.steady_rss += kept
@@ -909,6 +929,9 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
 
     ort_side = side(False, 0)
     ortmem_side = side(True, cal.ortmem_fixed_bytes)
+    # the hook keeps a cache entry (and pre-packs it on the first hit) only for a model it converts;
+    # any other model is handed to ORT as it is, on every start
+    prepacked_side = side(True, cal.ortmem_fixed_bytes, prepacked=True) if plan.qdq else ortmem_side
     storage: dict[str, int] = {"embedded": 0, "external": 0, "inline": 0}
     for w in plan.weights.values():
         storage[w.storage] += w.nbytes
@@ -932,6 +955,7 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
                   "hygiene": hygiene, "calibration": cal.source},
         ort=ort_side,
         ortmem=ortmem_side,
+        ortmem_prepacked=prepacked_side,
         activation_peak_bytes=act_peak,
         activation_peak_bytes_by_order={st.execution_order: act_peak, other: other_peak},
         unknown_shapes=[asdict(u) for u in unknown.values()],
@@ -951,7 +975,7 @@ def render(e: Estimate, *, max_nodes: int = 40) -> str:
              f"{m(e.weights['external_bytes'])} external)",
              f"process baseline (interpreter + imports): {m(e.baseline_bytes)}",
              f"{'':22}{'peak':>14}{'steady':>14}{'peak+hyg':>14}{'steady+hyg':>14}"]
-    for label, s in (("onnxruntime", e.ort), ("ortmem", e.ortmem)):
+    for label, s in (("onnxruntime", e.ort), ("ortmem", e.ortmem), ("ortmem pre-packed", e.ortmem_prepacked)):
         lines.append(f"{label:22}{m(s.session_peak_bytes_without_hygiene):>14}{m(s.steady_bytes_without_hygiene):>14}"
                      f"{m(s.session_peak_bytes_with_hygiene):>14}{m(s.steady_bytes_with_hygiene):>14}")
     lines.append(f"activation peak ({e.settings['execution_order']}): {m(e.activation_peak_bytes)}"
