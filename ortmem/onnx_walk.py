@@ -35,17 +35,24 @@ def node_label(node: onnx.NodeProto, index: int) -> str:
     return node.name or f"{node.op_type}#{index}"
 
 
+def node_subgraphs(node: onnx.NodeProto) -> list[tuple[str, GraphProto]]:
+    """A node's subgraphs (If branches, Loop/Scan bodies) as ``(attribute name, graph)``; a GRAPHS
+    attribute's graphs are named ``name[j]``."""
+    out: list[tuple[str, GraphProto]] = []
+    for attr in node.attribute:
+        if attr.type == AttributeProto.GRAPH:
+            out.append((attr.name, attr.g))
+        elif attr.type == AttributeProto.GRAPHS:
+            out.extend((f"{attr.name}[{j}]", g) for j, g in enumerate(attr.graphs))
+    return out
+
+
 def iter_graphs(graph: GraphProto, path: str = "") -> Iterator[tuple[str, GraphProto]]:
     """The graph itself and every nested subgraph, depth first, with their paths."""
     yield path, graph
     for i, node in enumerate(graph.node):
-        for attr in node.attribute:
-            sub_path = f"{path}/{node_label(node, i)}/{attr.name}" if path else f"{node_label(node, i)}/{attr.name}"
-            if attr.type == AttributeProto.GRAPH:
-                yield from iter_graphs(attr.g, sub_path)
-            elif attr.type == AttributeProto.GRAPHS:
-                for j, g in enumerate(attr.graphs):
-                    yield from iter_graphs(g, f"{sub_path}[{j}]")
+        for name, sub in node_subgraphs(node):
+            yield from iter_graphs(sub, f"{path}/{node_label(node, i)}/{name}" if path else f"{node_label(node, i)}/{name}")
 
 
 def iter_tensor_sites(model: ModelProto) -> Iterator[TensorSite]:

@@ -17,6 +17,8 @@ import ortmem
 from model_builders import make_model, save, subgraph_model
 from ortmem.onnx_walk import external_data_dict, iter_tensor_sites
 from ortmem.plan import partition as P
+from ortmem.plan import partition_stages as stages
+from ortmem.plan import partition_weights
 from ortmem.plan.device_map import PlanError
 from ortmem.plan.partition import PartitionPlan, default_provider, partition
 from ortmem.plan.partition_cli import add_partition_arguments, main_partition, parse_bytes
@@ -106,19 +108,19 @@ def test_cut_post_pass_finds_the_fewest_crossing_tensors(tiny):
         tree = P.group_modules(G.planned_graph, G.set_costs(act_b, ws_b), by=P._module_names(G.labels, "scope"))
     costs = P._Costs(G, [0, 0])
     bounds = P._module_boundaries(G, tree)
-    count, _ = P._live_across(G)
+    count, _ = stages._live_across(G)
     n = len(G.order)
     start = G.labels.index("model.layers.0.mlp.up_proj.matmul")
     assert count[start] >= 4
-    limits = [costs.device_totals([P._Stage(0, n, 0)], 2)[0][0] * 3 // 4, 10**9]  # dev0 cannot take everything
+    limits = [costs.device_totals([stages._Stage(0, n, 0)], 2)[0][0] * 3 // 4, 10**9]  # dev0 cannot take everything
     budgets = [limits[0], 10**9]
     slack = 0.3
-    got = P._improve_cuts([P._Stage(0, start, 0), P._Stage(start, n, 1)], G, costs, bounds, limits, budgets, slack)
+    got = stages._improve_cuts([stages._Stage(0, start, 0), stages._Stage(start, n, 1)], G, costs, bounds, limits, budgets, slack)
     assert len(got) == 2
     cut = got[0].hi
-    base = costs.device_totals([P._Stage(0, start, 0), P._Stage(start, n, 1)], 2)[0][0]
-    allowed = [x for x in bounds if costs.device_totals([P._Stage(0, x, 0)], 2)[0][0] <= limits[0]
-               and base - costs.device_totals([P._Stage(0, x, 0)], 2)[0][0] <= slack * budgets[0]]
+    base = costs.device_totals([stages._Stage(0, start, 0), stages._Stage(start, n, 1)], 2)[0][0]
+    allowed = [x for x in bounds if costs.device_totals([stages._Stage(0, x, 0)], 2)[0][0] <= limits[0]
+               and base - costs.device_totals([stages._Stage(0, x, 0)], 2)[0][0] <= slack * budgets[0]]
     assert count[cut] == min(count[x] for x in allowed) < count[start]
     # the whole partitioner with no slack never gives up bytes on the first device for a better cut
     strict = partition(tiny, {"cpu:0": 520_000, "cpu": 10**8}, dims=DIMS, stage_overhead=0, verify=False, cut_slack=0.0)
@@ -172,7 +174,7 @@ def test_no_weight_duplicated_on_disk_copy(tiny_embedded, tmp_path):
     assert all(a + n <= b for (a, n), (b, _) in zip(ordered, ordered[1:]))
     assert sum(n for _, n in ordered) == weight_bytes
     size = (out / "weights.bin").stat().st_size
-    assert size == ordered[-1][0] + ordered[-1][1] and size - weight_bytes < P.ALIGN * len(ordered)
+    assert size == ordered[-1][0] + ordered[-1][1] and size - weight_bytes < partition_weights.ALIGN * len(ordered)
     data = (out / "weights.bin").read_bytes()
     with ortmem.load(tiny_embedded) as m:
         for name, (off, n) in spans.items():
@@ -215,7 +217,7 @@ def test_shared_weight_charged_once_per_device(tmp_path):
         G = P._Graph(model)
         G.set_costs({}, {})
         costs = P._Costs(G, [0, 0])
-        totals, credit = costs.device_totals([P._Stage(0, 1, 0), P._Stage(1, 2, 1), P._Stage(2, 3, 0)], 2)
+        totals, credit = costs.device_totals([stages._Stage(0, 1, 0), stages._Stage(1, 2, 1), stages._Stage(2, 3, 0)], 2)
     assert credit == [wbytes, 0]
     assert totals == [wbytes, wbytes]  # W once on device 0 (no activations were given)
 

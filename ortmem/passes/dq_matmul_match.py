@@ -55,6 +55,8 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, numpy_helper
 
+from ..onnx_walk import node_subgraphs
+
 __all__ = [
     "Candidate",
     "Rejected",
@@ -319,7 +321,7 @@ class _Graph:
                     self.producer[o] = i
         self.implicit: dict[int, set[str]] = {}
         for i, n in enumerate(self.nodes):
-            subs = _subgraphs(n)
+            subs = node_subgraphs(n)
             if subs:
                 free: set[str] = set()
                 for _, g in subs:
@@ -455,16 +457,6 @@ def _constant_node_tensor(node: NodeProto) -> TensorProto | None:
     return None
 
 
-def _subgraphs(node: NodeProto) -> list[tuple[str, GraphProto]]:
-    out: list[tuple[str, GraphProto]] = []
-    for a in node.attribute:
-        if a.type == AttributeProto.GRAPH:
-            out.append((a.name, a.g))
-        elif a.type == AttributeProto.GRAPHS:
-            out.extend((f"{a.name}[{j}]", g) for j, g in enumerate(a.graphs))
-    return out
-
-
 def _free_names(g: GraphProto) -> set[str]:
     """Outer-scope names a subgraph uses: ORT makes them implicit inputs of the node that owns it."""
     defined = {vi.name for vi in g.input} | {t.name for t in g.initializer}
@@ -474,7 +466,7 @@ def _free_names(g: GraphProto) -> set[str]:
     used: set[str] = set()
     for n in g.node:
         used.update(i for i in n.input if i)
-        for _, sg in _subgraphs(n):
+        for _, sg in node_subgraphs(n):
             used |= _free_names(sg)
     used.update(vi.name for vi in g.output)
     return used - defined
@@ -552,7 +544,7 @@ def _collect_types(g: GraphProto, path: str, out: dict[str, dict[str, _TypeInfo]
     out[path] = m
     for i, n in enumerate(g.node):
         label = n.name or f"{n.op_type}#{i}"
-        for attr, sg in _subgraphs(n):
+        for attr, sg in node_subgraphs(n):
             _collect_types(sg, _sub_path(path, label, attr), out)
 
 
@@ -1088,7 +1080,7 @@ def _walk(model: ModelProto) -> list[_Graph]:
         g = _Graph(proto, path, parent, model.ir_version, opset, types)
         graphs.append(g)
         for i, n in enumerate(g.nodes):
-            for attr, sg in _subgraphs(n):
+            for attr, sg in node_subgraphs(n):
                 visit(sg, _sub_path(path, g.label(i), attr), g)
 
     visit(model.graph, "", None)
@@ -1163,10 +1155,10 @@ def _subgraph_matmuls(g: _Graph, user: int, value: str) -> list[tuple[str, str]]
             label = n.name or f"{n.op_type}#{i}"
             if n.op_type in ("MatMul", "Gemm") and value in n.input:
                 found.append((path, label))
-            for attr, inner in _subgraphs(n):
+            for attr, inner in node_subgraphs(n):
                 visit(inner, _sub_path(path, label, attr))
 
-    for attr, sg in _subgraphs(g.nodes[user]):
+    for attr, sg in node_subgraphs(g.nodes[user]):
         visit(sg, _sub_path(g.path, g.label(user), attr))
     return found
 
