@@ -58,6 +58,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         report = convert_to(model, Path(args.output), settings_from(accuracy_level=args.accuracy_level), progress=bar)
     print(report.summary())
     print(f"wrote {Path(args.output) / 'model.onnx'}")
+    if args.prepack:
+        from .prepacked import save_prepacked
+
+        packed = save_prepacked(Path(args.output))
+        print(f"wrote {packed} (pre-packed for this CPU and onnxruntime; load it with plain ORT)"
+              if packed else "nothing for ORT to pre-pack")
     return 0
 
 
@@ -67,6 +73,9 @@ def _add_convert(sub) -> None:
     p.add_argument("output", help="output folder (created; must not exist or be empty)")
     p.add_argument("--accuracy-level", type=int, default=None, choices=range(5), metavar="N",
                    help="MatMulNBits accuracy_level (default 4, as ORT's own fusion)")
+    p.add_argument("--prepack", action="store_true",
+                   help="also save ORT's pre-packed weights (model.prepacked.onnx + prepacked.bin): sessions "
+                        "on this CPU and onnxruntime version then map them instead of packing onto the heap")
     p.set_defaults(func=_cmd_convert)
 
 

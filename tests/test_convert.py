@@ -129,6 +129,19 @@ def test_convert_cli_writes_a_standalone_folder(tmp_path, capsys):
             convert_to(m, out, settings_from())
 
 
+def test_convert_cli_prepack_writes_a_model_plain_ort_loads(tmp_path, capsys):
+    from ortmem import prepacked as pp
+    from ortmem.cli import main
+
+    path = _model(tmp_path, storage="external")
+    out = tmp_path / "out"
+    assert main(["convert", str(path), str(out), "--prepack"]) == 0
+    assert "pre-packed for this CPU" in capsys.readouterr().out
+    assert pp.verify_prepacked(out) is None
+    got = ort.InferenceSession(str(out / pp.PREPACKED_MODEL), providers=["CPUExecutionProvider"]).run(None, FEEDS)[0]
+    assert np.array_equal(got, _ort(path)[0])
+
+
 def test_unconvertible_patterns_are_left_and_reported(tmp_path):
     from onnx import TensorProto, helper, numpy_helper
 
