@@ -21,7 +21,8 @@ from ortmem.plan import partition_stages as stages
 from ortmem.plan import partition_weights
 from ortmem.plan.device_map import PlanError
 from ortmem.plan.partition import PartitionPlan, default_provider, partition
-from ortmem.plan.partition_cli import add_partition_arguments, main_partition, parse_bytes
+from ortmem.plan.partition_cli import add_partition_arguments, main_partition
+from ortmem.units import parse_bytes
 from ortmem.synth import SynthConfig, write_model
 
 DIMS = {"batch": 2, "seq": 16}

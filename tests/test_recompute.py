@@ -15,7 +15,8 @@ from onnx import TensorProto, helper
 
 from ortmem.plan import recompute as rc
 from ortmem.plan.liveness import analyze, context, load_proto
-from ortmem.plan.recompute_cli import add_recompute_arguments, main_recompute, parse_bytes
+from ortmem.plan.recompute_cli import add_recompute_arguments, main_recompute
+from ortmem.units import bytes_arg
 from ortmem.plan.recompute_models import LlamaMaskConfig, llama_shared_mask
 from test_liveness import _i64, _model, long_cast
 
@@ -317,9 +318,9 @@ def test_cli(tiny_llama, tmp_path, capsys):
     args = ap.parse_args([str(tiny_llama), "--dim", "batch=2", "--dim", "seq=256", "--plan", plan, "--json"])
     assert main_recompute(args) == 0
     assert json.loads(capsys.readouterr().out)["plan"] == plan
-    assert parse_bytes("64MiB") == 64 << 20 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("4096") == 4096
+    assert bytes_arg("64MiB") == 64 << 20 and bytes_arg("1.5GB") == 1_500_000_000 and bytes_arg("4096") == 4096
     with pytest.raises(argparse.ArgumentTypeError):
-        parse_bytes("lots")
+        bytes_arg("lots")
 
 
 def test_session_hook_applies_recompute(tiny_llama):

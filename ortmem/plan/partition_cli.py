@@ -11,27 +11,9 @@ would need is printed), 2 bad arguments.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-}
-_BYTES = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(text: str) -> int:
-    """``"512MiB"`` -> 536870912; ``"2GB"`` -> 2000000000; ``"1024"`` -> 1024."""
-    m = _BYTES.match(text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a byte count: {text!r} (examples: 1048576, 512MiB, 2GB, 1.5GiB)")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if "." not in m.group(1):
-        return int(m.group(1)) * _UNITS[m.group(2).lower()]
-    return int(round(value))
+from ..units import bytes_arg, parse_bytes
 
 
 def _device(text: str) -> tuple[str, int]:
@@ -51,13 +33,6 @@ def _provider(text: str) -> tuple[str, str]:
     return name, value
 
 
-def _bytes_arg(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
     from .estimate_cli import _dim
 
@@ -75,7 +50,7 @@ def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
                         help="execution provider for a device (default: from its name; unknown names run on the CPU)")
     parser.add_argument("--cut-slack", type=float, default=0.02, metavar="F",
                         help="share of a device's budget that fewer stages / fewer crossing tensors may cost (0.02)")
-    parser.add_argument("--overhead", type=_bytes_arg, default=None, metavar="BYTES",
+    parser.add_argument("--overhead", type=bytes_arg, default=None, metavar="BYTES",
                         help="fixed bytes per stage session (default: measured CPU session cost; 0 elsewhere)")
     parser.add_argument("--no-verify", action="store_true",
                         help="do not check CPU stages with the estimator (first-order costs only)")

@@ -24,22 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
 
+from ..units import bytes_arg
 from .estimate_cli import _dim
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """``"512MiB"``, ``"1.5GB"``, ``"1048576"`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size like 512MiB or 1.5GB, got {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def add_recompute_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +37,7 @@ def add_recompute_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dim", type=_dim, action="append", default=[], metavar="NAME=VALUE",
                         help="value of a symbolic input dimension (repeatable): tensor sizes, hence the plan, depend on it")
     what = parser.add_mutually_exclusive_group()
-    what.add_argument("--budget", type=parse_bytes, metavar="BYTES",
+    what.add_argument("--budget", type=bytes_arg, metavar="BYTES",
                       help="stop once the predicted activation peak is at most this (e.g. 64MiB); default: as low as it gets")
     what.add_argument("--plan", metavar="PLAN", help="apply exactly this plan (PATTERN+:1:COUNT,... from the summary)")
     parser.add_argument("--order", action="store_true",
