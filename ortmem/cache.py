@@ -76,6 +76,20 @@ class Entry:
     def size_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
 
+    def owned_bytes(self) -> int:
+        """Disk this entry alone holds: files with no other link (a hard-linked source file stays
+        on disk after the entry goes, so removing the entry would not free it)."""
+        total = 0
+        for f in self.path.iterdir():
+            st = f.stat()
+            if f.is_file() and st.st_nlink == 1:
+                total += st.st_blocks * 512
+        return total
+
+    def last_used(self) -> float:
+        """When a lookup last returned this entry (its manifest's mtime, touched on every hit)."""
+        return (self.path / MANIFEST).stat().st_mtime
+
 
 def spot_digest(path: Path, spans: list[tuple[int, int]]) -> str:
     """Hash the first and last page of every span: catches truncation, zeroed or swapped tensors
@@ -109,6 +123,10 @@ class Cache:
             return None
         problem = self.verify(e)
         if problem is None:
+            try:
+                os.utime(e.path / MANIFEST)  # recency for prune(): least recently used goes first
+            except OSError:
+                pass
             return e
         log.info("ortmem: cache entry %s is unusable (%s); rebuilding", e.path, problem)
         self._discard(e.path)
@@ -172,6 +190,7 @@ class Cache:
                 shutil.rmtree(tmp, ignore_errors=True)
                 return winner
             _fsync_dir(self.root)
+            self.enforce_limit(keep=key)
             return Entry(key, final)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -199,6 +218,45 @@ class Cache:
             if p.is_dir():
                 freed += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
                 self._discard(p)
+        return freed
+
+    def prune(self, max_bytes: int, *, keep: Optional[str] = None) -> int:
+        """Discard least recently used entries until what the entries own on disk is at most
+        ``max_bytes`` (``keep``, e.g. the entry just built, is never discarded); returns bytes freed.
+
+        Safe beside live sessions: a discarded entry is renamed away before it is deleted, and a
+        process that already mapped its files keeps them until it is done.
+        """
+        known: list[tuple[float, Entry, int]] = []
+        for e in self.entries():
+            try:
+                known.append((e.last_used(), e, e.owned_bytes()))
+            except OSError:  # discarded meanwhile by another process
+                continue
+        entries = [e for _, e, _ in sorted(known, key=lambda k: k[0])]
+        owned = {e.key: n for _, e, n in known}
+        total, freed = sum(owned.values()), 0
+        for e in entries:
+            if total <= max_bytes:
+                break
+            if e.key == keep:
+                continue
+            self.discard(e)
+            total -= owned[e.key]
+            freed += owned[e.key]
+        return freed
+
+    def enforce_limit(self, *, keep: Optional[str] = None) -> int:
+        """:meth:`prune` to ``$ORTMEM_CACHE_MAX_SIZE`` (e.g. ``20GiB``) when it is set; else nothing."""
+        limit = os.environ.get("ORTMEM_CACHE_MAX_SIZE")
+        if not limit:
+            return 0
+        from .units import parse_bytes
+
+        freed = self.prune(parse_bytes(limit), keep=keep)
+        if freed:
+            log.info("ortmem: cache over ORTMEM_CACHE_MAX_SIZE=%s; removed %.1f MiB of least recently used "
+                     "entries", limit, freed / 2**20)
         return freed
 
     def _discard(self, path: Path) -> None:

@@ -88,6 +88,13 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         freed = cache.clear()
         print(f"cleared {cache.root} ({freed / 2**20:.1f} MiB)")
         return 0
+    if args.action == "prune":
+        if args.max_size is None:
+            print("ortmem cache prune: give --max-size (e.g. 20GiB)", file=sys.stderr)
+            return 2
+        freed = cache.prune(args.max_size)
+        print(f"pruned {cache.root} to {args.max_size / 2**20:.1f} MiB ({freed / 2**20:.1f} MiB freed)")
+        return 0
     rows = list(cache.entries())
     print(f"{cache.root}: {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}")
     for e in rows:
@@ -101,8 +108,13 @@ def _cmd_cache(args: argparse.Namespace) -> int:
 
 
 def _add_cache(sub) -> None:
-    p = sub.add_parser("cache", help="list or clear converted models in the cache ($ORTMEM_CACHE_DIR)")
-    p.add_argument("action", choices=["list", "clear"])
+    from .units import bytes_arg
+
+    p = sub.add_parser("cache", help="list, prune or clear converted models in the cache ($ORTMEM_CACHE_DIR)")
+    p.add_argument("action", choices=["list", "prune", "clear"])
+    p.add_argument("--max-size", type=bytes_arg, default=None, metavar="BYTES",
+                   help="prune: remove least recently used entries until the rest fit (e.g. 20GiB); "
+                        "$ORTMEM_CACHE_MAX_SIZE applies the same limit after every new entry")
     p.set_defaults(func=_cmd_cache)
 
 

@@ -181,6 +181,8 @@ def _warm_start(entry: Entry, convert: ConvertOptions) -> Handoff:
         if path is None:
             try:
                 path = save_prepacked(entry.path, sess_options=convert.sess_options)
+                if path is not None and convert.cache is not None:
+                    convert.cache.enforce_limit(keep=entry.key)  # the entry just grew
             except CacheError as exc:
                 log.warning("ortmem: could not save pre-packed weights for %s (%s); loading %s",
                             entry.path, exc, entry.model_path.name)

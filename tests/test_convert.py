@@ -650,3 +650,40 @@ def test_zero_point_shared_with_a_dq_that_stays_is_carried(tmp_path):
     for cache in (tmp_path / "cache", False):
         got = ortmem.InferenceSession(path, cache=cache).run(None, x)
         assert all(np.array_equal(a, b) for a, b in zip(want, got))
+
+
+def test_cache_prune_keeps_the_most_recently_used_within_the_limit(tmp_path, monkeypatch, capsys):
+    """Three models' entries; pruning to the size of about one keeps the one used last. The hard-linked
+    source of an entry is not counted (removing the entry would not free it)."""
+    from ortmem.cli import main
+
+    monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "root"))
+    paths = []
+    for i in range(3):
+        (tmp_path / f"m{i}").mkdir()
+        paths.append(write_model(SynthConfig.tiny(storage="external", seed=i), tmp_path / f"m{i}" / "model.onnx"))
+        ortmem.InferenceSession(paths[-1], prepacked=False)
+    cache = Cache()
+    entries = {e.manifest()["source"]: e for e in cache.entries()}
+    assert len(entries) == 3
+    owned = {k: e.owned_bytes() for k, e in entries.items()}
+    assert all(0 < n < e.size_bytes() for n, e in zip(owned.values(), entries.values()))  # the link is not owned
+    os.utime(entries[str(paths[1])].path / "manifest.json", (1, 1))  # long unused
+    assert ortmem.InferenceSession(paths[0], prepacked=False).ortmem_cache_hit  # used just now
+    assert main(["cache", "prune", "--max-size", str(owned[str(paths[0])] + 4096)]) == 0
+    assert "freed" in capsys.readouterr().out
+    left = [e.manifest()["source"] for e in cache.entries()]
+    assert left == [str(paths[0])]
+    assert ortmem.InferenceSession(paths[0]).ortmem_cache_hit and not ortmem.InferenceSession(paths[2]).ortmem_cache_hit
+
+
+def test_cache_max_size_applies_after_each_new_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "root"))
+    monkeypatch.setenv("ORTMEM_CACHE_MAX_SIZE", "1")  # smaller than any entry: only the newest stays
+    for i in range(2):
+        d = tmp_path / f"m{i}"
+        d.mkdir()
+        p = write_model(SynthConfig.tiny(storage="external", seed=i), d / "model.onnx")
+        s = ortmem.InferenceSession(p)
+        assert np.array_equal(s.run(None, FEEDS)[0], _ort(p)[0])
+        assert [e.manifest()["source"] for e in Cache().entries()] == [str(p)]
