@@ -194,9 +194,15 @@ def test_real_ortmem_prepacked_warm_start(tmp_path, monkeypatch):
     pp, twin = e.ortmem_prepacked, e.ortmem
     saved = pp.in_use["mapped_prepacked_weights"]
     assert saved == twin.in_use["packed_weights"] > 0 and pp.in_use["packed_weights"] == 0
-    # the twin keeps every packed B on the heap; the pre-packed start holds at most one at a time
-    assert pp.session_peak_bytes_without_hygiene < twin.session_peak_bytes_without_hygiene - saved // 2
-    assert pp.session_peak_bytes_with_hygiene < twin.session_peak_bytes_with_hygiene - saved // 2
+    # the twin keeps every packed B on the heap; the pre-packed start holds at most one at a time, but a
+    # release that compares every saved blob with a fresh packing (1.32 on) reads all blobs at creation
+    from ortmem.ortmodel.release import capabilities
+
+    if capabilities().prepacked_validated:
+        assert pp.session_peak_bytes_without_hygiene < twin.session_peak_bytes_without_hygiene + saved // 4
+    else:
+        assert pp.session_peak_bytes_without_hygiene < twin.session_peak_bytes_without_hygiene - saved // 2
+        assert pp.session_peak_bytes_with_hygiene < twin.session_peak_bytes_with_hygiene - saved // 2
     predicted = pp.session_peak_bytes_without_hygiene - e.baseline_bytes
     measured = r.peak_create_bytes - r.baseline_rss_bytes
     assert predicted == pytest.approx(measured, rel=0.25)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from ortmem.ortmodel.release import capabilities
 import onnxruntime as ort
 import pytest
 
@@ -158,7 +159,12 @@ def test_merged_file_is_what_ort_maps(entry):
     assert reload["maps_prepacked"]
     assert reload["anon_created"] < twin["anon_created"] - 0.6 * blob_bytes
     assert reload["anon_run"] < twin["anon_run"] - 0.6 * blob_bytes
-    assert reload["hwm"] < twin["hwm"]
+    if capabilities().prepacked_validated:
+        # 1.32+ packs every weight again during creation to compare it with the saved blob: the creation
+        # peak is about the twin's (measured 117 vs 112 MB here); steady private memory stays tiny (above)
+        assert reload["hwm"] < 1.15 * twin["hwm"]
+    else:
+        assert reload["hwm"] < twin["hwm"]
 
 
 def test_truncated_data_is_refused_and_ort_errors_cleanly(entry, tmp_path):
@@ -185,7 +191,12 @@ def test_corrupted_blob_is_detected(entry, twin_out, tmp_path):
         f.write(b"\x5a" * 256)
     assert "content changed" in pp.verify_prepacked(bad)
     assert pp.prepacked_model(bad) is None
-    assert not np.array_equal(_run(bad / pp.PREPACKED_MODEL), twin_out)  # why the check exists
+    if capabilities().prepacked_validated:
+        # 1.32+ re-packs every saved weight on reload and refuses a blob that differs
+        with pytest.raises(Exception, match="do not match"):
+            _run(bad / pp.PREPACKED_MODEL)
+    else:
+        assert not np.array_equal(_run(bad / pp.PREPACKED_MODEL), twin_out)  # why the check exists
 
 
 
