@@ -181,11 +181,17 @@ def test_real_ortmem_prepacked_warm_start(tmp_path, monkeypatch):
     from ortmem.measure.probe import prepare, probe
     from ortmem.synth import SynthConfig, write_model
 
+    from ortmem.ortmodel.release import capabilities
+
     monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "cache"))  # inherited by the probes' children
     path = tmp_path / "model.onnx"
     write_model(SynthConfig.tiny(hidden=1024, intermediate=2816, layers=4, vocab=2000, form="qdq",
                                  storage="external", name="model"), path)
     dims = {"batch": 1, "seq": 8}
+    if not capabilities().prepacked_save:  # 1.25: warm starts load the entry itself, and so does the estimate
+        e = estimate(path, dims=dims)
+        assert e.ortmem_prepacked == e.ortmem
+        pytest.skip(f"onnxruntime {capabilities().release.version} saves no pre-packed weights")
     # unmeasured: a cold start converts, the first hit saves prepacked.bin
     prepared = prepare("ortmem-warm", path, options={"dims": dims}, workdir=tmp_path)
     assert list((tmp_path / "cache").rglob("prepacked.json"))

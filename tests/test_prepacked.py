@@ -58,8 +58,17 @@ def _clone(entry: Path, dest: Path) -> Path:
     return dest
 
 
+#: Whether the installed release saves pre-packed MatMulNBits weights at all (1.25 does not): from the
+#: release table checked by the probe, never assumed.
+SAVES = capabilities().prepacked_save
+needs_saving = pytest.mark.skipif(not SAVES, reason=f"onnxruntime {ort.__version__} saves no pre-packed "
+                                                    "MatMulNBits weights (ortmem.ortmodel.release)")
+
+
 @pytest.fixture(scope="module")
 def entry(tmp_path_factory) -> Path:
+    if not SAVES:
+        pytest.skip(f"onnxruntime {ort.__version__} saves no pre-packed MatMulNBits weights (ortmem.ortmodel.release)")
     folder = _make_entry(tmp_path_factory.mktemp("pp") / "entry")
     report = pp.PrepackReport(None)
     path = pp.save_prepacked(folder, report=report, group_bytes=8 << 20)
@@ -249,6 +258,7 @@ def test_failure_leaves_no_files(entry, tmp_path, monkeypatch):
     assert sorted(p.name for p in bad.iterdir()) == before
 
 
+@needs_saving
 def test_b_in_any_file_inside_the_folder_but_never_outside(tmp_path):
     """Converted entries may hard-link carried source files next to weights.bin: their B packs too."""
     cfg = SynthConfig.tiny(form="native", storage="external", name="carried")
@@ -291,6 +301,7 @@ def _ort_qdq(path: Path) -> np.ndarray:
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, QDQ_FEEDS)[0]
 
 
+@needs_saving
 def test_first_warm_start_saves_and_later_ones_load_the_prepacked_model(qdq, tmp_path):
     import ortmem
 
@@ -311,6 +322,7 @@ def test_first_warm_start_saves_and_later_ones_load_the_prepacked_model(qdq, tmp
         assert np.array_equal(s.run(None, QDQ_FEEDS)[0], expected)
 
 
+@needs_saving
 def test_cache_list_marks_entries_with_prepacked_weights(qdq, tmp_path, monkeypatch, capsys):
     import ortmem
     from ortmem.cli import main
@@ -322,6 +334,23 @@ def test_cache_list_marks_entries_with_prepacked_weights(qdq, tmp_path, monkeypa
     ortmem.InferenceSession(qdq)  # the first hit saves them
     assert main(["cache", "list"]) == 0
     assert "(+ pre-packed weights)" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(SAVES, reason="this onnxruntime saves pre-packed weights (tested above)")
+def test_a_release_without_saving_loads_the_entry_itself(qdq, tmp_path):
+    """Where ORT writes no pre-packed blobs (1.25), warm starts load the entry and nothing is left behind."""
+    import ortmem
+
+    cache = tmp_path / "cache"
+    expected = _ort_qdq(qdq)
+    cold = ortmem.InferenceSession(qdq, cache=cache)
+    entry = Path(cold._ortmem_handoff.model).parent
+    assert pp.save_prepacked(entry) is None  # ORT packed nothing it would save
+    warm = ortmem.InferenceSession(qdq, cache=cache)
+    assert warm.ortmem_cache_hit and Path(warm._ortmem_handoff.model) == entry / pp.MODEL_FILE
+    assert not any(p.name.startswith((".prepack", pp.PREPACKED_DATA, pp.PREPACKED_MANIFEST)) for p in entry.iterdir())
+    for s in (cold, warm):
+        assert np.array_equal(s.run(None, QDQ_FEEDS)[0], expected)
 
 
 def test_prepacked_only_for_cpu_with_prepacking_on(qdq, tmp_path):
@@ -340,6 +369,7 @@ def test_prepacked_only_for_cpu_with_prepacking_on(qdq, tmp_path):
     assert not (Path(opted_out._ortmem_handoff.model).parent / pp.PREPACKED_MANIFEST).exists()
 
 
+@needs_saving
 def test_damaged_prepacked_files_are_packed_again(qdq, tmp_path):
     import ortmem
 
@@ -359,6 +389,7 @@ def test_damaged_prepacked_files_are_packed_again(qdq, tmp_path):
     assert np.array_equal(again.run(None, QDQ_FEEDS)[0], expected)
 
 
+@needs_saving
 def test_a_prepacked_model_ort_refuses_falls_back_to_the_entry(qdq, tmp_path, monkeypatch, caplog):
     import ortmem
     from ortmem import handoff

@@ -82,10 +82,10 @@ def _zero_points(rng: np.random.Generator, wtype: str, shape: list[int]) -> Tens
     return t
 
 
-def dq_matmul_model(wtype: str, stype: str, block: int, has_zp: bool, seed: int = 0) -> onnx.ModelProto:
-    """``Y = A @ DequantizeLinear(W, S[, Z], axis=0, block_size)``, K = 2 blocks, N = 8."""
+def dq_matmul_model(wtype: str, stype: str, block: int, has_zp: bool, seed: int = 0, n: int = N_COLS) -> onnx.ModelProto:
+    """``Y = A @ DequantizeLinear(W, S[, Z], axis=0, block_size)``, K = 2 blocks, N = 8 by default."""
     rng = np.random.default_rng(seed)
-    k, n = 2 * block, N_COLS
+    k = 2 * block
     f = SCALE_TYPES[stype]
     np_f = np.float32 if stype == "float" else np.float16
     inits = [_codes(rng, wtype, [k, n]),
@@ -208,6 +208,37 @@ def probe_variant(ort: Any, m: onnx.ModelProto, accuracy: int, work: Path, fused
     return answer
 
 
+def probe_prepacked(ort: Any, work: Path) -> dict[str, Any]:
+    """Does this release save pre-packed MatMulNBits weights to an external file, and does a session on
+    the saved model give the QDQ model's outputs? (1.25 saves none; 1.32 re-packs and compares them.)"""
+    from ..convert import settings_from, write_converted
+    from ..loader import load
+    from ..passes.dq_matmul import plan_conversion
+    from ..prepacked import save_prepacked
+    from .release import unrestricted_capabilities
+
+    work.mkdir(parents=True, exist_ok=True)
+    # B must be large enough to be stored as external data (ortmem keeps tensors of one page inline)
+    m = dq_matmul_model("int4", "float", 128, False, n=128)
+    src = work / "qdq.onnx"
+    onnx.save(m, src)
+    feeds = _feeds(m)
+    reference = _session(ort, src, 4).run(None, feeds)
+    out = work / "converted"
+    out.mkdir()
+    with load(src) as model:
+        write_converted(model, plan_conversion(model, settings_from(accuracy_level=4),
+                                               capabilities=unrestricted_capabilities()), out)
+    try:
+        saved = save_prepacked(out)
+    except Exception as exc:  # noqa: BLE001 - PrepackError or ORT's own
+        return {"saved": False, "error": _short(exc)}
+    if saved is None:
+        return {"saved": False}
+    ours = _session(ort, saved, 4).run(None, feeds)
+    return {"saved": True, "reload": "equal" if all(np.array_equal(a, b) for a, b in zip(ours, reference)) else "differs"}
+
+
 def variants() -> Iterator[tuple[str, onnx.ModelProto, int, str, bool]]:
     """(key, model, accuracy level, fused op, convert?) for every question the probe asks."""
     for wtype in WEIGHT_TYPES:
@@ -236,6 +267,10 @@ def run_all() -> dict[str, Any]:
                 results["variants"][key] = probe_variant(ort, m, acc, Path(tmp) / str(i), op, convert)
             except Exception as exc:  # noqa: BLE001 - one broken question must not lose the others
                 results["variants"][key] = {"probe_error": _short(exc), "trace": traceback.format_exc(limit=3)}
+        try:
+            results["prepacked"] = probe_prepacked(ort, Path(tmp) / "prepacked")
+        except Exception as exc:  # noqa: BLE001
+            results["prepacked"] = {"saved": False, "probe_error": _short(exc)}
     return results
 
 

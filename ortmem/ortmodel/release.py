@@ -45,7 +45,7 @@ SUPPORTED = ((1, 25), (1, 32))
 #: Releases the suite runs against in CI (``.ci/run``) and whose probe answers make up the table.
 TESTED_RELEASES = ("1.25.1", "1.31.1", "1.32.0")
 #: Bumped whenever the probe asks new questions (old cached answers are then asked again).
-PROBE_FORMAT = 1
+PROBE_FORMAT = 2
 PROBE_TIMEOUT_S = 300
 
 # x86 / arm flags that select MLAS kernels and with them packed layouts and fused kernels.
@@ -74,6 +74,9 @@ class ReleaseFacts:
     shared_initializer_guard: bool = True
     #: ``session.save_external_prepacked_constant_initializers`` writes blobs ORT maps on reload.
     prepacked_save: bool = True
+    #: ``session.use_external_initializer_file_buffers_directly`` (new in 1.31): ORT borrows in-memory
+    #: external data instead of copying it (``ortmem.inmemory``; tests/test_convert.py checks both ways).
+    borrows_memory_buffers: bool = True
     #: ORT packs every saved weight again on reload and refuses a blob that differs
     #: (``session_state.cc ValidatePrePackedWeights``, new in 1.32).
     prepacked_validated: bool = False
@@ -102,10 +105,11 @@ def _build_table() -> None:
     RELEASE_TABLE.update({
         # 1.25: ORT's own fused 2-bit MatMulNBits with fp16 scales fails at run (matmul_nbits.cc
         # "nbits_ == 8"); GatherBlockQuantized refuses bits=2 data; the rule fuses any block size but the
-        # kernel is wrong past 256.
+        # kernel is wrong past 256; MatMulNBits writes no pre-packed blobs when a model is saved.
         (1, 25): ReleaseFacts(fusion_block_max=UNBOUNDED, convert_block_max=256,
                               matmul_not=_keys("matmul", ("int2", "uint2"), stypes=("float16",)),
-                              gather_not=_gather_keys(("uint2",)), shared_initializer_guard=False),
+                              gather_not=_gather_keys(("uint2",)), shared_initializer_guard=False,
+                              prepacked_save=False, borrows_memory_buffers=False),
         # 1.31: the rule stops at 256 (PR #31678).
         (1, 31): ReleaseFacts(fusion_block_max=256, convert_block_max=256),
         # 1.32: the bound is gone again and the kernel is right up to the probe's largest block (2048);
@@ -213,6 +217,7 @@ class Capabilities:
     prepacked_save: bool = False
     prepacked_validated: bool = False
     shared_initializer_guard: bool = True
+    borrows_memory_buffers: bool = True
     #: ``table``: not probed (the probe child itself, and tests of the table); ``probe``: reconciled.
     source: str = "table"
     notes: tuple[str, ...] = ()
@@ -246,7 +251,8 @@ class Capabilities:
             "fusion_block_max": self.fusion_block_max, "convert_block_max": self.convert_block_max,
             "prepacked_save": self.prepacked_save,
             "prepacked_validated": self.prepacked_validated,
-            "shared_initializer_guard": self.shared_initializer_guard, "notes": list(self.notes),
+            "shared_initializer_guard": self.shared_initializer_guard,
+            "borrows_memory_buffers": self.borrows_memory_buffers, "notes": list(self.notes),
             "matmul": {k: {"ok": v.ok, "why": v.why} for k, v in sorted(self.matmul.items())},
             "gather": {k: {"ok": v.ok, "why": v.why} for k, v in sorted(self.gather.items())},
         }
@@ -282,7 +288,8 @@ def table_capabilities(release: Optional[Release] = None) -> Capabilities:
     matmul = {k: Verdict(k not in facts.matmul_not, "" if k not in facts.matmul_not else why) for k in mm_keys}
     gather = {k: Verdict(k not in facts.gather_not, "" if k not in facts.gather_not else why) for k in ga_keys}
     return Capabilities(release, True, facts.fusion_block_max, facts.convert_block_max, matmul, gather,
-                        facts.prepacked_save, facts.prepacked_validated, facts.shared_initializer_guard, "table")
+                        facts.prepacked_save, facts.prepacked_validated, facts.shared_initializer_guard,
+                        facts.borrows_memory_buffers, "table")
 
 
 def unrestricted_capabilities(release: Optional[Release] = None) -> Capabilities:
@@ -291,7 +298,7 @@ def unrestricted_capabilities(release: Optional[Release] = None) -> Capabilities
     release = release or installed()
     mm_keys, ga_keys = _all_keys()
     return Capabilities(release, True, UNBOUNDED, UNBOUNDED, {k: Verdict(True) for k in mm_keys},
-                        {k: Verdict(True) for k in ga_keys}, True, False, True, "unrestricted")
+                        {k: Verdict(True) for k in ga_keys}, True, False, True, True, "unrestricted")
 
 
 def reconcile(table: Capabilities, answers: Mapping[str, Any]) -> Capabilities:
@@ -328,6 +335,11 @@ def reconcile(table: Capabilities, answers: Mapping[str, Any]) -> Capabilities:
                 notes.append(f"probe and table disagree on {key}")
         return out
 
+    packed = answers.get("prepacked", {})
+    prepacked_save = bool(packed.get("saved") and packed.get("reload") == "equal")
+    if prepacked_save != table.prepacked_save:
+        notes.append(f"pre-packed weights: the probe says {'saved and reloaded' if prepacked_save else 'not usable'} "
+                     f"({packed}), the table {'saved' if table.prepacked_save else 'not saved'}: not used")
     fused_max, equal_max = probed_block_max(variants, table.fusion_block_max)
     if fused_max != table.fusion_block_max:
         notes.append(f"ORT fuses DQ block sizes up to {fused_max} here; the table expects {table.fusion_block_max}")
@@ -335,8 +347,9 @@ def reconcile(table: Capabilities, answers: Mapping[str, Any]) -> Capabilities:
         notes.append(f"ortmem's rewrite agrees with ORT up to block size {equal_max} here; the table expects "
                      f"{table.convert_block_max}")
     return Capabilities(table.release, table.convert, fused_max, min(equal_max, table.convert_block_max),
-                        merge(table.matmul), merge(table.gather), table.prepacked_save, table.prepacked_validated,
-                        table.shared_initializer_guard, "probe", tuple(notes))
+                        merge(table.matmul), merge(table.gather), table.prepacked_save and prepacked_save,
+                        table.prepacked_validated, table.shared_initializer_guard, table.borrows_memory_buffers,
+                        "probe", tuple(notes))
 
 
 def probed_block_max(variants: Mapping[str, Any], expected_fused: int) -> tuple[int, int]:

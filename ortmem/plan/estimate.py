@@ -951,7 +951,9 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
     ortmem_side = side(True, cal.ortmem_fixed_bytes)
     # the hook keeps a cache entry (and pre-packs it on the first hit) only for a model it converts;
     # any other model is handed to ORT as it is, on every start
-    prepacked_side = side(True, cal.ortmem_fixed_bytes, prepacked=True) if plan.qdq else ortmem_side
+    # a release that saves no pre-packed weights (1.25) warm-starts from the entry itself
+    saves = capabilities().prepacked_save
+    prepacked_side = side(True, cal.ortmem_fixed_bytes, prepacked=True) if plan.qdq and saves else ortmem_side
     storage: dict[str, int] = {"embedded": 0, "external": 0, "inline": 0}
     for w in plan.weights.values():
         storage[w.storage] += w.nbytes
