@@ -21,7 +21,7 @@ import ortmem
 from ortmem.cache import Cache
 from ortmem.convert import convert_to, settings_from
 from ortmem.errors import CacheError, ConversionError
-from ortmem.ortmodel.probe import onnx_type_name
+from ortmem.ortmodel.variants import onnx_type_name
 from ortmem.passes.dq_matmul_match import dq_gather_match
 from ortmem.synth import SynthConfig, write_model
 

@@ -960,7 +960,7 @@ def test_gather_candidates_reproduce_dq_gather(name, tmp_path):
     assert len(cands) == 1 and not rej, rej
     c = cands[0]
     assert c.dq_kept == (name == "tied_with_matmul")
-    from ortmem.ortmodel.probe import onnx_type_name
+    from ortmem.ortmodel.variants import onnx_type_name
     from ortmem.ortmodel.release import capabilities
 
     refusal = capabilities().gather_refusal(weight_type=onnx_type_name(c.weight_dtype), has_zp=c.has_zp,

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 
 import ortmem
-from ortmem.ortmodel import probe as pr
+from ortmem.ortmodel import variants as pr
 from ortmem.ortmodel import release as rel
 from ortmem.synth import SynthConfig, write_model
 

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import platform
+import stat as stat_mod
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,9 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
+
+from ..cache import cache_root
+from .variants import ACCURACY_LEVELS, BLOCK_SWEEP, SCALE_TYPES, WEIGHT_TYPES, variant_key
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +87,10 @@ class ReleaseFacts:
 
 
 def _keys(kind: str, wtypes: tuple[str, ...], zps=(False, True), stypes=("float", "float16"), accs=(0, 4)) -> frozenset[str]:
-    from .probe import variant_key
-
     return frozenset(variant_key(kind, w, z, s, a) for w in wtypes for z in zps for s in stypes for a in accs)
 
 
 def _gather_keys(wtypes: tuple[str, ...], zps=(False, True), stypes=("float", "float16")) -> frozenset[str]:
-    from .probe import variant_key
-
     return frozenset(variant_key("gather", w, z, s) for w in wtypes for z in zps for s in stypes)
 
 
@@ -259,14 +259,10 @@ class Capabilities:
 
 
 def _variant(kind: str, weight_type: str, has_zp: bool, scale_type: str, accuracy: int) -> str:
-    from .probe import variant_key
-
     return variant_key(kind, weight_type, has_zp, scale_type, accuracy if kind == "matmul" else 4)
 
 
 def _all_keys() -> tuple[list[str], list[str]]:
-    from .probe import ACCURACY_LEVELS, SCALE_TYPES, WEIGHT_TYPES, variant_key
-
     mm = [variant_key("matmul", w, z, s, a) for w in WEIGHT_TYPES for z in (False, True) for s in SCALE_TYPES
           for a in ACCURACY_LEVELS]
     ga = [variant_key("gather", w, z, s) for w in ("uint2", "int4", "uint4", "uint8") for z in (False, True)
@@ -356,8 +352,6 @@ def probed_block_max(variants: Mapping[str, Any], expected_fused: int) -> tuple[
     """(largest swept block size up to which ORT fuses every power of two, largest up to which ortmem's
     rewrite is also identical). Where ORT fuses the whole sweep, its bound lies beyond and
     ``expected_fused`` (the table's) stands."""
-    from .probe import BLOCK_SWEEP
-
     fused = equal = 0
     still_equal = True
     for block in BLOCK_SWEEP:
@@ -374,7 +368,8 @@ def probed_block_max(variants: Mapping[str, Any], expected_fused: int) -> tuple[
 def run_probe(timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
     """Run :mod:`ortmem.ortmodel.probe` in a fresh interpreter (an ORT crash costs the probe only)."""
     env = dict(os.environ, ORTMEM_PROBE_CHILD="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", "from ortmem.ortmodel.probe import main; main()"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", "from ortmem.ortmodel.probe import main; main()"],
+                          capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=tempfile.gettempdir())
     if proc.returncode != 0:
         tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
@@ -390,8 +385,6 @@ def _probe_dir() -> Optional[Path]:
         if os.environ.get("ORTMEM_PROBE_DIR"):
             d = Path(os.environ["ORTMEM_PROBE_DIR"])
         else:
-            from ..cache import cache_root
-
             d = cache_root() / ".release-probes"
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = d.lstat()
@@ -404,8 +397,6 @@ def _probe_dir() -> Optional[Path]:
 
 
 def _private(st: os.stat_result) -> bool:
-    import stat as stat_mod
-
     return (not stat_mod.S_ISLNK(st.st_mode) and st.st_uid == os.getuid()
             and not st.st_mode & (stat_mod.S_IWGRP | stat_mod.S_IWOTH))
 

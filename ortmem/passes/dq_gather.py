@@ -39,7 +39,7 @@ from onnx import TensorProto, helper
 from ..dtypes import dtype_info, numel
 from ..errors import ConversionError
 from ..model import Model
-from ..ortmodel.probe import onnx_type_name
+from ..ortmodel.variants import onnx_type_name
 from ..ortmodel.release import Capabilities
 from . import nbits_layout as nb
 from .dq_matmul_match import GatherCandidate, OrtSettings, dq_gather_match

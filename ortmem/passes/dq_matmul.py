@@ -27,7 +27,7 @@ from ..dtypes import dtype_info
 from ..errors import ConversionError
 from ..model import Model
 from ..onnx_walk import iter_graphs, iter_tensor_sites, is_external, node_label
-from ..ortmodel.probe import onnx_type_name
+from ..ortmodel.variants import onnx_type_name
 from ..ortmodel.release import Capabilities
 from ..ortmodel.release import capabilities as installed_capabilities
 from ..weights import WeightRef, page_align

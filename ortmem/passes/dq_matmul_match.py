@@ -56,6 +56,7 @@ import onnx
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, numpy_helper
 
 from ..onnx_walk import node_subgraphs
+from ..ortmodel.release import capabilities
 
 __all__ = [
     "Candidate",
@@ -1131,8 +1132,6 @@ def dq_matmul_match(
     st = _as_settings(settings, graph_optimization_level, session_config, disabled_optimizers)
     st.accuracy_level  # validate eagerly: ORT fails in the transformer's constructor  # noqa: B018
     if block_max is None or shared_guard is None:
-        from ..ortmodel.release import capabilities
-
         caps = capabilities()
         block_max = caps.fusion_block_max if block_max is None else block_max
         shared_guard = caps.shared_initializer_guard if shared_guard is None else shared_guard
