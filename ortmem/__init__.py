@@ -12,23 +12,47 @@ The public API fits on one screen:
 - :func:`allocator_hygiene` (a context manager) and :func:`trim` keep glibc from hoarding what ORT
   frees, for sessions created without ortmem;
 - :mod:`ortmem.errors` holds the exception hierarchy rooted at :class:`OrtmemError`.
+
+Why the attributes are lazy: ``import ortmem`` must not cost what ortmem exists to save. Each name is
+imported from the module that owns it on first use, so a program that only creates sessions never loads
+the planners, plotting or memray, and ``import ortmem`` itself loads nothing but the exception types
+(``bench/bench_import.py`` measures it against ``import onnxruntime`` in fresh interpreters).
 """
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .errors import OrtmemError
 
 __version__ = "0.1.0"
 
-from .errors import OrtmemError  # noqa: E402
-from .hygiene import allocator_hygiene, trim
-from .loader import load
-from .model import Model
-from .pipeline import PipelineSession
-from .plan.estimate import estimate
-from .plan.partition import partition
-from .plan.stats import stats
-from .session import InferenceSession
-from .weights import WeightRef, WeightState
+#: public name -> module that owns it
+_LAZY = {
+    "InferenceSession": ".session",
+    "load": ".loader",
+    "Model": ".model",
+    "WeightRef": ".weights",
+    "WeightState": ".weights",
+    "allocator_hygiene": ".hygiene",
+    "trim": ".hygiene",
+    "estimate": ".plan.estimate",
+    "partition": ".plan.partition",
+    "stats": ".plan.stats",
+    "PipelineSession": ".pipeline",
+}
 
-__all__ = [
-    "InferenceSession", "Model", "OrtmemError", "PipelineSession", "WeightRef", "WeightState",
-    "allocator_hygiene", "estimate", "load", "partition", "stats", "trim",
-]
+__all__ = ["OrtmemError", *_LAZY]
 
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ortmem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -128,7 +128,7 @@ def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
     import numpy  # noqa: F401  (part of the baseline on purpose)
     import onnxruntime  # noqa: F401
 
-    import ortmem  # noqa: F401
+    import ortmem.session  # noqa: F401  (the session path, onnx included: `import ortmem` alone loads it lazily)
     from ortmem.measure import procfs
     from ortmem.measure.inputs import describe_outputs, hash_outputs, make_inputs
     from ortmem.measure.strategies import resolve

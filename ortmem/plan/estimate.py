@@ -47,13 +47,13 @@ from typing import Any, Mapping, Union
 import onnx
 from onnx import TensorProto
 
-from ..dtypes import byte_size, dtype_info
+from ..dtypes import byte_size
 from ..model import Model
 from ..passes.dq_matmul_match import OrtSettings, dq_matmul_match
 from ..ortmodel.release import capabilities
 from . import activations as act
 from . import ort_graph as og
-from .liveness import Context, _ort_view
+from .graph_context import Context, ort_view
 from .memsim import Heap
 
 MiB = 1 << 20
@@ -180,7 +180,7 @@ class _Settings:
     ort: OrtSettings
 
 
-def _settings(session_options, accuracy_level: int | None) -> _Settings:
+def session_settings(session_options, accuracy_level: int | None) -> _Settings:
     from ..convert import settings_from
     from ..options import get_config
 
@@ -194,7 +194,7 @@ def _settings(session_options, accuracy_level: int | None) -> _Settings:
     return _Settings(st.graph_optimization_level, st.accuracy_level, order, prepacking, st)
 
 
-def _nchwc_block() -> int:
+def nchwc_block() -> int:
     try:
         flags = Path(_CPU_FLAGS_FILE).read_text()
     except OSError:
@@ -243,7 +243,7 @@ def _storage(t: TensorProto, model_file: str) -> str:
     return "inline" if t.ByteSize() < 1024 else "embedded"
 
 
-def _tensor_bytes(t: TensorProto) -> int:
+def tensor_bytes(t: TensorProto) -> int:
     if t.data_type == TensorProto.STRING:
         return sum(len(s) for s in t.string_data)
     try:
@@ -256,7 +256,7 @@ def _collect_weights(root: og.OrtGraph, model_file: str) -> dict[tuple[str, str]
     ws: dict[tuple[str, str], _W] = {}
     for g in og.walk(root):
         for name, t in g.initializers.items():
-            ws[(g.path, name)] = _W((g.path, name), _tensor_bytes(t), _storage(t, model_file),
+            ws[(g.path, name)] = _W((g.path, name), tensor_bytes(t), _storage(t, model_file),
                                     tuple(int(d) for d in t.dims), t.data_type)
     for g in og.walk(root):
         for node in g.nodes:
@@ -318,7 +318,7 @@ def sgemm_packed_bytes(K: int, N: int) -> int:
     return K * (-(-N // 16) * 16) * 4
 
 
-def _plan(root: og.OrtGraph, skeleton: onnx.ModelProto, shapes: act.Shapes, st: _Settings, model_file: str,
+def plan_model(root: og.OrtGraph, skeleton: onnx.ModelProto, shapes: act.Shapes, st: _Settings, model_file: str,
           *, convert_qdq_ahead: bool = False) -> _Plan:
     ws = _collect_weights(root, model_file)
     notes: list[str] = []
@@ -417,7 +417,7 @@ def _plan(root: og.OrtGraph, skeleton: onnx.ModelProto, shapes: act.Shapes, st: 
 
     # Level 99 on x86: NCHWc Conv weights
     nchwc: list[_New] = []
-    block = _nchwc_block()
+    block = nchwc_block()
     nchwc_convs: set[int] = set()
     if st.level >= 99 and block:
         for g in og.walk(root):
@@ -782,7 +782,7 @@ def _run_touch(plan: _Plan, shapes: act.Shapes, root: og.OrtGraph, all_external:
 
 
 # ------------------------------------------------------------------------------ activations
-def _workspace_fn(plan: _Plan, st: _Settings, nchwc: bool):
+def workspace_fn(plan: _Plan, st: _Settings, nchwc: bool):
     def workspace(node: og.OrtNode, shapes: act.Shapes) -> int:
         g = node.graph
         if node.op_type == "MatMulNBits" or id(node) in plan.fused:
@@ -851,7 +851,7 @@ def _node_rows(root: og.OrtGraph, shapes: act.Shapes, order: og.ExecutionOrder, 
                     continue
                 charged.add(key)
                 names.append(v if not hit[0].path else f"{hit[0].path}:{v}")
-                wbytes += _tensor_bytes(hit[1])
+                wbytes += tensor_bytes(hit[1])
             row = NodeRow(len(rows), g.path, node.label, node.op_type if node.domain in ("", "ai.onnx") else
                           f"{node.domain}.{node.op_type}", node.unique_name, wbytes, names, r.inputs_bytes,
                           r.outputs_bytes, r.workspace_bytes, r.live_bytes, unknown=r.unknown)
@@ -898,20 +898,20 @@ def estimate(model_or_path: ModelLike, *, dims: Mapping[str, int] | None = None,
 
 def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_options, hygiene: bool,
               cal: Calibration) -> Estimate:
-    st = _settings(session_options, accuracy_level)
+    st = session_settings(session_options, accuracy_level)
     skeleton = model.skeleton
     root = og.build(skeleton.graph)
     shapes = act.infer_shapes(skeleton, root, dims)
     model_file = Path(model.path).name
-    plan = _plan(root, skeleton, shapes, st, model_file)
-    nchwc = st.level >= 99 and bool(_nchwc_block())
-    estimator_ws = _workspace_fn(plan, st, nchwc)
+    plan = plan_model(root, skeleton, shapes, st, model_file)
+    nchwc = st.level >= 99 and bool(nchwc_block())
+    estimator_ws = workspace_fn(plan, st, nchwc)
 
     def workspace(node: og.OrtNode, sh: act.Shapes) -> int:
         return estimator_ws(node, sh) + act.kernel_temporaries(node, sh)
 
     # in-place reuse: the rule measured on ORT 1.31.1 that the planners use too (liveness.Context)
-    rules = Context(skeleton, root, shapes, plan.removed, workspace, dims, st.execution_order, _ort_view(skeleton))
+    rules = Context(skeleton, root, shapes, plan.removed, workspace, dims, st.execution_order, ort_view(skeleton))
     merged = act.ort_fusions(root) if st.level >= 2 else {}  # Gelu/BiasGelu run as one kernel
     unknown: dict = {}
     act_peak, rows = _node_rows(root, shapes, st.execution_order, workspace, unknown, plan.removed,

@@ -10,7 +10,7 @@ bound from ``dims``), the order from :mod:`ortmem.plan.ort_graph` (ORT's ``DEFAU
 (aliasing kernels, in-place writes, graph outputs living to the end, 256-byte arena granules,
 per-node workspace, subgraph peaks) from :func:`ortmem.plan.activations.graph_activation`, and what
 ORT turns into constants before running (constant folding, DQ nodes fused into MatMulNBits) plus the
-kernels' workspace from the estimator's own recipe (``estimate._plan`` / ``estimate._workspace_fn``).
+kernels' workspace from the estimator's own recipe (``estimate.plan_model`` / ``estimate.workspace_fn``).
 
 Only the main graph is planned; a node with subgraphs counts their peak as its workspace.
 """
@@ -22,108 +22,13 @@ from typing import Any, Mapping, Sequence, Union
 
 import onnx
 
-from ..model import Model
 from . import activations as act
 from . import ort_graph as og
+from .estimate import nchwc_block, plan_model, session_settings, workspace_fn
+from .graph_context import Context, ModelLike, load_proto, ort_view
 
 MiB = 1 << 20
 OrderLike = Union[str, Sequence[int]]
-ModelLike = Union[str, os.PathLike, onnx.ModelProto, Model]
-
-
-# ------------------------------------------------------------------------------------- context
-@dataclass
-class Context:
-    """What liveness needs about one model, computed once and shared by every order evaluated on it.
-
-    ``origin`` maps ``id()`` of a node of a *rewritten* graph to the node of the analysed graph it
-    copies (see :meth:`derive`), so a rewrite is scored without re-running shape inference or the
-    estimator's recipe: a clone has its original's shapes, workspace and constant-ness.
-    """
-
-    model: onnx.ModelProto
-    root: og.OrtGraph
-    shapes: act.Shapes
-    removed: frozenset[int]
-    workspace: act.WorkspaceFn
-    dims: dict[str, int]
-    execution_order: og.ExecutionOrder = "DEFAULT"
-    ort_view: dict[str, act.TensorShape] = field(default_factory=dict)  # shapes as ORT's planner sees them
-    _symbolic: act.Shapes | None = None
-
-    def inplace_slots(self, node: og.OrtNode) -> list[int]:
-        """Input slots ``node`` may overwrite, as ORT 1.31.1's CPU planner decides: the kernel declares
-        ``MayInplace(0, 0)`` (:data:`ortmem.plan.activations.ORT_CPU_INPLACE_OPS`) and input 0's shape,
-        as ORT infers it with symbolic dims unbound, is fully known (``SameShape`` in
-        ``onnxruntime/core/framework/allocation_planner.cc`` accepts equal values or equal non-empty
-        dim_params; an unnamed unknown dim never matches)."""
-        if node.domain not in ("", "ai.onnx") or node.op_type not in act.ORT_CPU_INPLACE_OPS or not node.inputs:
-            return []
-        s = self.ort_view.get(node.inputs[0])
-        if s is None or s.dims is None or any(d == "?" for d in s.dims):
-            return []
-        return [0]
-
-    def activation(self, order: Sequence[int] | og.ExecutionOrder | None = None,
-                   unknown: dict | None = None) -> act.GraphActivation:
-        """:func:`ortmem.plan.activations.graph_activation` of the main graph with this context's rules."""
-        if order is None or isinstance(order, str):
-            kind: og.ExecutionOrder = order or self.execution_order  # type: ignore[assignment]
-            return act.graph_activation(self.root, self.shapes, kind, self.workspace, unknown, self.removed,
-                                        inplace=self.inplace_slots)
-        return act.graph_activation(self.root, self.shapes, self.execution_order, self.workspace, unknown,
-                                    self.removed, order=list(order), inplace=self.inplace_slots)
-
-    def symbolic_dims(self, name: str) -> list[int | str] | None:
-        """The dims of ``name`` before ``dims`` were bound (computed once, on first use)."""
-        if self._symbolic is None:
-            self._symbolic = act.infer_shapes(self.model, self.root, {})
-        s = self._symbolic.get(self.root, name)
-        return None if s is None or s.dims is None else list(s.dims)
-
-    def dims_of(self, name: str) -> list[int | str] | None:
-        s = self.shapes.get(self.root, name)
-        return None if s is None or s.dims is None else list(s.dims)
-
-    def nbytes(self, name: str) -> int:
-        return act.value_bytes(self.root, name, self.shapes, {})
-
-    def derive(self, model: onnx.ModelProto, origins: Sequence[og.OrtNode], renamed: Mapping[str, str]) -> "Context":
-        """The context of a rewrite of this model: ``origins[i]`` is the analysed node that the i-th
-        non-Constant node of ``model``'s graph copies; ``renamed`` maps each new value name to the
-        value it recomputes (same shape). Initializers and graph inputs must be unchanged."""
-        root = og.build(model.graph)
-        if len(root.nodes) != len(origins):
-            raise ValueError("origins must align with the rewritten graph's nodes")
-        table = dict(self.shapes.types.get("", {}))
-        for new, old in renamed.items():
-            if old in table:
-                table[new] = table[old]
-        shapes = act.Shapes(types={**self.shapes.types, "": table}, unresolved_symbols=self.shapes.unresolved_symbols)
-        origin = {id(n): o for n, o in zip(root.nodes, origins)}
-        removed = frozenset(id(n) for n, o in zip(root.nodes, origins) if id(o) in self.removed)
-        base_ws = self.workspace
-
-        def workspace(node: og.OrtNode, sh: act.Shapes) -> int:
-            return base_ws(origin.get(id(node), node), sh)
-
-        view = dict(self.ort_view)
-        for new, old in renamed.items():
-            if old in view:
-                view[new] = view[old]
-        ctx = Context(model, root, shapes, removed, workspace, self.dims, self.execution_order, view)
-        ctx._symbolic = self._symbolic
-        return ctx
-
-
-def load_proto(model: ModelLike) -> onnx.ModelProto:
-    """A ModelProto for analysis: weights are never needed, so a path is read without external data
-    and a :class:`ortmem.Model` gives its weightless skeleton."""
-    if isinstance(model, onnx.ModelProto):
-        return model
-    if isinstance(model, Model):
-        return model.skeleton
-    return onnx.load(os.fspath(model), load_external_data=False)
 
 
 def context(model: ModelLike, dims: Mapping[str, int] | None = None, *, session_options=None,
@@ -133,40 +38,19 @@ def context(model: ModelLike, dims: Mapping[str, int] | None = None, *, session_
     ``session_options`` (an ``onnxruntime.SessionOptions``) sets the optimization level (what is
     folded or fused before the run) and the execution order; ORT's defaults otherwise.
     """
-    from .estimate import _nchwc_block, _plan, _settings, _workspace_fn
-
     proto = load_proto(model)
-    st = _settings(session_options, accuracy_level)
+    st = session_settings(session_options, accuracy_level)
     root = og.build(proto.graph)
     shapes = act.infer_shapes(proto, root, dict(dims or {}))
     model_file = os.path.basename(os.fspath(model)) if isinstance(model, (str, os.PathLike)) else ""
-    plan = _plan(root, proto, shapes, st, model_file)
-    estimator_ws = _workspace_fn(plan, st, st.level >= 99 and bool(_nchwc_block()))
+    plan = plan_model(root, proto, shapes, st, model_file)
+    estimator_ws = workspace_fn(plan, st, st.level >= 99 and bool(nchwc_block()))
 
     def workspace(node: og.OrtNode, sh: act.Shapes) -> int:
         return estimator_ws(node, sh) + act.kernel_temporaries(node, sh)
 
     return Context(proto, root, shapes, plan.removed, workspace, dict(dims or {}), st.execution_order,
-                   _ort_view(proto))
-
-
-def _ort_view(proto: onnx.ModelProto) -> dict[str, act.TensorShape]:
-    """Main-graph shapes from ONNX's own inference with symbolic dims unbound and no data propagation:
-    what ORT's graph resolution infers, which decides in-place reuse."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=False)
-    except Exception:  # noqa: BLE001 - keep what the graph declares
-        inferred = proto
-    g = inferred.graph
-    out: dict[str, act.TensorShape] = {}
-    for vi in [*g.input, *g.value_info, *g.output]:
-        t = act._shape_of(vi.type)
-        if t is not None:
-            # onnx's Python API names unknown dims "unk__N"; ORT's resolution leaves them unnamed
-            if t.dims is not None:
-                t.dims = ["?" if isinstance(d, str) and d.startswith("unk__") else d for d in t.dims]
-            out[vi.name] = t
-    return out
+                   ort_view(proto))
 
 
 def ort_optimized(model: str | os.PathLike | bytes | onnx.ModelProto, out_path: str | os.PathLike, *,

@@ -176,7 +176,7 @@ def _optimized_graph(model_path: str, base, tmp: str):
 def _initializer_charges(root: og.OrtGraph, order: og.ExecutionOrder) -> dict[int, tuple[int, list[str]]]:
     """id(node) -> (bytes, names) of the initializers first used by that node, in execution order,
     subgraphs right after their parent; outer-scope ones charged to the parent node."""
-    from .estimate import _tensor_bytes
+    from .estimate import tensor_bytes
 
     charged: set[tuple[str, str]] = set()
     out: dict[int, tuple[int, list[str]]] = {}
@@ -190,7 +190,7 @@ def _initializer_charges(root: og.OrtGraph, order: og.ExecutionOrder) -> dict[in
                 if hit is None or (hit[0].path, v) in charged:
                     continue
                 charged.add((hit[0].path, v))
-                total += _tensor_bytes(hit[1])
+                total += tensor_bytes(hit[1])
                 names.append(v)
             out[id(node)] = (total, names)
             for _, sg in node.subgraphs:
