@@ -9,6 +9,9 @@ The public API fits on one screen:
 - :func:`estimate` predicts memory from metadata alone; :func:`stats` measures it per node;
 - :class:`PipelineSession` runs a model partitioned over devices with memory budgets
   (:func:`ortmem.plan.partition`, ``ortmem partition``);
+- :func:`hook` / :func:`unhook` route every session the process creates through ortmem, code that
+  calls ``onnxruntime.InferenceSession`` itself included (``python -m ortmem run`` does it for a
+  whole program);
 - :func:`allocator_hygiene` (a context manager) and :func:`trim` keep glibc from hoarding what ORT
   frees, for sessions created without ortmem;
 - :mod:`ortmem.errors` holds the exception hierarchy rooted at :class:`OrtmemError`.
@@ -17,6 +20,7 @@ The public API fits on one screen:
 __version__ = "0.1.0"
 
 from .errors import OrtmemError  # noqa: E402
+from .hook import hook, unhook
 from .hygiene import allocator_hygiene, trim
 from .loader import load
 from .model import Model
@@ -29,6 +33,6 @@ from .weights import WeightRef, WeightState
 
 __all__ = [
     "InferenceSession", "Model", "OrtmemError", "PipelineSession", "WeightRef", "WeightState",
-    "allocator_hygiene", "estimate", "load", "partition", "stats", "trim",
+    "allocator_hygiene", "estimate", "hook", "load", "partition", "stats", "trim", "unhook",
 ]
 

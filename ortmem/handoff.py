@@ -266,17 +266,22 @@ def _linked_skeleton(model: Model, root: Optional[Path]) -> Optional[Handoff]:
 def _external_locations(model: Model) -> set[str]:
     """Every external-data file the skeleton's tensors point into, relative to the model folder.
 
-    Raises ``OSError`` when one of them is not a main-graph initializer: ORT runs ONNX's checker on
-    node attributes (subgraphs, Constant values), which refuses external data in a file with more
-    than one hard link ("potential hardlink attack"); main-graph initializers are not checked."""
-    locations = set()
-    for site in iter_tensor_sites(model.skeleton):
-        if not is_external(site.tensor):
-            continue
-        if site.graph or site.kind != "initializer":
-            raise OSError(f"{site.kind} {site.tensor.name!r} in {site.graph or 'the main graph'} would be refused from a hard link")
-        locations.update(e.value for e in site.tensor.external_data if e.key == "location")
-    return locations
+    Raises ``OSError`` when a tensor outside the main graph (a subgraph's, a function's) is external:
+    ORT runs ONNX's checker on subgraphs, which refuses external data in a file with more than one
+    hard link ("potential hardlink attack"). Main-graph initializers and Constant values are
+    accepted (ORT turns Constants into initializers before checking nodes)."""
+    graph = model.skeleton.graph
+    main = [*graph.initializer]
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                main.append(attr.t)
+            elif attr.type == onnx.AttributeProto.TENSORS:
+                main.extend(attr.tensors)
+    main = [t for t in main if is_external(t)]
+    if sum(1 for site in iter_tensor_sites(model.skeleton) if is_external(site.tensor)) != len(main):
+        raise OSError("a subgraph or function holds external data, which ORT refuses from a hard-linked file")
+    return {e.value for t in main for e in t.external_data if e.key == "location"}
 
 
 def _write_skeleton(model: Model, folder: Path) -> Path:
