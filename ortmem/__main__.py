@@ -3,4 +3,5 @@ import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when multiprocessing's spawn imports it as __mp_main__
+    sys.exit(main())

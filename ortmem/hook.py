@@ -207,7 +207,10 @@ def _create(args: tuple, kwargs: dict) -> Any:
     hooked = _active
     if hooked is None or getattr(_inside, "busy", False):
         return ORIGINAL(*args, **kwargs)
-    model = args[0] if args else kwargs.get("path_or_bytes")
+    if not args and "path_or_bytes" in kwargs:  # ORT's keyword name; ortmem's is positional
+        kwargs = dict(kwargs)
+        args = (kwargs.pop("path_or_bytes"),)
+    model = args[0] if args else None
     if hooked.options.observe_only:
         return _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: "plain onnxruntime (hook off)")
     why = _untouched_reason(model, args, kwargs)

@@ -21,6 +21,7 @@ import atexit
 import json
 import os
 import runpy
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write every session created (model, providers, what ortmem did, time, memory) at exit")
     p.add_argument("--compare", action="store_true",
                    help="run the program twice in fresh processes, hook off then on, and print the difference")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="--compare: run each side N times, interleaved, and print medians")
     p.add_argument("program", nargs=argparse.REMAINDER, help="-- script.py args... (or the module's args after -m)")
 
 
@@ -132,26 +135,41 @@ def write_report(path: Path, hooked: bool, options: dict[str, Any], started: flo
 
 
 def compare(args: argparse.Namespace, program: list[str]) -> int:
-    """Run the program hook off, then hook on, each in a fresh process; print the difference."""
+    """Run the program hook off, then hook on, each in a fresh process (``--repeat`` times, interleaved);
+    print the medians side by side."""
     base = [sys.executable, "-m", "ortmem", "run", *_option_flags(args)]
     target = ["-m", args.module, *program] if args.module else ["--", *program]
-    results = {}
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory(prefix="ortmem-compare-") as tmp:
-        for label, switch in (("off", "0"), ("on", "1")):
-            out = Path(tmp) / f"{label}.json"
-            env = {**os.environ, ENV_SWITCH: switch}
-            start = time.perf_counter()
-            code = subprocess.run([*base, "--report", str(out), *target], env=env).returncode
-            wall = time.perf_counter() - start
-            if code != 0 or not out.exists():
-                print(f"ortmem run --compare: the program exited with {code} with the hook {label}", file=sys.stderr)
-                return code or 1
-            results[label] = json.loads(out.read_text())
-            results[label]["process"]["wall_seconds"] = round(wall, 3)
-    print(render_comparison(results["off"], results["on"]))
+        for i in range(max(1, args.repeat)):
+            for label, switch in (("off", "0"), ("on", "1")):
+                out = Path(tmp) / f"{label}-{i}.json"
+                env = {**os.environ, ENV_SWITCH: switch}
+                start = time.perf_counter()
+                code = subprocess.run([*base, "--report", str(out), *target], env=env, stdout=subprocess.DEVNULL).returncode
+                wall = time.perf_counter() - start
+                if code != 0 or not out.exists():
+                    print(f"ortmem run --compare: the program exited with {code} with the hook {label}", file=sys.stderr)
+                    return code or 1
+                result = json.loads(out.read_text())
+                result["process"]["wall_seconds"] = round(wall, 3)  # interpreter start included
+                runs[label].append(result)
+    off, on = _median_run(runs["off"]), _median_run(runs["on"])
+    print(render_comparison(off, on, len(runs["on"])))
     if args.report:
-        Path(args.report).write_text(json.dumps({"off": results["off"], "on": results["on"]}, indent=2) + "\n")
+        Path(args.report).write_text(json.dumps(runs, indent=2) + "\n")
     return 0
+
+
+def _median_run(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first run's sessions with every process figure and creation time replaced by the median."""
+    merged = json.loads(json.dumps(results[0]))
+    for key in merged["process"]:
+        merged["process"][key] = statistics.median(r["process"][key] for r in results)
+    for i, s in enumerate(merged["sessions"]):
+        s["create_seconds"] = statistics.median(r["sessions"][i]["create_seconds"] for r in results
+                                                if i < len(r["sessions"]))
+    return merged
 
 
 def _option_flags(args: argparse.Namespace) -> list[str]:
@@ -160,11 +178,12 @@ def _option_flags(args: argparse.Namespace) -> list[str]:
     return flags + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
 
 
-def render_comparison(off: dict[str, Any], on: dict[str, Any]) -> str:
+def render_comparison(off: dict[str, Any], on: dict[str, Any], repeats: int = 1) -> str:
     """A small table: the program's process without and with the hook, and the ratio."""
     rows = [("peak RSS (VmHWM), MiB", "peak_mib"), ("private (RssAnon) at exit, MiB", "rss_anon_mib"),
             ("file-backed (RssFile) at exit, MiB", "rss_file_mib"), ("wall time, s", "wall_seconds")]
-    lines = [f"onnxruntime {on['onnxruntime']}; {len(on['sessions'])} session(s) through ortmem",
+    lines = [f"onnxruntime {on['onnxruntime']}; {len(on['sessions'])} session(s); "
+             f"median of {repeats} fresh process(es) each",
              f"{'':36} {'hook off':>10} {'hook on':>10} {'on/off':>7}"]
     for label, key in rows:
         a, b = off["process"][key], on["process"][key]
