@@ -179,18 +179,28 @@ def _option_flags(args: argparse.Namespace) -> list[str]:
 
 
 def render_comparison(off: dict[str, Any], on: dict[str, Any], repeats: int = 1) -> str:
-    """A small table: the program's process without and with the hook, and the ratio."""
-    rows = [("peak RSS (VmHWM), MiB", "peak_mib"), ("private (RssAnon) at exit, MiB", "rss_anon_mib"),
-            ("file-backed (RssFile) at exit, MiB", "rss_file_mib"), ("wall time, s", "wall_seconds")]
+    """A small table: the program's process without and with the hook, and the ratio. The "sessions
+    created" rows are read right after the program's last session was created (before it ran much),
+    the "exit" rows when it ended."""
+    def at_last_session(run: dict[str, Any], key: str) -> float:
+        return run["sessions"][-1][key] if run["sessions"] else float("nan")
+
+    rows = [
+        ("peak RSS (VmHWM) at exit, MiB", off["process"]["peak_mib"], on["process"]["peak_mib"]),
+        ("private (RssAnon) at exit, MiB", off["process"]["rss_anon_mib"], on["process"]["rss_anon_mib"]),
+        ("file-backed (RssFile) at exit, MiB", off["process"]["rss_file_mib"], on["process"]["rss_file_mib"]),
+        ("peak RSS when sessions created, MiB", at_last_session(off, "peak_mib"), at_last_session(on, "peak_mib")),
+        ("private when sessions created, MiB", at_last_session(off, "rss_anon_mib"), at_last_session(on, "rss_anon_mib")),
+        ("session creation (sum), s", sum(s["create_seconds"] for s in off["sessions"]),
+         sum(s["create_seconds"] for s in on["sessions"])),
+        ("wall time, s", off["process"]["wall_seconds"], on["process"]["wall_seconds"]),
+    ]
     lines = [f"onnxruntime {on['onnxruntime']}; {len(on['sessions'])} session(s); "
              f"median of {repeats} fresh process(es) each",
-             f"{'':36} {'hook off':>10} {'hook on':>10} {'on/off':>7}"]
-    for label, key in rows:
-        a, b = off["process"][key], on["process"][key]
-        lines.append(f"{label:36} {a:10.2f} {b:10.2f} {b / a if a else float('nan'):7.2f}")
-    init_off = sum(s["create_seconds"] for s in off["sessions"]) if off["sessions"] else None
-    init_on = sum(s["create_seconds"] for s in on["sessions"])
-    lines.append(f"{'session creation, s (sum)':36} {init_off if init_off is not None else float('nan'):10.3f} {init_on:10.3f}")
-    for s in on["sessions"]:
-        lines.append(f"  {s['action']:12} {s['create_seconds']:7.3f} s  {s['model']}")
+             f"{'':38} {'hook off':>10} {'hook on':>10} {'on/off':>7}"]
+    for label, a, b in rows:
+        lines.append(f"{label:38} {a:10.3f} {b:10.3f} {b / a if a else float('nan'):7.2f}")
+    for i, s in enumerate(on["sessions"]):
+        before = off["sessions"][i]["create_seconds"] if i < len(off["sessions"]) else float("nan")
+        lines.append(f"  {s['action']:10} {before:7.3f} -> {s['create_seconds']:7.3f} s  {s['model']}")
     return "\n".join(lines)
