@@ -164,8 +164,11 @@ def compare(args: argparse.Namespace, program: list[str]) -> int:
 def _median_run(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The first run's sessions with every process figure and creation time replaced by the median."""
     merged = json.loads(json.dumps(results[0]))
+    merged["spread"] = {}
     for key in merged["process"]:
-        merged["process"][key] = statistics.median(r["process"][key] for r in results)
+        values = [r["process"][key] for r in results]
+        merged["process"][key] = statistics.median(values)
+        merged["spread"][key] = [min(values), max(values)]
     for i, s in enumerate(merged["sessions"]):
         s["create_seconds"] = statistics.median(r["sessions"][i]["create_seconds"] for r in results
                                                 if i < len(r["sessions"]))
@@ -200,6 +203,10 @@ def render_comparison(off: dict[str, Any], on: dict[str, Any], repeats: int = 1)
              f"{'':38} {'hook off':>10} {'hook on':>10} {'on/off':>7}"]
     for label, a, b in rows:
         lines.append(f"{label:38} {a:10.3f} {b:10.3f} {b / a if a else float('nan'):7.2f}")
+    if repeats > 1:
+        lines.append("spread (min-max) at exit: " + "; ".join(
+            f"{key} off {off['spread'][key][0]}-{off['spread'][key][1]}, on {on['spread'][key][0]}-{on['spread'][key][1]}"
+            for key in ("peak_mib", "rss_anon_mib")))
     for i, s in enumerate(on["sessions"]):
         before = off["sessions"][i]["create_seconds"] if i < len(off["sessions"]) else float("nan")
         lines.append(f"  {s['action']:10} {before:7.3f} -> {s['create_seconds']:7.3f} s  {s['model']}")
