@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 import time
+import types
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
@@ -191,10 +192,10 @@ def _rebind_globals(old: type, new: type) -> list[tuple[dict, str]]:
     """Point module globals bound to ``old`` at ``new``: one pass over loaded modules' namespaces."""
     rebound = []
     for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict) or module is ort or module is _collection:
-            continue
-        if getattr(module, "__name__", "").startswith("ortmem"):
+        if not isinstance(module, types.ModuleType) or module is ort or module is _collection:
+            continue  # sys.modules may hold lazy proxies: touching their attributes could import
+        namespace = object.__getattribute__(module, "__dict__")
+        if str(namespace.get("__name__", "")).startswith("ortmem"):
             continue  # ortmem builds on ORT's own class
         for name, value in list(namespace.items()):
             if value is old:
