@@ -306,3 +306,42 @@ def test_python_dash_m_ortmem_serves_every_subcommand(tmp_path):
     assert "entr" in listed
     missing = subprocess.run(_ortmem_cmd("run"), capture_output=True, text=True)
     assert missing.returncode == 2 and "give a program" in missing.stderr
+
+
+def test_where_no_hard_link_can_be_made(rng, capfd):
+    """A model on another file system than the temp folder and the cache (here /dev/shm, a tmpfs):
+    ortmem's own options carry the folder entry instead; the caller's are left alone, so the path
+    goes to ORT untouched."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from ortmem.cache import cache_root
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    if os.stat(shm).st_dev in {os.stat(tempfile.gettempdir()).st_dev, os.stat(cache_root()).st_dev}:
+        pytest.skip("/dev/shm shares a file system with the temp folder or the cache")
+    folder = Path(tempfile.mkdtemp(dir=shm, prefix="ortmem-test-"))
+    try:
+        path = mb.save(mb.matmul_chain(rng, [64, 128, 16]), folder / "m.onnx")
+        x = rng.standard_normal((1, 64), dtype=np.float32)
+        expected = ORT_CLASS(str(path)).run(None, {"x": x})[0]
+        so = ort.SessionOptions()
+        capfd.readouterr()
+        with ortmem.hook():
+            own = ort.InferenceSession(str(path))
+            theirs = ort.InferenceSession(str(path), so)
+        assert "W:onnxruntime" not in capfd.readouterr().err
+        assert [r.action for r in sessions()[-2:]] == [
+            "mapped", "untouched: no hard link possible beside the caller's SessionOptions"]
+        assert _is_ortmem(own) and _is_ortmem(theirs)
+        for s in (own, theirs):
+            np.testing.assert_array_equal(s.run(None, {"x": x})[0], expected)
+        with pytest.raises(Exception):
+            so.get_session_config_entry(FOLDER_KEY)
+        assert sorted(p.name for p in folder.iterdir()) == ["m.onnx"]  # nothing written beside the model
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
