@@ -345,3 +345,16 @@ def test_where_no_hard_link_can_be_made(rng, capfd):
         assert sorted(p.name for p in folder.iterdir()) == ["m.onnx"]  # nothing written beside the model
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_launcher_sitecustomize_runs_the_one_it_shadows_and_waits_for_onnxruntime(tmp_path):
+    from ortmem.launcher import SITE_DIR
+
+    theirs = tmp_path / "site"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import builtins\nbuiltins.THEIR_SITECUSTOMIZE_RAN = True\n")
+    env = {**__import__("os").environ, "ORTMEM_HOOK": "1", "PYTHONPATH": f"{SITE_DIR}:{theirs}"}
+    probe = ("import builtins, sys; print(getattr(builtins, 'THEIR_SITECUSTOMIZE_RAN', False), 'ortmem' in sys.modules);"
+             "import onnxruntime; print(onnxruntime.InferenceSession.__name__)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["True", "False", "HookedInferenceSession"], out.stderr
