@@ -213,7 +213,10 @@ def test_qdq_model_is_converted_then_prepacked_without_recursing(tmp_path, rng):
     with ortmem.hook():
         cold = ort.InferenceSession(str(path))
         warm = ort.InferenceSession(str(path))
-    assert [r.action for r in sessions()[-2:]] == ["converted", "pre-packed"]
+    from ortmem.ortmodel.release import capabilities
+
+    warm_start = "pre-packed" if capabilities().prepacked_save else "cache-hit"  # 1.25 saves none
+    assert [r.action for r in sessions()[-2:]] == ["converted", warm_start]
     for s in (cold, warm):
         np.testing.assert_allclose(s.run(None, {"x": x})[0], expected, rtol=1e-5, atol=1e-5)
 
