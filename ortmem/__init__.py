@@ -9,6 +9,9 @@ The public API fits on one screen:
 - :func:`estimate` predicts memory from metadata alone; :func:`stats` measures it per node;
 - :class:`PipelineSession` runs a model partitioned over devices with memory budgets
   (:func:`ortmem.plan.partition`, ``ortmem partition``);
+- :func:`hook` / :func:`unhook` route every session the process creates through ortmem, code that
+  calls ``onnxruntime.InferenceSession`` itself included (``python -m ortmem run`` does it for a
+  whole program);
 - :func:`allocator_hygiene` (a context manager) and :func:`trim` keep glibc from hoarding what ORT
   frees, for sessions created without ortmem;
 - :mod:`ortmem.errors` holds the exception hierarchy rooted at :class:`OrtmemError`.
@@ -40,6 +43,8 @@ _LAZY = {
     "partition": ".plan.partition",
     "stats": ".plan.stats",
     "PipelineSession": ".pipeline",
+    "hook": ".session_hook",
+    "unhook": ".session_hook",
 }
 
 __all__ = ["OrtmemError", *_LAZY]

@@ -133,6 +133,8 @@ DELEGATED = [
      "split a model over devices with memory budgets (stages + plan.json)"),
     ("recompute", "ortmem.plan.recompute_cli", "add_recompute_arguments", "main_recompute",
      "lower the activation peak: recompute cheap tensors, reorder nodes"),
+    ("run", "ortmem.launcher", "add_arguments", "main",
+     "run an unmodified Python program with every ORT session it creates going through ortmem"),
 ]
 
 

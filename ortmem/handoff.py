@@ -5,14 +5,19 @@ but it *copies* embedded ``raw_data`` (protobuf, then an OrtValue). So every way
 skeleton whose large tensors are external data:
 
 - a path whose file has nothing embedded and was not rewritten: given to ORT unchanged;
-- an embedded (or rewritten) model: the skeleton is serialized (kilobytes) and its tensors point
-  at their byte ranges inside the original .onnx file, resolved through
-  ``session.model_external_initializers_file_folder_path``. ORT maps them from the same pages the
-  file already has in the page cache (see docs/handoff.md for why this beats borrowing buffers
-  through ``add_external_initializers_from_files_in_memory``);
-- bytes or an ``onnx.ModelProto``: written once to a private temporary file, then as above. The
-  temporary folder is removed right after session creation: ORT's mappings keep the pages alive
-  for as long as it needs them and nothing is left on disk.
+- an embedded (or rewritten) model: the skeleton (kilobytes) is written into a private temporary
+  folder beside hard links to the files its tensors point into (the original .onnx, its data
+  files), and ORT loads that folder's skeleton by path. ORT maps the tensors from the same pages
+  the original file already has in the page cache (see docs/handoff.md for why this beats borrowing
+  buffers through ``add_external_initializers_from_files_in_memory``). Loading by path needs no
+  session config entry, so the caller's ``SessionOptions`` are never touched (setting
+  ``session.model_external_initializers_file_folder_path`` on them and putting it back made ORT
+  print "Config with key ... already exists ... overwritten" and left the key behind as "");
+  where no hard link can be made (another file system, protected_hardlinks) the skeleton goes as
+  bytes with that config entry instead;
+- bytes or an ``onnx.ModelProto``: written once to a private temporary file, and the skeleton
+  beside it. The temporary folder is removed right after session creation: ORT's mappings keep
+  the pages alive for as long as it needs them and nothing is left on disk.
 """
 from __future__ import annotations
 
@@ -33,7 +38,8 @@ from .convert import convert_cached, lookup_converted
 from .inmemory import InMemoryConversion, convert_in_memory
 from .loader import load
 from .model import Model
-from .onnx_walk import iter_graphs
+from .options import get_config
+from .onnx_walk import is_external, iter_graphs, iter_tensor_sites
 from .passes.dq_matmul import ConversionReport, Progress, plan_conversion
 from .passes.dq_matmul_match import OrtSettings
 from .ortmodel.release import capabilities
@@ -59,6 +65,9 @@ class Handoff:
     extra_tempdirs: list[Path] = field(default_factory=list)
     #: ``model`` is a cache entry's pre-packed model: what to load instead if ORT refuses it.
     fallback: Optional[str] = None
+    #: What ortmem did, in a word or two, for reports: "as-is", "mapped", "converted", "cache-hit",
+    #: "pre-packed", "in-memory", or "untouched: <why>".
+    action: str = "as-is"
 
     def register(self, options) -> None:
         if self.memory is not None:
@@ -125,10 +134,18 @@ def prepare(model: ModelInput, convert: Optional[ConvertOptions] = None) -> Hand
     if isinstance(model, Model):
         return _converted_or_as_is(model, convert)
     if isinstance(model, (str, os.PathLike)):
+        if convert is not None and convert.sess_options is not None and get_config(convert.sess_options, FOLDER_KEY):
+            # ORT would look for every external file in the caller's folder, not beside what we give it
+            return Handoff(model=str(model), action=f"untouched: the caller's SessionOptions set {FOLDER_KEY}")
         entry = _cache_hit(Path(model), convert)
         if entry is not None:  # a warm start: nothing to parse but the entry, which ORT reads itself
             return _warm_start(entry, convert)
-        return _converted_or_as_is(load(model), convert)
+        handoff = _converted_or_as_is(load(model), convert)
+        if FOLDER_KEY in handoff.config and handoff.memory is None and convert is not None and convert.sess_options is not None:
+            # Only the caller's options could carry the folder entry, and ortmem leaves them alone.
+            handoff.after_create()
+            return Handoff(model=str(model), action="untouched: no hard link possible beside the caller's SessionOptions")
+        return handoff
     if isinstance(model, (bytes, bytearray, memoryview)):
         return _spill(lambda f: f.write(model), convert)
     if isinstance(model, onnx.ModelProto):
@@ -136,28 +153,28 @@ def prepare(model: ModelInput, convert: Optional[ConvertOptions] = None) -> Hand
     raise TypeError(f"ortmem cannot load a model from {type(model).__name__}; pass a path, bytes, ModelProto or ortmem.Model")
 
 
-def _converted_or_as_is(model: Model, convert: Optional[ConvertOptions]) -> Handoff:
+def _converted_or_as_is(model: Model, convert: Optional[ConvertOptions], own_folder: bool = False) -> Handoff:
     """With a cache: a hit is loaded by path, a miss is converted into a new entry first, so ORT maps
     each converted tensor from the page cache and drops it after pre-packing, exactly as it does for
     a native MatMulNBits model. Without one: converted in memory and borrowed by ORT (ortmem.inmemory)."""
     if convert is None or not convert.enabled or not _has_dequantize(model):
-        return from_model(model)
+        return from_model(model, own_folder=own_folder, link_root=_cache_root(convert))
     settings = convert.settings or OrtSettings()
     if convert.cache is not None:
         entry, hit, report = convert_cached(model, settings, convert.cache, progress=convert.progress,
                                             fp16_in_fp32=convert.fp16_in_fp32)
         convert.cache_hit, convert.report = hit, report
         if entry is None:
-            return from_model(model)
+            return from_model(model, own_folder=own_folder, link_root=_cache_root(convert))
         _consume(model)
-        return _warm_start(entry, convert) if hit else Handoff(model=str(entry.model_path))
+        return _warm_start(entry, convert) if hit else Handoff(model=str(entry.model_path), action="converted")
     plan = plan_conversion(model, settings, carry_unchanged=True, fp16_in_fp32=convert.fp16_in_fp32)
     if not plan.has_work:
-        return from_model(model)
+        return from_model(model, own_folder=own_folder)
     memory = convert_in_memory(model, plan, progress=convert.progress, prepacking=convert.prepacking)
     convert.report = ConversionReport.from_plan(plan, memory.seconds)
     model.store.release_all()  # source pages read for conversion go back now
-    return Handoff(model=memory.skeleton, config=memory.config, source=model, memory=memory)
+    return Handoff(model=memory.skeleton, config=memory.config, source=model, memory=memory, action="in-memory")
 
 
 def _cache_hit(path: Path, convert: Optional[ConvertOptions]):
@@ -188,8 +205,8 @@ def _warm_start(entry: Entry, convert: ConvertOptions) -> Handoff:
                 log.warning("ortmem: could not save pre-packed weights for %s (%s); loading %s",
                             entry.path, exc, entry.model_path.name)
         if path is not None:
-            return Handoff(model=str(path), fallback=str(entry.model_path))
-    return Handoff(model=str(entry.model_path))
+            return Handoff(model=str(path), fallback=str(entry.model_path), action="pre-packed")
+    return Handoff(model=str(entry.model_path), action="cache-hit")
 
 
 def _has_dequantize(model: Model) -> bool:
@@ -205,14 +222,79 @@ def _consume(model: Model) -> None:
     model.close()
 
 
-def from_model(model: Model) -> Handoff:
+def from_model(model: Model, own_folder: bool = False, link_root: Optional[Path] = None) -> Handoff:
+    """Hand ``model`` over unconverted: its own path when the file is what ORT should load, else its
+    skeleton by path beside its weight files (see the module docstring), else skeleton bytes plus
+    the folder config entry. ``own_folder``: the model lives in a private folder ortmem made (a
+    spilled bytes model), so the skeleton is written there directly."""
     if model.pristine:
         return Handoff(model=str(model.path), source=model)
+    if own_folder:
+        return Handoff(model=str(_write_skeleton(model, model.folder)), source=model, action="mapped")
+    for root in (None, link_root):  # the system temp folder first, then the cache's file system
+        handoff = _linked_skeleton(model, root)
+        if handoff is not None:
+            return handoff
     return Handoff(
         model=model.skeleton.SerializeToString(),
         config={FOLDER_KEY: str(model.folder)},
         source=model,
+        action="mapped",
     )
+
+
+def _linked_skeleton(model: Model, root: Optional[Path]) -> Optional[Handoff]:
+    """The skeleton in a new private folder (under ``root``) beside hard links to every file its
+    tensors point into; None when a link cannot be made there (the caller tries elsewhere).
+    Symbolic links would not do: ORT resolves them and refuses data outside the model's folder."""
+    if root is not None and not root.is_dir():
+        return None
+    workdir = Path(tempfile.mkdtemp(prefix=".tmp-link-" if root else "ortmem-", dir=root))
+    try:
+        for location in _external_locations(model):
+            target = workdir / location
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(model.folder / location, target)
+        path = _write_skeleton(model, workdir)
+    except OSError as exc:
+        log.debug("ortmem: cannot hard-link %s into %s (%s)", model.path, workdir, exc)
+        shutil.rmtree(workdir, ignore_errors=True)
+        return None
+    return Handoff(model=str(path), source=model, tempdir=workdir, action="mapped")
+
+
+def _external_locations(model: Model) -> set[str]:
+    """Every external-data file the skeleton's tensors point into, relative to the model folder.
+
+    Raises ``OSError`` when a tensor outside the main graph (a subgraph's, a function's) is external:
+    ORT runs ONNX's checker on subgraphs, which refuses external data in a file with more than one
+    hard link ("potential hardlink attack"). Main-graph initializers and Constant values are
+    accepted (ORT turns Constants into initializers before checking nodes)."""
+    graph = model.skeleton.graph
+    main = [*graph.initializer]
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                main.append(attr.t)
+            elif attr.type == onnx.AttributeProto.TENSORS:
+                main.extend(attr.tensors)
+    main = [t for t in main if is_external(t)]
+    if sum(1 for site in iter_tensor_sites(model.skeleton) if is_external(site.tensor)) != len(main):
+        raise OSError("a subgraph or function holds external data, which ORT refuses from a hard-linked file")
+    return {e.value for t in main for e in t.external_data if e.key == "location"}
+
+
+def _write_skeleton(model: Model, folder: Path) -> Path:
+    """Write the skeleton into ``folder`` under a name no weight file there uses."""
+    taken = {p.name for p in folder.iterdir()}
+    name = next(n for n in (f"ortmem-skeleton{i or ''}.onnx" for i in range(len(taken) + 1)) if n not in taken)
+    path = folder / name
+    path.write_bytes(model.skeleton.SerializeToString())
+    return path
+
+
+def _cache_root(convert: Optional[ConvertOptions]) -> Optional[Path]:
+    return convert.cache.root if convert is not None and convert.cache is not None else None
 
 
 def _spill(write, convert: Optional[ConvertOptions] = None) -> Handoff:
@@ -226,7 +308,7 @@ def _spill(write, convert: Optional[ConvertOptions] = None) -> Handoff:
             # a temporary file has no identity worth caching under (and is gone before a background
             # cache write could read it)
             convert = dataclasses.replace(convert, cache=None)
-        handoff = _converted_or_as_is(load(path), convert)
+        handoff = _converted_or_as_is(load(path), convert, own_folder=True)
     except BaseException:
         shutil.rmtree(tempdir, ignore_errors=True)
         raise

@@ -1,0 +1,213 @@
+"""``python -m ortmem run``: run an unmodified Python program with :func:`ortmem.hook` installed first.
+
+``python -m ortmem run [options] -- script.py args...`` or ``python -m ortmem run [options] -m pkg.mod
+args...``: the hook is installed before the program's first import, then the program runs as
+``python script.py`` / ``python -m pkg.mod`` would run it (``sys.argv``, ``__main__``, exit status).
+
+Child interpreters (``multiprocessing`` spawn, a process manager starting workers, ``subprocess``
+running Python) get the hook too: the launcher puts ``$ORTMEM_HOOK=1``, the options in
+``$ORTMEM_HOOK_OPTIONS`` and the folder of :mod:`ortmem.hook_site`'s ``sitecustomize.py`` on
+``$PYTHONPATH``, and that file installs the hook in every interpreter that starts with them (and then
+runs the ``sitecustomize`` it shadows). ``$ORTMEM_HOOK=0`` makes the launcher run the program plain.
+
+``--report out.json`` writes, at exit, every session created (see ``ortmem.hook.sessions``) and the
+process's memory; ``--compare`` runs the program twice in fresh processes, hook off then on, and prints
+the difference in peak, private memory and wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import runpy
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from .session_hook import ENV_OPTIONS, ENV_SWITCH, hook, report
+from .measure.procfs import read_status
+
+#: The folder whose ``sitecustomize.py`` installs the hook in child interpreters.
+SITE_DIR = Path(__file__).with_name("hook_site")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Run an unmodified Python program with every ONNX Runtime session it creates going "
+                     "through ortmem: ortmem run [options] -- script.py args, or ortmem run [options] -m module args.")
+    p.add_argument("-m", dest="module", metavar="MODULE", help="run a library module as a script (as python -m)")
+    p.add_argument("--no-convert", action="store_true", help="do not rewrite DQ+MatMul into MatMulNBits")
+    p.add_argument("--no-cache", action="store_true", help="convert in memory; write nothing to the cache")
+    p.add_argument("--cache-dir", default=None, help="cache folder (default $ORTMEM_CACHE_DIR or the user cache)")
+    p.add_argument("--no-trim", action="store_true", help="leave glibc's allocator settings alone")
+    p.add_argument("--no-prepacked", action="store_true", help="do not save or load pre-packed weights")
+    p.add_argument("--strict", action="store_true",
+                   help="let ortmem's own errors propagate instead of falling back to plain onnxruntime")
+    p.add_argument("--no-children", action="store_true", help="do not hook child Python processes")
+    p.add_argument("--report", metavar="OUT.json", default=None,
+                   help="write every session created (model, providers, what ortmem did, time, memory) at exit")
+    p.add_argument("--compare", action="store_true",
+                   help="run the program twice in fresh processes, hook off then on, and print the difference")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="--compare: run each side N times, interleaved, and print medians")
+    p.add_argument("program", nargs=argparse.REMAINDER, help="-- script.py args... (or the module's args after -m)")
+
+
+def options_from(args: argparse.Namespace) -> dict[str, Any]:
+    """The :func:`ortmem.hook` keyword arguments the command line asks for (JSON-serialisable)."""
+    cache: Any = False if args.no_cache else (args.cache_dir or True)
+    return {"convert": not args.no_convert, "cache": cache, "trim": not args.no_trim,
+            "prepacked": not args.no_prepacked, "strict": args.strict}
+
+
+def main(args: argparse.Namespace) -> int:
+    program = list(args.program)
+    if args.module is None and program[:1] == ["--"]:
+        program = program[1:]
+    if args.module is None and not program:
+        print("ortmem run: give a program: ortmem run [options] -- script.py args, or -m module args", file=sys.stderr)
+        return 2
+    if args.compare:
+        return compare(args, program)
+    options = options_from(args)
+    hooked = os.environ.get(ENV_SWITCH, "1") != "0"
+    if hooked:
+        hook(**options)
+        if not args.no_children:
+            _export_to_children(options)
+    elif args.report:
+        hook(observe_only=True)  # plain ORT sessions, recorded for the report
+    if args.report:
+        atexit.register(write_report, Path(args.report), hooked, options, time.perf_counter())
+    return run_program(args.module, program)
+
+
+def run_program(module: Optional[str], program: list[str]) -> int:
+    """Run ``script.py args`` or ``-m module args`` in this interpreter as ``python`` itself would."""
+    try:
+        if module is not None:
+            sys.argv = [module, *program]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            script = program[0]
+            sys.argv = list(program)
+            sys.path.insert(0, str(Path(script).resolve().parent))
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _export_to_children(options: dict[str, Any]) -> None:
+    os.environ[ENV_SWITCH] = "1"
+    os.environ[ENV_OPTIONS] = json.dumps(options)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(SITE_DIR) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR), *paths])
+
+
+def write_report(path: Path, hooked: bool, options: dict[str, Any], started: float) -> None:
+    """The sessions this process created and its memory, as JSON (called at exit)."""
+    import onnxruntime as ort
+
+    status = read_status("self") or {}
+    data = {
+        "onnxruntime": ort.__version__,
+        "hook": hooked,
+        "options": options,
+        "process": {
+            "wall_seconds": round(time.perf_counter() - started, 3),
+            "peak_mib": round(status.get("VmHWM", 0) / 2**20, 1),
+            "rss_anon_mib": round((status.get("RssAnon", 0) + status.get("RssShmem", 0)) / 2**20, 1),
+            "rss_file_mib": round(status.get("RssFile", 0) / 2**20, 1),
+        },
+        "sessions": report(),
+    }
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def compare(args: argparse.Namespace, program: list[str]) -> int:
+    """Run the program hook off, then hook on, each in a fresh process (``--repeat`` times, interleaved);
+    print the medians side by side."""
+    base = [sys.executable, "-m", "ortmem", "run", *_option_flags(args)]
+    target = ["-m", args.module, *program] if args.module else ["--", *program]
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    with tempfile.TemporaryDirectory(prefix="ortmem-compare-") as tmp:
+        for i in range(max(1, args.repeat)):
+            for label, switch in (("off", "0"), ("on", "1")):
+                out = Path(tmp) / f"{label}-{i}.json"
+                env = {**os.environ, ENV_SWITCH: switch}
+                start = time.perf_counter()
+                code = subprocess.run([*base, "--report", str(out), *target], env=env, stdout=subprocess.DEVNULL).returncode
+                wall = time.perf_counter() - start
+                if code != 0 or not out.exists():
+                    print(f"ortmem run --compare: the program exited with {code} with the hook {label}", file=sys.stderr)
+                    return code or 1
+                result = json.loads(out.read_text())
+                result["process"]["wall_seconds"] = round(wall, 3)  # interpreter start included
+                runs[label].append(result)
+    off, on = _median_run(runs["off"]), _median_run(runs["on"])
+    print(render_comparison(off, on, len(runs["on"])))
+    if args.report:
+        Path(args.report).write_text(json.dumps(runs, indent=2) + "\n")
+    return 0
+
+
+def _median_run(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first run's sessions with every process figure and creation time replaced by the median."""
+    merged = json.loads(json.dumps(results[0]))
+    merged["spread"] = {}
+    for key in merged["process"]:
+        values = [r["process"][key] for r in results]
+        merged["process"][key] = statistics.median(values)
+        merged["spread"][key] = [min(values), max(values)]
+    for i, s in enumerate(merged["sessions"]):
+        s["create_seconds"] = statistics.median(r["sessions"][i]["create_seconds"] for r in results
+                                                if i < len(r["sessions"]))
+    return merged
+
+
+def _option_flags(args: argparse.Namespace) -> list[str]:
+    flags = [f"--{name.replace('_', '-')}" for name in ("no_convert", "no_cache", "no_trim", "no_prepacked", "strict")
+             if getattr(args, name)]
+    return flags + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
+
+
+def render_comparison(off: dict[str, Any], on: dict[str, Any], repeats: int = 1) -> str:
+    """A small table: the program's process without and with the hook, and the ratio. The "sessions
+    created" rows are read right after the program's last session was created (before it ran much),
+    the "exit" rows when it ended."""
+    def at_last_session(run: dict[str, Any], key: str) -> float:
+        return run["sessions"][-1][key] if run["sessions"] else float("nan")
+
+    rows = [
+        ("peak RSS (VmHWM) at exit, MiB", off["process"]["peak_mib"], on["process"]["peak_mib"]),
+        ("private (RssAnon) at exit, MiB", off["process"]["rss_anon_mib"], on["process"]["rss_anon_mib"]),
+        ("file-backed (RssFile) at exit, MiB", off["process"]["rss_file_mib"], on["process"]["rss_file_mib"]),
+        ("peak RSS when sessions created, MiB", at_last_session(off, "peak_mib"), at_last_session(on, "peak_mib")),
+        ("private when sessions created, MiB", at_last_session(off, "rss_anon_mib"), at_last_session(on, "rss_anon_mib")),
+        ("session creation (sum), s", sum(s["create_seconds"] for s in off["sessions"]),
+         sum(s["create_seconds"] for s in on["sessions"])),
+        ("wall time, s", off["process"]["wall_seconds"], on["process"]["wall_seconds"]),
+    ]
+    lines = [f"onnxruntime {on['onnxruntime']}; {len(on['sessions'])} session(s); "
+             f"median of {repeats} fresh process(es) each",
+             f"{'':38} {'hook off':>10} {'hook on':>10} {'on/off':>7}"]
+    for label, a, b in rows:
+        lines.append(f"{label:38} {a:10.3f} {b:10.3f} {b / a if a else float('nan'):7.2f}")
+    if repeats > 1:
+        lines.append("spread (min-max) at exit: " + "; ".join(
+            f"{key} off {off['spread'][key][0]}-{off['spread'][key][1]}, on {on['spread'][key][0]}-{on['spread'][key][1]}"
+            for key in ("peak_mib", "rss_anon_mib")))
+    for i, s in enumerate(on["sessions"]):
+        before = off["sessions"][i]["create_seconds"] if i < len(off["sessions"]) else float("nan")
+        lines.append(f"  {s['action']:10} {before:7.3f} -> {s['create_seconds']:7.3f} s  {s['model']}")
+    return "\n".join(lines)

@@ -1,0 +1,287 @@
+"""``ortmem.hook()``: every ORT session the process creates goes through ortmem, unmodified code included.
+
+How it reaches sessions: ``onnxruntime.InferenceSession`` and
+``onnxruntime.capi.onnxruntime_inference_collection.InferenceSession`` are replaced by a factory class
+(:class:`HookedInferenceSession`); module-level names already bound to ORT's class in imported modules
+(``from onnxruntime import InferenceSession`` executed before the hook) are rebound to it as well.
+Calling it creates an :class:`ortmem.InferenceSession` with the hook's options, which is an instance
+of ORT's class, so ``isinstance`` checks, methods and properties behave as before. What it cannot
+reach: a reference to ORT's class held anywhere but a module global (a closure, a default
+argument, a class or instance attribute, a container) taken before the hook, classes that derive
+from ``onnxruntime.InferenceSession`` (they get plain ORT: their overrides expect ORT's internals),
+and sessions created through ORT's C/C++ API (see docs/hook.md, where each path is tested).
+
+Safety: a model ortmem cannot help with goes to ORT untouched (bytes under :data:`MIN_BYTES`, a
+provider for which ortmem makes no difference, anything that is neither a path nor bytes), and any
+exception from ortmem's side falls back to plain ORT with one logged warning, so an application sees
+an exception only when plain ORT would have raised it too (the fallback re-raises ORT's own). With
+``strict=True`` ortmem's exceptions propagate instead. Sessions ortmem itself creates while making
+one (pre-packing, probes) always go to ORT directly: the hook is off inside its own work.
+
+Every session created while the hook is on is recorded (:func:`sessions`): model, providers, what
+ortmem did, creation time and the process's memory; ``python -m ortmem run --report`` writes them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import types
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Union
+
+import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_inference_collection as _collection
+
+from .handoff import FUSING_PROVIDERS
+from .measure.procfs import read_status
+
+log = logging.getLogger(__name__)
+
+#: ORT's own class, captured before any hook: what the hook falls back to and what ortmem builds on.
+ORIGINAL = _collection.InferenceSession
+#: A bytes model smaller than this goes to ORT untouched: spilling it to a file to map its weights
+#: would cost more than the copies it saves.
+MIN_BYTES = 1 << 20
+#: Environment switch read by ``python -m ortmem run`` and by the launcher's sitecustomize in child
+#: interpreters: "1" installs the hook, "0" runs the program plain.
+ENV_SWITCH = "ORTMEM_HOOK"
+#: JSON of :class:`HookOptions` fields, passed by the launcher to child interpreters.
+ENV_OPTIONS = "ORTMEM_HOOK_OPTIONS"
+
+_state_lock = threading.RLock()
+_inside = threading.local()  # set while ortmem creates a session: nested creations go to ORT directly
+
+
+@dataclass
+class HookOptions:
+    """What the hook passes to :class:`ortmem.InferenceSession` for every session (see its docstring)."""
+
+    convert: bool = True
+    cache: Union[bool, str] = True
+    trim: bool = True
+    prepacked: bool = True
+    strict: bool = False  # ortmem's exceptions propagate instead of falling back to plain ORT
+    #: Create every session with plain ORT and only record it (the "hook off" run of a comparison).
+    observe_only: bool = False
+
+
+@dataclass
+class SessionRecord:
+    """One session created while the hook was on."""
+
+    model: str
+    providers: list[str]
+    action: str  # what ortmem did: Handoff.action, "untouched: <why>" or "fallback: <error>"
+    create_seconds: float
+    rss_anon_mib: float  # the process's private (anonymous) memory right after creation
+    rss_file_mib: float  # its file-backed resident memory then
+    peak_mib: float  # the process's VmHWM then (since start or the last reset)
+    thread: str = field(default_factory=lambda: threading.current_thread().name)
+
+
+class _HookMeta(type):
+    """``isinstance(x, onnxruntime.InferenceSession)`` keeps meaning "an ORT session" after the hook."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, ORIGINAL)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, ORIGINAL)
+
+
+class HookedInferenceSession(ORIGINAL, metaclass=_HookMeta):
+    """Stands in for ``onnxruntime.InferenceSession`` while the hook is on.
+
+    Calling the class itself returns an :class:`ortmem.InferenceSession` (or a plain ORT session, see
+    the module docstring); a class deriving from it is constructed exactly as ORT's would be.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if cls is not HookedInferenceSession:
+            return ORIGINAL.__new__(cls)
+        return _create(args, kwargs)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # reached only by derived classes
+        ORIGINAL.__init__(self, *args, **kwargs)
+
+
+class _Hook:
+    def __init__(self, options: HookOptions) -> None:
+        self.options = options
+        self.rebound: list[tuple[Any, str]] = []  # (namespace, name) we pointed at the factory
+
+
+_active: Optional[_Hook] = None
+_records: list[SessionRecord] = []
+
+
+class _Unhooker(AbstractContextManager):
+    """Returned by :func:`hook`: ``with ortmem.hook(): ...`` unhooks on exit."""
+
+    def __exit__(self, *exc: Any) -> None:
+        unhook()
+
+
+def hook(*, convert: bool = True, cache: Union[bool, str] = True, trim: bool = True, prepacked: bool = True,
+         strict: bool = False, observe_only: bool = False, rebind: bool = True) -> _Unhooker:
+    """Route every ORT session this process creates from now on through ortmem (see the module docstring).
+
+    ``convert``, ``cache``, ``trim``, ``prepacked`` mean what they mean to :class:`ortmem.InferenceSession`;
+    ``strict`` lets ortmem's own exceptions propagate; ``observe_only`` creates plain ORT sessions and
+    only records them (for comparisons); ``rebind`` also rebinds module globals already
+    bound to ORT's class. Calling it again replaces the options. Use as a context manager to unhook.
+    """
+    global _active
+    options = HookOptions(convert=convert, cache=cache, trim=trim, prepacked=prepacked, strict=strict,
+                          observe_only=observe_only)
+    with _state_lock:
+        if _active is None:
+            _active = _Hook(options)
+            ort.InferenceSession = HookedInferenceSession
+            _collection.InferenceSession = HookedInferenceSession
+            if rebind:
+                _active.rebound = _rebind_globals(ORIGINAL, HookedInferenceSession)
+        else:
+            _active.options = options
+    return _Unhooker()
+
+
+def unhook() -> None:
+    """Give ``onnxruntime.InferenceSession`` (and every name the hook rebound) back its own class."""
+    global _active
+    with _state_lock:
+        if _active is None:
+            return
+        ort.InferenceSession = ORIGINAL
+        _collection.InferenceSession = ORIGINAL
+        for namespace, name in _active.rebound:
+            if namespace.get(name) is HookedInferenceSession:
+                namespace[name] = ORIGINAL
+        _active = None
+
+
+def hook_from_environment() -> bool:
+    """Install the hook when ``$ORTMEM_HOOK`` is "1", with the options in ``$ORTMEM_HOOK_OPTIONS``
+    (JSON of :class:`HookOptions` fields); used by the launcher's sitecustomize in child interpreters."""
+    if os.environ.get(ENV_SWITCH) != "1":
+        return False
+    hook(**json.loads(os.environ.get(ENV_OPTIONS) or "{}"))
+    return True
+
+
+def is_hooked() -> bool:
+    return _active is not None
+
+
+def sessions() -> list[SessionRecord]:
+    """Every session created while the hook was on, oldest first."""
+    with _state_lock:
+        return list(_records)
+
+
+def report() -> list[dict[str, Any]]:
+    return [asdict(r) for r in sessions()]
+
+
+def _rebind_globals(old: type, new: type) -> list[tuple[dict, str]]:
+    """Point module globals bound to ``old`` at ``new``: one pass over loaded modules' namespaces."""
+    rebound = []
+    for module in list(sys.modules.values()):
+        if not isinstance(module, types.ModuleType) or module is ort or module is _collection:
+            continue  # sys.modules may hold lazy proxies: touching their attributes could import
+        namespace = object.__getattribute__(module, "__dict__")
+        if str(namespace.get("__name__", "")).startswith("ortmem"):
+            continue  # ortmem builds on ORT's own class
+        for name, value in list(namespace.items()):
+            if value is old:
+                namespace[name] = new
+                rebound.append((namespace, name))
+    return rebound
+
+
+def _create(args: tuple, kwargs: dict) -> Any:
+    hooked = _active
+    if hooked is None or getattr(_inside, "busy", False):
+        return ORIGINAL(*args, **kwargs)
+    if not args and "path_or_bytes" in kwargs:  # ORT's keyword name; ortmem's is positional
+        kwargs = dict(kwargs)
+        args = (kwargs.pop("path_or_bytes"),)
+    model = args[0] if args else None
+    if hooked.options.observe_only:
+        return _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: "plain onnxruntime (hook off)")
+    why = _untouched_reason(model, args, kwargs)
+    if why is not None:
+        return _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: f"untouched: {why}")
+    from .session import InferenceSession  # the hook module stays light until a session is made
+
+    opts = hooked.options
+    own = {"convert": opts.convert, "cache": opts.cache, "trim": opts.trim, "prepacked": opts.prepacked}
+
+    def make() -> Any:
+        _inside.busy = True
+        try:
+            return InferenceSession(*args, **kwargs, **own)
+        finally:
+            _inside.busy = False
+
+    try:
+        return _record(model, make, lambda s: s._ortmem_handoff.action)
+    except Exception as exc:  # noqa: BLE001 - any failure of ortmem's falls back to ORT
+        if opts.strict:
+            raise
+        log.warning("ortmem hook: %s on %s; creating the session with plain onnxruntime", _one_line(exc), _name(model))
+        return _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: f"fallback: {_one_line(exc)}")
+
+
+def _untouched_reason(model: Any, args: tuple, kwargs: dict) -> Optional[str]:
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        if len(model) < MIN_BYTES:
+            return f"bytes model under {MIN_BYTES >> 20} MiB"
+    elif not isinstance(model, (str, os.PathLike)):
+        return f"model given as {type(model).__name__}"
+    if _active is not None and _active.options.cache is False and (args[1] if len(args) > 1 else kwargs.get("sess_options")):
+        # an in-memory conversion registers its buffers on the options ORT is given, for good
+        return "cache=False with the caller's SessionOptions (in-memory files would stay registered on them)"
+    providers = args[2] if len(args) > 2 else kwargs.get("providers")
+    names = [p if isinstance(p, str) else p[0] for p in providers or []]
+    others = [n for n in names if n not in FUSING_PROVIDERS]
+    if others:
+        return f"provider {others[0]} (ortmem handles {', '.join(sorted(FUSING_PROVIDERS))})"
+    return None
+
+
+def _record(model: Any, make, action) -> Any:
+    start = time.perf_counter()
+    session = make()
+    seconds = time.perf_counter() - start
+    status = read_status("self") or {}
+    record = SessionRecord(
+        model=_name(model),
+        providers=list(session.get_providers()),
+        action=action(session),
+        create_seconds=round(seconds, 4),
+        rss_anon_mib=round((status.get("RssAnon", 0) + status.get("RssShmem", 0)) / 2**20, 1),
+        rss_file_mib=round(status.get("RssFile", 0) / 2**20, 1),
+        peak_mib=round(status.get("VmHWM", 0) / 2**20, 1),
+    )
+    with _state_lock:
+        _records.append(record)
+    return session
+
+
+def _name(model: Any) -> str:
+    if isinstance(model, (str, os.PathLike)):
+        return os.fspath(model)
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        return f"<{len(model)} bytes>"
+    return f"<{type(model).__name__}>"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
