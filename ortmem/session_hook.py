@@ -137,6 +137,9 @@ def hook(*, convert: bool = True, cache: Union[bool, str] = True, trim: bool = T
     bound to ORT's class. Calling it again replaces the options. Use as a context manager to unhook.
     """
     global _active
+    # ortmem's session class subclasses onnxruntime's: it must be defined before the name is patched
+    # (``import ortmem`` is lazy, so nothing else guarantees it was imported yet)
+    from . import session  # noqa: F401
     options = HookOptions(convert=convert, cache=cache, trim=trim, prepacked=prepacked, strict=strict,
                           observe_only=observe_only)
     with _state_lock:
