@@ -10,8 +10,9 @@ Why interleave (A B C A B C ...) rather than repeat each strategy in a block: th
 (page cache, other tenants, thermal state); interleaving spreads the drift over every strategy
 instead of biasing whichever ran last.
 
-Results, their JSON schema (``"ortmem.bench/1"``) and the table live in
-:mod:`ortmem.measure.report`; they are re-exported here.
+Results, their JSON schema (``"ortmem.bench/2"``) and the table live in
+:mod:`ortmem.measure.report`; they are re-exported here. ``--workers``/``--workers-sweep`` add a
+table of N worker processes on one model (:mod:`ortmem.measure.workers`).
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ from .report import (  # noqa: F401  (re-exported: the bench's public API)
     write_json,
 )
 from .strategies import default_strategies, get_strategy
+from .workers import DEFAULT_STRATEGIES as WORKER_STRATEGIES
+from .workers import DEFAULT_SWEEP, run_workers
 
 JITTER_MAX = 64 * 1024
 
@@ -181,7 +184,8 @@ def run_bench(
 
 
 def plot(report: BenchReport, path_png: str | os.PathLike) -> None:
-    """Resident memory over time per strategy (median run); see :mod:`ortmem.measure.plotting`."""
+    """Resident memory over time per strategy (median run), and total memory against the number of
+    workers when the report has a worker sweep; see :mod:`ortmem.measure.plotting`."""
     from .plotting import plot as _plot
 
     _plot(report, path_png)
@@ -208,7 +212,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="strategy name or module:function (repeatable; default: "
         + ", ".join(default_strategies()) + ")",
     )
-    parser.add_argument("--repeat", "-n", type=int, default=3, help="fresh processes per strategy (default 3)")
+    parser.add_argument("--repeat", "-n", type=int, default=3, help="fresh processes per strategy (default 3; 0: only the worker table)")
     parser.add_argument("--json", metavar="FILE", help="write the report (schema ortmem.bench/1)")
     parser.add_argument("--plot", metavar="FILE.png", help="plot resident memory over time")
     parser.add_argument("--memray", action="store_true", help="one extra probe per strategy under memray")
@@ -220,16 +224,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-jitter", action="store_true",
                         help="start every repeat from the same heap layout (default: vary it per round)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
+    workers = parser.add_argument_group(
+        "workers", "N fresh worker processes on the (first) model, each creating a session and running it; "
+        "summed PSS, private and shared, when all are ready (strategies default to "
+        + ", ".join(WORKER_STRATEGIES) + "; -s picks others)")
+    workers.add_argument("--workers", type=int, metavar="N", help="measure N workers per strategy")
+    workers.add_argument("--workers-sweep", nargs="?", const=",".join(map(str, DEFAULT_SWEEP)), metavar="N,N,...",
+                         help="measure each worker count (default " + ",".join(map(str, DEFAULT_SWEEP)) + ")")
+    start = workers.add_mutually_exclusive_group()
+    start.add_argument("--together", dest="together", action="store_true", default=True,
+                       help="start the workers all at once, as a process manager does (default)")
+    start.add_argument("--stagger", dest="together", action="store_false",
+                       help="start each worker when the previous one is ready")
+    workers.add_argument("--no-memory-guard", action="store_true",
+                         help="run every worker count even where the machine would run out of memory "
+                         "(default: extrapolate those, marked)")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the bench, print the table; 1 if any probe failed, 2 for an unknown strategy, else 0."""
+    counts = _worker_counts(args)
     if args.demo:
         args.models = list(args.models) + [demo_model()]
         args.strategies = args.strategies or ["ort", "twin", "ortmem", "ortmem-warm"]
         args.plot = args.plot or str(Path(args.models[-1]).with_name("demo-bench.png"))
+        counts = counts or [1, 4]
     if not args.models:
         print("ortmem bench: give MODEL path(s) or --demo", file=sys.stderr)
+        return 2
+    if args.repeat <= 0 and not counts:
+        print("ortmem bench: -n 0 needs --workers or --workers-sweep", file=sys.stderr)
         return 2
     options: dict[str, Any] = {}
     if args.dim:
@@ -242,11 +266,21 @@ def main(args: argparse.Namespace) -> int:
         except KeyError as e:
             print(f"ortmem bench: {e.args[0]}", file=sys.stderr)
             return 2
-    report = run_bench(
-        args.models, args.strategies, args.repeat,
-        memray=args.memray, progress=not args.quiet, options=options, timeout=args.timeout,
-        jitter=not args.no_jitter,
-    )
+    if args.repeat > 0:
+        report = run_bench(
+            args.models, args.strategies, args.repeat,
+            memray=args.memray, progress=not args.quiet, options=options, timeout=args.timeout,
+            jitter=not args.no_jitter,
+        )
+    else:  # -n 0: the worker table only
+        report = BenchReport(repeat=0, environment=environment(),
+                             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    if counts:
+        say = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+        worker_strategies = args.strategies if args.strategies and not args.demo else None
+        report.workers = run_workers(args.models[0], worker_strategies, counts, together=args.together,
+                                     options=options, timeout=args.timeout, guard=not args.no_memory_guard,
+                                     say=say)
     print(render_table(report))
     if args.json:
         write_json(report, args.json)
@@ -256,7 +290,16 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(f"json: {args.json}")
     failed = any(sr.errors for mr in report.models for sr in mr.strategies.values())
+    failed = failed or bool(report.workers and any(r.error for r in report.workers.runs))
     return 1 if failed else 0
+
+
+def _worker_counts(args: argparse.Namespace) -> list[int]:
+    """Worker counts asked for: ``--workers N`` and/or ``--workers-sweep 1,2,4,8``."""
+    counts = [int(c) for c in args.workers_sweep.split(",") if c.strip()] if args.workers_sweep else []
+    if args.workers:
+        counts.append(args.workers)
+    return sorted(set(counts))
 
 
 def _settle() -> None:
