@@ -42,6 +42,8 @@ def main(argv: list[str]) -> int:
             "run_wall_s": t2 - t1,
             "ready_monotonic": t2,
             "output_hash": hash_outputs(names, outputs),
+            # an ortmem session that converted (not a cache hit): how many conversions N workers made
+            "converted": getattr(session, "ortmem_report", None) is not None,
         }
     except BaseException:  # report everything, including SystemExit from a strategy
         traceback.print_exc()

@@ -27,7 +27,7 @@ Results are part of the bench JSON (``"workers"`` in schema ``ortmem.bench/2``, 
                "ready_wall_s",                        # first start to last worker ready
                "used_before_bytes", "peak_used_bytes",  # machine MemTotal - MemAvailable
                "workers": [{"pid", "create_wall_s", "run_wall_s", "ready_s", "output_hash",
-                            "pss", "pss_anon", "pss_file", "pss_shmem", "rss"}]}]}
+                            "pss", "pss_anon", "pss_file", "pss_shmem", "rss", "converted"}]}]}
 """
 from __future__ import annotations
 
@@ -66,6 +66,7 @@ class WorkerReading:
     pss_file: int
     pss_shmem: int
     rss: int
+    converted: bool = False  # an ortmem session that converted the model (cold start, no cache hit)
 
     @property
     def private(self) -> int:
@@ -162,7 +163,7 @@ class WorkersReport:
                 "-" if r.ready_wall_s is None else f"{r.ready_wall_s:.2f}",
                 "-" if r.peak_rise_bytes is None else f"{r.peak_rise_bytes / MiB:.0f}",
                 "-" if same is None else ("=ort" if same else "DIFF"),
-                "extrapolated" if r.extrapolated else "",
+                _note(r),
             ])
         widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
         mode = "started together" if self.together else "started one after the other"
@@ -175,9 +176,17 @@ class WorkersReport:
         lines.append(
             "private: Pss_Anon+Pss_Shmem (each worker's own); shared: Pss_File (page cache, counted once); "
             "PSS/1 worker: total PSS over one worker's (N=1 row); machine rise: peak of MemTotal-MemAvailable "
-            "while starting, over before; extrapolated: not run, N x private per worker + shared (memory guard)"
+            "while starting, over before; extrapolated: not run, N x private per worker + shared (memory guard); converted: workers that "
+            "converted the model (the others read the cache)"
         )
         return "\n".join(lines)
+
+
+def _note(run: WorkersRun) -> str:
+    if run.extrapolated:
+        return "extrapolated"
+    converted = sum(w.converted for w in run.workers)
+    return f"{converted} converted" if converted else ""
 
 
 def _div(a: float, b: float | None) -> str:
@@ -282,6 +291,7 @@ def measure_workers(
                     ready_s=r["ready_monotonic"] - t0, output_hash=r["output_hash"], pss=sm.get("Pss", 0),
                     pss_anon=sm.get("Pss_Anon", 0), pss_file=sm.get("Pss_File", 0),
                     pss_shmem=sm.get("Pss_Shmem", 0), rss=sm.get("Rss", 0),
+                    converted=bool(r.get("converted")),
                 ))
         finally:
             for p in procs:
