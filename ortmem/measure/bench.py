@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..units import bytes_arg
 from .errors import ProbeError
 from .probe import MiB, Prepared, ProbeResult, prepare, probe
 from .report import (  # noqa: F401  (re-exported: the bench's public API)
@@ -236,6 +237,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="start the workers all at once, as a process manager does (default)")
     start.add_argument("--stagger", dest="together", action="store_false",
                        help="start each worker when the previous one is ready")
+    workers.add_argument("--memory-budget", type=bytes_arg, metavar="BYTES",
+                         help="extrapolate worker counts predicted to need more than this (e.g. 12GiB), as well "
+                         "as those over 80%% of the available memory")
     workers.add_argument("--no-memory-guard", action="store_true",
                          help="run every worker count even where the machine would run out of memory "
                          "(default: extrapolate those, marked)")
@@ -280,7 +284,7 @@ def main(args: argparse.Namespace) -> int:
         worker_strategies = args.strategies if args.strategies and not args.demo else None
         report.workers = run_workers(args.models[0], worker_strategies, counts, together=args.together,
                                      options=options, timeout=args.timeout, guard=not args.no_memory_guard,
-                                     say=say)
+                                     budget=args.memory_budget, say=say)
     print(render_table(report))
     if args.json:
         write_json(report, args.json)
@@ -313,11 +317,8 @@ def _settle() -> None:
 def demo_model() -> str:
     """The demo's model: SynthConfig.demo() as external data, generated once into the cache."""
     from ..cache import cache_root
+    from ..progress import progress_bar
     from ..synth import SynthConfig, cached_model
 
-    return str(cached_model(SynthConfig.demo(storage="external"), cache_root() / "synth", progress=_say))
-
-
-def _say(done: int, total: int, name: str = "") -> None:
-    print(f"\rgenerating the demo model: {100 * done // max(total, 1):3d}%", end="" if done < total else "\n",
-          file=sys.stderr, flush=True)
+    with progress_bar("generating the demo model") as bar:
+        return str(cached_model(SynthConfig.demo(storage="external"), cache_root() / "synth", progress=bar))

@@ -13,7 +13,8 @@ used memory (``MemTotal - MemAvailable``) is sampled: its rise is what starting 
 machine at the worst moment, creation peaks included.
 
 Memory guard: before a larger N, the cost per worker seen at the smallest N is scaled up; if that
-would pass ``GUARD_FRACTION`` of the memory available now, the run is not made and its totals are
+would pass ``GUARD_FRACTION`` of the memory available now (or a ``budget`` the caller sets, e.g. on
+a machine shared with others), the run is not made and its totals are
 extrapolated (private per worker times N, shared once) and marked ``extrapolated``. This is how a
 7B-class sweep stops plain ORT before it would exhaust the machine.
 
@@ -344,13 +345,15 @@ def run_workers(
     options: dict[str, Any] | None = None,
     timeout: float = 600.0,
     guard: bool = True,
+    budget: int | None = None,
     say: Callable[[str], None] | None = None,
 ) -> WorkersReport:
     """Measure every strategy at every worker count (interleaved: per N, each strategy in turn).
 
     Each strategy's preparation runs once, unmeasured (``prepare_scope="each"`` ones, like the cold
     ``ortmem``, before every N: N workers then start on an empty cache). With ``guard`` a run the
-    machine could not hold is extrapolated instead (module docstring). A failing run is recorded
+    machine could not hold (or that would pass ``budget`` bytes) is extrapolated instead (module
+    docstring). A failing run is recorded
     with its error and the sweep goes on.
     """
     names = list(dict.fromkeys(strategies or DEFAULT_STRATEGIES))
@@ -368,12 +371,14 @@ def run_workers(
                 strat = get_strategy(s)
                 if s in first and guard:
                     available = procfs.machine_available_bytes()
+                    limits = [GUARD_FRACTION * available] if available is not None else []
+                    limits += [budget] if budget else []
                     need = predicted_rise(first[s], n)
-                    if available is not None and need > GUARD_FRACTION * available:
+                    if limits and need > min(limits):
                         run = extrapolate(first[s], n)
                         report.runs.append(run)
-                        say(f"workers {s} x{n}: extrapolated (would need ~{need / MiB:.0f} MiB, "
-                            f"{(available or 0) / MiB:.0f} MiB available)")
+                        say(f"workers {s} x{n}: extrapolated (would need ~{need / MiB:.0f} MiB, limit "
+                            f"{min(limits) / MiB:.0f} MiB)")
                         continue
                 try:
                     if strat.prepare is not None and (s not in prepared or strat.prepare_scope == "each"):
