@@ -11,7 +11,7 @@ import pytest
 
 from ortmem.measure.bench import add_arguments, main
 from ortmem.measure.report import read_json
-from ortmem.measure.workers import WorkersRun, extrapolate, predicted_rise, run_workers
+from ortmem.measure.workers import WorkerReading, WorkersRun, extrapolate, predicted_rise, run_workers
 from ortmem.synth import SynthConfig, cached_model
 
 pytestmark = pytest.mark.slow
@@ -42,6 +42,7 @@ def test_warm_workers_share_the_weights_and_ort_does_not(model: str) -> None:
     assert warm1.total_shared_bytes > warm1.total_private_bytes
     assert warm2.total_pss_bytes < 1.5 * warm1.total_pss_bytes
     assert ort2.total_pss_bytes > 1.6 * ort1.total_pss_bytes
+    assert ort1.workers[0].peak_private >= ort1.workers[0].pss_anon * 0.9  # VmHWM - RssFile
     for r in report.runs:  # totals are the sums of the workers' own readings
         assert r.total_pss_bytes == sum(w.pss for w in r.workers)
         assert len(r.workers) == r.n and r.ready_wall_s and r.ready_wall_s > 0
@@ -93,9 +94,11 @@ def _ort_output_hash(model: str) -> str:
 
 
 def test_memory_guard_extrapolates() -> None:
+    worker = WorkerReading(pid=1, create_wall_s=1.0, run_wall_s=0.1, ready_s=1.1, output_hash="", pss=1100 * MiB,
+                           pss_anon=1000 * MiB, pss_file=100 * MiB, pss_shmem=0, rss=1100 * MiB,
+                           peak_private=1500 * MiB)
     one = WorkersRun("ort", 1, True, total_pss_bytes=1100 * MiB, total_private_bytes=1000 * MiB,
-                     total_shared_bytes=100 * MiB, private_per_worker_bytes=1000 * MiB,
-                     used_before_bytes=0, peak_used_bytes=1500 * MiB)
+                     total_shared_bytes=100 * MiB, private_per_worker_bytes=1000 * MiB, workers=[worker])
     assert predicted_rise(one, 8) == 8 * 1500 * MiB  # the creation peak, not only what stays
     eight = extrapolate(one, 8)
     assert eight.extrapolated and eight.total_private_bytes == 8000 * MiB

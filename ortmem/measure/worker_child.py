@@ -24,6 +24,7 @@ def main(argv: list[str]) -> int:
         import numpy  # noqa: F401  (same imports as a probe's baseline)
         import onnxruntime  # noqa: F401
 
+        from ortmem.measure import procfs
         from ortmem.measure.inputs import hash_outputs, make_inputs
         from ortmem.measure.strategies import resolve
 
@@ -36,6 +37,7 @@ def main(argv: list[str]) -> int:
         names = [o.name for o in session.get_outputs()]
         outputs = session.run(None, feeds)
         t2 = time.monotonic()
+        status = procfs.read_status("self") or {}
         ready = {
             "pid": os.getpid(),
             "create_wall_s": t1 - t0,
@@ -44,6 +46,9 @@ def main(argv: list[str]) -> int:
             "output_hash": hash_outputs(names, outputs),
             # an ortmem session that converted (not a cache hit): how many conversions N workers made
             "converted": getattr(session, "ortmem_report", None) is not None,
+            # this worker's own peak less the file pages it maps now: its private peak, about (the
+            # memory guard's input; unlike the machine's used memory, other tenants do not move it)
+            "peak_private": max(status.get("VmHWM", 0) - status.get("RssFile", 0), 0),
         }
     except BaseException:  # report everything, including SystemExit from a strategy
         traceback.print_exc()

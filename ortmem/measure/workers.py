@@ -12,7 +12,8 @@ other (``stagger``: the next starts when the previous is ready). While they star
 used memory (``MemTotal - MemAvailable``) is sampled: its rise is what starting them cost the
 machine at the worst moment, creation peaks included.
 
-Memory guard: before a larger N, the cost per worker seen at the smallest N is scaled up; if that
+Memory guard: before a larger N, the private peak per worker seen at the smallest N (its own
+``VmHWM - RssFile``, so other processes on the machine do not skew it) is scaled up; if that
 would pass ``GUARD_FRACTION`` of the memory available now (or a ``budget`` the caller sets, e.g. on
 a machine shared with others), the run is not made and its totals are
 extrapolated (private per worker times N, shared once) and marked ``extrapolated``. This is how a
@@ -28,7 +29,8 @@ Results are part of the bench JSON (``"workers"`` in schema ``ortmem.bench/2``, 
                "ready_wall_s",                        # first start to last worker ready
                "used_before_bytes", "peak_used_bytes",  # machine MemTotal - MemAvailable
                "workers": [{"pid", "create_wall_s", "run_wall_s", "ready_s", "output_hash",
-                            "pss", "pss_anon", "pss_file", "pss_shmem", "rss", "converted"}]}]}
+                            "pss", "pss_anon", "pss_file", "pss_shmem", "rss", "converted",
+                            "peak_private"}]}]}   # VmHWM - RssFile when ready
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ class WorkerReading:
     pss_shmem: int
     rss: int
     converted: bool = False  # an ortmem session that converted the model (cold start, no cache hit)
+    peak_private: int = 0  # VmHWM - RssFile when ready: the worker's own private peak, about
 
     @property
     def private(self) -> int:
@@ -292,7 +295,7 @@ def measure_workers(
                     ready_s=r["ready_monotonic"] - t0, output_hash=r["output_hash"], pss=sm.get("Pss", 0),
                     pss_anon=sm.get("Pss_Anon", 0), pss_file=sm.get("Pss_File", 0),
                     pss_shmem=sm.get("Pss_Shmem", 0), rss=sm.get("Rss", 0),
-                    converted=bool(r.get("converted")),
+                    converted=bool(r.get("converted")), peak_private=int(r.get("peak_private", 0)),
                 ))
         finally:
             for p in procs:
@@ -330,9 +333,12 @@ def extrapolate(measured: WorkersRun, n: int) -> WorkersRun:
 
 
 def predicted_rise(measured: WorkersRun, n: int) -> int:
-    """What starting ``n`` workers would take from the machine, scaled from a measured run: its
-    rise (creation peaks included) or its private total, whichever is larger, per worker times n."""
-    per_worker = max(measured.peak_rise_bytes or 0, measured.total_private_bytes) / measured.n
+    """What starting ``n`` workers together would take from the machine, scaled from a measured run:
+    the largest worker's own private peak (creation included) or the run's private total per worker,
+    whichever is larger, times n. The workers' own numbers, not the machine's used memory, which
+    other processes on a shared machine move."""
+    peak = max((w.peak_private for w in measured.workers), default=0)
+    per_worker = max(peak, measured.total_private_bytes / measured.n)
     return int(per_worker * n)
 
 
