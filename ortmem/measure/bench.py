@@ -47,6 +47,7 @@ from .workers import DEFAULT_STRATEGIES as WORKER_STRATEGIES
 from .workers import DEFAULT_SWEEP, run_workers
 
 JITTER_MAX = 64 * 1024
+SYNTH_PRESETS = ("demo", "llama_0_6gb", "llama_1_6gb", "llama_7b")  # SynthConfig class methods
 
 
 def schedule(models: Sequence[str], strategies: Sequence[str], repeat: int) -> list[tuple[str, str, int]]:
@@ -208,6 +209,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--demo", action="store_true",
                         help="generate (once) the built-in synthetic Llama-shaped int4 QDQ model (~0.3 GB) and "
                         "compare ort, twin, ortmem and ortmem-warm on it")
+    parser.add_argument("--synth", action="append", default=[], choices=SYNTH_PRESETS, metavar="PRESET",
+                        help="also bench a generated synthetic Llama-shaped int4 QDQ model (external data, made once "
+                        "into the cache): " + ", ".join(SYNTH_PRESETS))
     parser.add_argument(
         "--strategy", "-s", action="append", dest="strategies", metavar="S",
         help="strategy name or module:function (repeatable; default: "
@@ -248,6 +252,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run the bench, print the table; 1 if any probe failed, 2 for an unknown strategy, else 0."""
     counts = _worker_counts(args)
+    args.models = list(args.models) + [synth_model(preset) for preset in args.synth]
     if args.demo:
         args.models = list(args.models) + [demo_model()]
         args.strategies = args.strategies or ["ort", "twin", "ortmem", "ortmem-warm"]
@@ -316,9 +321,15 @@ def _settle() -> None:
 
 def demo_model() -> str:
     """The demo's model: SynthConfig.demo() as external data, generated once into the cache."""
+    return synth_model("demo")
+
+
+def synth_model(preset: str) -> str:
+    """A SynthConfig preset (``SYNTH_PRESETS``) as external data, generated once into the cache."""
     from ..cache import cache_root
     from ..progress import progress_bar
     from ..synth import SynthConfig, cached_model
 
-    with progress_bar("generating the demo model") as bar:
-        return str(cached_model(SynthConfig.demo(storage="external"), cache_root() / "synth", progress=bar))
+    config = getattr(SynthConfig, preset)(storage="external")
+    with progress_bar(f"generating the {preset} model") as bar:
+        return str(cached_model(config, cache_root() / "synth", progress=bar))
