@@ -197,27 +197,25 @@ def read_smaps_rollup(pid: int | str) -> dict[str, int] | None:
     return out or None
 
 
-def machine_used_bytes() -> int | None:
-    """Memory in use on the machine, ``MemTotal - MemAvailable`` from ``/proc/meminfo`` (bytes):
-    what processes hold that the kernel cannot reclaim; reclaimable page cache is not counted."""
+def read_meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes (``MemTotal``, ``MemAvailable``, ...); empty if unreadable."""
     try:
         with open("/proc/meminfo", "rb") as f:
-            info = {k.decode(): int(v.split()[0]) * 1024
-                    for k, _, v in (line.partition(b":") for line in f) if v.strip()}
+            return {k.decode(): int(v.split()[0]) * 1024 for k, _, v in (line.partition(b":") for line in f)
+                    if v.strip()}
     except OSError:
-        return None
+        return {}
+
+
+def machine_used_bytes() -> int | None:
+    """Memory in use on the machine, ``MemTotal - MemAvailable`` (bytes): what processes hold that the
+    kernel cannot reclaim; reclaimable page cache is not counted."""
+    info = read_meminfo()
     if "MemTotal" not in info or "MemAvailable" not in info:
         return None
     return info["MemTotal"] - info["MemAvailable"]
 
 
 def machine_available_bytes() -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo`` (bytes): what a new process can still get."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    """``MemAvailable`` (bytes): what a new process can still get."""
+    return read_meminfo().get("MemAvailable")

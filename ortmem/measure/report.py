@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .probe import MiB, ProbeResult
+from .textable import align
 from .workers import WorkersReport
 
 SCHEMA = "ortmem.bench/2"
@@ -364,13 +365,8 @@ def render_table(report: BenchReport) -> str:
                     ", ".join(flags),
                 ]
             )
-        widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
         lines = [f"{mr.name}  ({mr.model}), {report.repeat} fresh process(es) per strategy, medians (min-max)"]
-        for k, row in enumerate(rows):
-            cells = [row[0].ljust(widths[0])] + [row[c].rjust(widths[c]) for c in range(1, len(row) - 1)]
-            lines.append("  ".join(cells + [row[-1]]).rstrip())
-            if k == 0:
-                lines.append("  ".join("-" * w for w in widths).rstrip())
+        lines += align(rows)
         for name, sr in mr.strategies.items():
             if sr.memray_run and sr.memray_run.memray:
                 lines.append(_memray_line(name, sr))

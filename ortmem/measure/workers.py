@@ -49,6 +49,7 @@ from . import procfs
 from .errors import ProbeError
 from .probe import MiB, Prepared, prepare
 from .strategies import get_strategy
+from .textable import align
 
 DEFAULT_STRATEGIES = ("ort", "twin", "ortmem-warm")
 DEFAULT_SWEEP = (1, 2, 4, 8)
@@ -169,14 +170,9 @@ class WorkersReport:
                 "-" if same is None else ("=ort" if same else "DIFF"),
                 _note(r),
             ])
-        widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
         mode = "started together" if self.together else "started one after the other"
         lines = [f"workers on {os.path.basename(self.model)}, {mode}; MiB, summed PSS when all were ready"]
-        for k, row in enumerate(rows):
-            cells = [row[0].ljust(widths[0])] + [row[c].rjust(widths[c]) for c in range(1, len(row) - 1)]
-            lines.append("  ".join(cells + [row[-1]]).rstrip())
-            if k == 0:
-                lines.append("  ".join("-" * w for w in widths).rstrip())
+        lines += align(rows)
         lines.append(
             "private: Pss_Anon+Pss_Shmem (each worker's own); shared: Pss_File (page cache, counted once); "
             "PSS/1 worker: total PSS over one worker's (N=1 row); machine rise: peak of MemTotal-MemAvailable "
