@@ -79,8 +79,7 @@ def test_four_workers_on_an_empty_cache_convert_once(model: str, tmp_path: Path)
     assert {w.output_hash for w in run.workers} == {_ort_output_hash(model)}
     entries = [p for p in cache.iterdir() if not p.name.startswith(".")]
     assert len(entries) == 1
-    leftovers = [p for p in cache.rglob(".*") if p.name != ".locks" and p.parent.name != ".locks"]
-    assert leftovers == []
+    assert list(cache.rglob(".*")) == []  # no temporary folder, no lock file
     assert (entries[0] / "prepacked.json").exists()
 
 
@@ -91,6 +90,27 @@ def _ort_output_hash(model: str) -> str:
 
     sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     return hash_outputs([o.name for o in sess.get_outputs()], sess.run(None, make_inputs(sess, {})))
+
+
+def create_noisy(model: str, options: dict):
+    """A strategy that prints on stdout (the ready line must still be found)."""
+    import onnxruntime as ort
+
+    print("hello from a strategy", flush=True)
+    os.write(1, b"and from native code\n")
+    return ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+
+
+def create_broken(model: str, options: dict):
+    raise RuntimeError("this strategy cannot create a session")
+
+
+def test_printing_and_failing_workers(model: str) -> None:
+    report = run_workers(model, [f"{HERE}:create_noisy", f"{HERE}:create_broken"], [2])
+    noisy, broken = report.runs
+    assert noisy.error is None and len(noisy.workers) == 2
+    assert broken.error and "exited with code 1" in broken.error and "cannot create a session" in broken.error
+    assert "FAILED" in report.render_table()
 
 
 def test_memory_guard_extrapolates() -> None:

@@ -17,6 +17,10 @@ import traceback
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
+    # The ready line goes to the original stdout; everything else printed to fd 1 (a strategy's or
+    # ORT's own output) goes to stderr, so the parent never reads it as the ready line.
+    ready_out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     for p in reversed(spec.get("sys_path") or []):
         if p not in sys.path:
             sys.path.insert(0, p)
@@ -53,8 +57,8 @@ def main(argv: list[str]) -> int:
     except BaseException:  # report everything, including SystemExit from a strategy
         traceback.print_exc()
         return 1
-    sys.stdout.write(json.dumps(ready) + "\n")
-    sys.stdout.flush()
+    ready_out.write(json.dumps(ready) + "\n")
+    ready_out.flush()
     sys.stdin.read()  # hold the session until the parent has measured every worker
     del session
     return 0

@@ -294,6 +294,9 @@ def measure_workers(
                     converted=bool(r.get("converted")), peak_private=int(r.get("peak_private", 0)),
                 ))
         finally:
+            if len(ready) < len(procs):  # failed or timed out: stop the others now, not after creation
+                for p in procs:
+                    p.kill()
             for p in procs:
                 if p.stdin:
                     p.stdin.close()
