@@ -134,6 +134,11 @@ def test_cli_workers_json_and_plot(model: str, tmp_path: Path, capsys: pytest.Ca
     parser = argparse.ArgumentParser(prog="ortmem bench")
     add_arguments(parser)
     assert main(parser.parse_args([model, "-n", "0"])) == 2  # -n 0 without workers: nothing to do
+    for bad in (["--workers", "0"], ["--workers-sweep", "1,x"]):
+        with pytest.raises(SystemExit):  # a usage error, not a traceback
+            parser.parse_args([model, *bad])
+    assert parser.parse_args([model, "--workers-sweep"]).workers_sweep == [1, 2, 4, 8]
+    assert parser.parse_args([model, "--workers-sweep", "1,3"]).workers_sweep == [1, 3]
     args = parser.parse_args([model, "-n", "0", "-s", "ort", "--workers", "2", "--stagger", "-q",
                               "--json", str(tmp_path / "w.json"), "--plot", str(tmp_path / "w.png")])
     assert main(args) == 0

@@ -196,6 +196,21 @@ def plot(report: BenchReport, path_png: str | os.PathLike) -> None:
 # --- command line --------------------------------------------------------------------------------
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
+def _count_list(text: str) -> list[int]:
+    """``"1,2,4,8"`` -> [1, 2, 4, 8] (positive worker counts)."""
+    return [_positive(part.strip()) for part in text.split(",") if part.strip()]
+
+
 def _kv(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -233,8 +248,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "workers", "N fresh worker processes on the (first) model, each creating a session and running it; "
         "summed PSS, private and shared, when all are ready (strategies default to "
         + ", ".join(WORKER_STRATEGIES) + "; -s picks others)")
-    workers.add_argument("--workers", type=int, metavar="N", help="measure N workers per strategy")
-    workers.add_argument("--workers-sweep", nargs="?", const=",".join(map(str, DEFAULT_SWEEP)), metavar="N,N,...",
+    workers.add_argument("--workers", type=_positive, metavar="N", help="measure N workers per strategy")
+    workers.add_argument("--workers-sweep", nargs="?", type=_count_list, const=list(DEFAULT_SWEEP), metavar="N,N,...",
                          help="measure each worker count (default " + ",".join(map(str, DEFAULT_SWEEP)) + ")")
     start = workers.add_mutually_exclusive_group()
     start.add_argument("--together", dest="together", action="store_true", default=True,
@@ -305,7 +320,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _worker_counts(args: argparse.Namespace) -> list[int]:
     """Worker counts asked for: ``--workers N`` and/or ``--workers-sweep 1,2,4,8``."""
-    counts = [int(c) for c in args.workers_sweep.split(",") if c.strip()] if args.workers_sweep else []
+    counts = list(args.workers_sweep or [])
     if args.workers:
         counts.append(args.workers)
     return sorted(set(counts))
