@@ -8,11 +8,17 @@ Publishing is atomic: an entry is built in ``<root>/.tmp-<random>/`` and renamed
 rename onto an existing entry fails, so of two concurrent creators the first wins and the second
 throws its copy away and uses the winner's. A reader therefore never sees a half-written entry; an
 entry that fails verification (truncated, edited, from another ortmem/ORT version) is moved aside
-and rebuilt. Space for ``weights.bin`` is reserved with ``posix_fallocate`` before anything is
+and rebuilt. Creators of one key also take a lock (:meth:`Cache.creating`, an ``flock`` on
+``<root>/.lock-<key>``, removed by its holder): when N server workers start at once on an empty cache, one converts and the
+others wait, then read its entry, instead of N conversions racing (N times the peak, the disk
+traffic and the time). The rename rule above still guards filesystems without ``flock``.
+Space for ``weights.bin`` is reserved with ``posix_fallocate`` before anything is
 written through a mapping, so a full disk is a clean ``CacheError``, never a SIGBUS.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -198,6 +204,47 @@ class Cache:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+    @contextlib.contextmanager
+    def creating(self, key: str) -> Iterator[None]:
+        """Hold the creator lock of ``key`` (blocking): whoever holds it builds or adds to the entry;
+        others wait and then look again.
+
+        The lock is an ``flock`` on ``<root>/.lock-<key>``, removed by its holder before it lets go,
+        so nothing is left behind; a waiter that then holds a removed file (its inode is no longer
+        the path's) opens the path again. A lock that cannot be taken (no ``flock`` on this
+        filesystem) is skipped, which only costs duplicated work: the atomic rename still decides.
+        """
+        path = self.root / f".lock-{key}"
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                log.debug("ortmem: no creator lock for %s (%s)", key, exc)
+                fd = -1
+                break
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:
+                log.debug("ortmem: flock refused for %s (%s)", key, exc)
+                os.close(fd)
+                fd = -1
+                break
+            try:
+                if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                    break  # locked the file that is still at the path
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # its holder removed it while we waited: lock the current one
+        try:
+            yield
+        finally:
+            if fd >= 0:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                os.close(fd)  # releases the lock
 
     def get_or_build(self, key: str, builder: Callable[[Path], dict[str, Any]]) -> tuple[Entry, bool]:
         """(entry, hit): a verified existing entry, or a freshly built one."""

@@ -148,7 +148,11 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
         return {"spans": spans, "source": str(model.path), "sources": _source_identities(model),
                 "report": report.summary()}
 
-    entry = cache.build(cache_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32}), build)
+    with cache.creating(cache_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32})):
+        hit = lookup_converted(cache, model.path, settings, fp16_in_fp32)  # built while we waited?
+        if hit is not None:
+            return hit, True, None
+        entry = cache.build(cache_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32}), build)
     return entry, False, reports[0] if reports else None
 
 

@@ -196,17 +196,28 @@ def _warm_start(entry: Entry, convert: ConvertOptions) -> Handoff:
     """
     if convert.prepacked and capabilities().prepacked_save:
         path = prepacked_model(entry.path)
-        if path is None:
-            try:
-                path = save_prepacked(entry.path, sess_options=convert.sess_options)
-                if path is not None and convert.cache is not None:
-                    convert.cache.enforce_limit(keep=entry.key)  # the entry just grew
-            except CacheError as exc:
-                log.warning("ortmem: could not save pre-packed weights for %s (%s); loading %s",
-                            entry.path, exc, entry.model_path.name)
+        if path is None and convert.cache is not None:
+            with convert.cache.creating(entry.key):  # N workers on a fresh entry: one packs
+                path = prepacked_model(entry.path)
+                path = path or _save_prepacked(entry, convert)
+        elif path is None:
+            path = _save_prepacked(entry, convert)
         if path is not None:
             return Handoff(model=str(path), fallback=str(entry.model_path), action="pre-packed")
     return Handoff(model=str(entry.model_path), action="cache-hit")
+
+
+def _save_prepacked(entry: Entry, convert: ConvertOptions) -> Optional[Path]:
+    """Pack and save the entry's pre-packed weights; None (logged) when ORT packs none or it fails."""
+    path = None
+    try:
+        path = save_prepacked(entry.path, sess_options=convert.sess_options)
+        if path is not None and convert.cache is not None:
+            convert.cache.enforce_limit(keep=entry.key)  # the entry just grew
+    except CacheError as exc:
+        log.warning("ortmem: could not save pre-packed weights for %s (%s); loading %s",
+                    entry.path, exc, entry.model_path.name)
+    return path
 
 
 def _has_dequantize(model: Model) -> bool:

@@ -159,6 +159,13 @@ class SynthConfig:
         return cls(**{"hidden": 3072, "intermediate": 8192, "layers": 28, "vocab": 32000, "heads": 24,
                       "name": "llama_1_6gb", **kw})
 
+    @classmethod
+    def llama_7b(cls, **kw) -> "SynthConfig":
+        """Llama-2-7B's shapes: 3.2 GB of int4 codes + 0.8 GB scales + 0.52 GB fp32 embedding (4.6 GB
+        of files as external data; the README's worker figure)."""
+        return cls(**{"hidden": 4096, "intermediate": 11008, "layers": 32, "vocab": 32000, "heads": 32,
+                      "name": "llama_7b", **kw})
+
     def replace(self, **kw) -> "SynthConfig":
         return dataclasses.replace(self, **kw)
 

@@ -275,7 +275,7 @@ def test_bench_json_round_trip(bench_report, tmp_path: Path) -> None:
     path = tmp_path / "bench.json"
     write_json(bench_report, path)
     raw = json.loads(path.read_text())
-    assert raw["schema"] == SCHEMA == "ortmem.bench/1"
+    assert raw["schema"] == SCHEMA == "ortmem.bench/2"
     strat = raw["models"][0]["strategies"][0]
     assert set(strat) >= {"strategy", "summary", "spread", "bimodal", "ratios", "runs", "errors", "median_run"}
     assert strat["ratios"]["ort"]["peak_bytes"] == pytest.approx(1.0)
@@ -283,6 +283,13 @@ def test_bench_json_round_trip(bench_report, tmp_path: Path) -> None:
     back = read_json(path)
     assert to_json_dict(back) == raw
     assert render_table(back) == render_table(bench_report)
+    old = json.loads(json.dumps(raw))  # a version-1 file (no workers, no file_after_run_bytes) still reads
+    old["schema"] = "ortmem.bench/1"
+    del old["workers"]
+    for run in old["models"][0]["strategies"][0]["runs"]:
+        del run["file_after_run_bytes"]
+    path.write_text(json.dumps(old))
+    assert read_json(path).models[0].strategies["ort"].runs[0].file_after_run_bytes is None
     raw["schema"] = "ortmem.bench/999"
     path.write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="schema"):
@@ -294,6 +301,7 @@ def test_table_and_plot(bench_report, tmp_path: Path) -> None:
     table = render_table(bench_report)
     lines = table.splitlines()
     assert lines[1].startswith("strategy") and "peak MiB" in lines[1]
+    assert "private run/ort" in lines[1] and "shared pk" in lines[1]
     assert any(line.startswith("ort-noopt") for line in lines)
     png = tmp_path / "bench.png"
     plot(bench_report, png)

@@ -2,7 +2,9 @@
 
 Public API: :func:`probe` (one strategy, one fresh process), :func:`run_bench` (interleaved
 repeats, medians, table/JSON/plot in :mod:`ortmem.measure.bench`), the strategy registry
-(:mod:`ortmem.measure.strategies`) and a CI gate (:mod:`ortmem.measure.gate`).
+(:mod:`ortmem.measure.strategies`), N worker processes on one model with summed PSS
+(:func:`ortmem.measure.workers.run_workers`, ``ortmem bench --workers``) and a CI gate
+(:mod:`ortmem.measure.gate`).
 Linux only: elsewhere :class:`ProbeUnsupported` is raised.
 """
 from .errors import ProbeError, ProbeUnsupported

@@ -10,8 +10,9 @@ Why interleave (A B C A B C ...) rather than repeat each strategy in a block: th
 (page cache, other tenants, thermal state); interleaving spreads the drift over every strategy
 instead of biasing whichever ran last.
 
-Results, their JSON schema (``"ortmem.bench/1"``) and the table live in
-:mod:`ortmem.measure.report`; they are re-exported here.
+Results, their JSON schema (``"ortmem.bench/2"``) and the table live in
+:mod:`ortmem.measure.report`; they are re-exported here. ``--workers``/``--workers-sweep`` add a
+table of N worker processes on one model (:mod:`ortmem.measure.workers`).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..units import bytes_arg
 from .errors import ProbeError
 from .probe import MiB, Prepared, ProbeResult, prepare, probe
 from .report import (  # noqa: F401  (re-exported: the bench's public API)
@@ -41,8 +43,11 @@ from .report import (  # noqa: F401  (re-exported: the bench's public API)
     write_json,
 )
 from .strategies import default_strategies, get_strategy
+from .workers import DEFAULT_STRATEGIES as WORKER_STRATEGIES
+from .workers import DEFAULT_SWEEP, run_workers
 
 JITTER_MAX = 64 * 1024
+SYNTH_PRESETS = ("demo", "llama_0_6gb", "llama_1_6gb", "llama_7b")  # SynthConfig class methods
 
 
 def schedule(models: Sequence[str], strategies: Sequence[str], repeat: int) -> list[tuple[str, str, int]]:
@@ -181,13 +186,29 @@ def run_bench(
 
 
 def plot(report: BenchReport, path_png: str | os.PathLike) -> None:
-    """Resident memory over time per strategy (median run); see :mod:`ortmem.measure.plotting`."""
+    """Resident memory over time per strategy (median run), and total memory against the number of
+    workers when the report has a worker sweep; see :mod:`ortmem.measure.plotting`."""
     from .plotting import plot as _plot
 
     _plot(report, path_png)
 
 
 # --- command line --------------------------------------------------------------------------------
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
+def _count_list(text: str) -> list[int]:
+    """``"1,2,4,8"`` -> [1, 2, 4, 8] (positive worker counts)."""
+    return [_positive(part.strip()) for part in text.split(",") if part.strip()]
 
 
 def _kv(text: str) -> tuple[str, str]:
@@ -203,12 +224,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--demo", action="store_true",
                         help="generate (once) the built-in synthetic Llama-shaped int4 QDQ model (~0.3 GB) and "
                         "compare ort, twin, ortmem and ortmem-warm on it")
+    parser.add_argument("--synth", action="append", default=[], choices=SYNTH_PRESETS, metavar="PRESET",
+                        help="also bench a generated synthetic Llama-shaped int4 QDQ model (external data, made once "
+                        "into the cache): " + ", ".join(SYNTH_PRESETS))
     parser.add_argument(
         "--strategy", "-s", action="append", dest="strategies", metavar="S",
         help="strategy name or module:function (repeatable; default: "
         + ", ".join(default_strategies()) + ")",
     )
-    parser.add_argument("--repeat", "-n", type=int, default=3, help="fresh processes per strategy (default 3)")
+    parser.add_argument("--repeat", "-n", type=int, default=3, help="fresh processes per strategy (default 3; 0: only the worker table)")
     parser.add_argument("--json", metavar="FILE", help="write the report (schema ortmem.bench/1)")
     parser.add_argument("--plot", metavar="FILE.png", help="plot resident memory over time")
     parser.add_argument("--memray", action="store_true", help="one extra probe per strategy under memray")
@@ -220,16 +244,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-jitter", action="store_true",
                         help="start every repeat from the same heap layout (default: vary it per round)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
+    workers = parser.add_argument_group(
+        "workers", "N fresh worker processes on the (first) model, each creating a session and running it; "
+        "summed PSS, private and shared, when all are ready (strategies default to "
+        + ", ".join(WORKER_STRATEGIES) + "; -s picks others)")
+    workers.add_argument("--workers", type=_positive, metavar="N", help="measure N workers per strategy")
+    workers.add_argument("--workers-sweep", nargs="?", type=_count_list, const=list(DEFAULT_SWEEP), metavar="N,N,...",
+                         help="measure each worker count (default " + ",".join(map(str, DEFAULT_SWEEP)) + ")")
+    start = workers.add_mutually_exclusive_group()
+    start.add_argument("--together", dest="together", action="store_true", default=True,
+                       help="start the workers all at once, as a process manager does (default)")
+    start.add_argument("--stagger", dest="together", action="store_false",
+                       help="start each worker when the previous one is ready")
+    workers.add_argument("--memory-budget", type=bytes_arg, metavar="BYTES",
+                         help="extrapolate worker counts predicted to need more than this (e.g. 12GiB), as well "
+                         "as those over 80%% of the available memory")
+    workers.add_argument("--no-memory-guard", action="store_true",
+                         help="run every worker count even where the machine would run out of memory "
+                         "(default: extrapolate those, marked)")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the bench, print the table; 1 if any probe failed, 2 for an unknown strategy, else 0."""
+    counts = _worker_counts(args)
+    args.models = list(args.models) + [synth_model(preset) for preset in args.synth]
     if args.demo:
         args.models = list(args.models) + [demo_model()]
         args.strategies = args.strategies or ["ort", "twin", "ortmem", "ortmem-warm"]
         args.plot = args.plot or str(Path(args.models[-1]).with_name("demo-bench.png"))
+        counts = counts or [1, 4]
     if not args.models:
         print("ortmem bench: give MODEL path(s) or --demo", file=sys.stderr)
+        return 2
+    if args.repeat <= 0 and not counts:
+        print("ortmem bench: -n 0 needs --workers or --workers-sweep", file=sys.stderr)
         return 2
     options: dict[str, Any] = {}
     if args.dim:
@@ -242,11 +290,21 @@ def main(args: argparse.Namespace) -> int:
         except KeyError as e:
             print(f"ortmem bench: {e.args[0]}", file=sys.stderr)
             return 2
-    report = run_bench(
-        args.models, args.strategies, args.repeat,
-        memray=args.memray, progress=not args.quiet, options=options, timeout=args.timeout,
-        jitter=not args.no_jitter,
-    )
+    if args.repeat > 0:
+        report = run_bench(
+            args.models, args.strategies, args.repeat,
+            memray=args.memray, progress=not args.quiet, options=options, timeout=args.timeout,
+            jitter=not args.no_jitter,
+        )
+    else:  # -n 0: the worker table only
+        report = BenchReport(repeat=0, environment=environment(),
+                             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    if counts:
+        say = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+        worker_strategies = args.strategies if args.strategies and not args.demo else None
+        report.workers = run_workers(args.models[0], worker_strategies, counts, together=args.together,
+                                     options=options, timeout=args.timeout, guard=not args.no_memory_guard,
+                                     budget=args.memory_budget, say=say)
     print(render_table(report))
     if args.json:
         write_json(report, args.json)
@@ -256,7 +314,16 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(f"json: {args.json}")
     failed = any(sr.errors for mr in report.models for sr in mr.strategies.values())
+    failed = failed or bool(report.workers and any(r.error for r in report.workers.runs))
     return 1 if failed else 0
+
+
+def _worker_counts(args: argparse.Namespace) -> list[int]:
+    """Worker counts asked for: ``--workers N`` and/or ``--workers-sweep 1,2,4,8``."""
+    counts = list(args.workers_sweep or [])
+    if args.workers:
+        counts.append(args.workers)
+    return sorted(set(counts))
 
 
 def _settle() -> None:
@@ -269,12 +336,15 @@ def _settle() -> None:
 
 def demo_model() -> str:
     """The demo's model: SynthConfig.demo() as external data, generated once into the cache."""
+    return synth_model("demo")
+
+
+def synth_model(preset: str) -> str:
+    """A SynthConfig preset (``SYNTH_PRESETS``) as external data, generated once into the cache."""
     from ..cache import cache_root
+    from ..progress import progress_bar
     from ..synth import SynthConfig, cached_model
 
-    return str(cached_model(SynthConfig.demo(storage="external"), cache_root() / "synth", progress=_say))
-
-
-def _say(done: int, total: int, name: str = "") -> None:
-    print(f"\rgenerating the demo model: {100 * done // max(total, 1):3d}%", end="" if done < total else "\n",
-          file=sys.stderr, flush=True)
+    config = getattr(SynthConfig, preset)(storage="external")
+    with progress_bar(f"generating the {preset} model") as bar:
+        return str(cached_model(config, cache_root() / "synth", progress=bar))

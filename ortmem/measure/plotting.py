@@ -1,9 +1,12 @@
-"""Resident memory over time, one panel per model, one colour per strategy (its median run).
+"""Resident memory over time, one panel per model, one colour per strategy (its median run);
+with a worker sweep, one more panel of total memory against the number of workers.
 
-Anonymous memory (heap: what the session really costs) is drawn solid, file-backed memory
-(mapped weights and libraries: reclaimable) dashed, so zero-copy loading is visible as memory
-moving from the solid to the dashed line. Time 0 is the start of session creation in every run;
-a dotted vertical line marks the end of creation and a shaded band the first run.
+Private memory (anonymous: heap, what the session really costs each process) is drawn solid,
+shared memory (file-backed: mapped weights and libraries, page cache counted once per machine)
+dashed, so zero-copy loading is visible as memory moving from the solid to the dashed line. Time 0
+is the start of session creation in every run; a dotted vertical line marks the end of creation and
+a shaded band the first run. In the worker panel, solid is total PSS and dashed total private;
+extrapolated points (memory guard) are hollow and joined by dotted lines.
 """
 from __future__ import annotations
 
@@ -25,9 +28,11 @@ def plot(report: "BenchReport", path_png: str | os.PathLike) -> None:
     from matplotlib.patches import Patch
 
     models = [mr for mr in report.models if any(sr.runs for sr in mr.strategies.values())]
-    if not models:
+    workers = report.workers if report.workers and any(not r.error for r in report.workers.runs) else None
+    if not models and not workers:
         raise ValueError("nothing to plot: no successful runs in the report")
-    fig, axes = plt.subplots(len(models), 1, figsize=(11, 4.8 * len(models)), squeeze=False)
+    panels = len(models) + (1 if workers else 0)
+    fig, axes = plt.subplots(panels, 1, figsize=(11, 4.8 * panels), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, mr in zip(axes[:, 0], models):
         handles = []
@@ -55,13 +60,14 @@ def plot(report: "BenchReport", path_png: str | os.PathLike) -> None:
             if rs is not None and re is not None:
                 ax.axvspan(rs, max(re, rs + 0.004 * max(t_max, 1e-3)), color=color, alpha=0.15, lw=0)
             label = (
-                f"{name}: peak {run.peak_bytes / MiB:.0f} MiB, steady {run.steady_bytes / MiB:.0f} MiB, "
-                f"init {run.create_wall_s:.2f} s"
+                f"{name}: private {run.peak_anon_bytes / MiB:.0f} MiB peak, "
+                f"{(run.anon_after_run_bytes or 0) / MiB:.0f} after run; shared {run.peak_file_bytes / MiB:.0f} MiB "
+                f"peak; init {run.create_wall_s:.2f} s"
             )
             handles.append(Line2D([], [], color=color, lw=2.5, label=label))
         handles += [
-            Line2D([], [], color="0.3", lw=2.0, label="anonymous (RssAnon+RssShmem)"),
-            Line2D([], [], color="0.3", lw=1.6, ls="--", label="file-backed (RssFile)"),
+            Line2D([], [], color="0.3", lw=2.0, label="private: anonymous (RssAnon+RssShmem)"),
+            Line2D([], [], color="0.3", lw=1.6, ls="--", label="shared: file-backed (RssFile)"),
             Line2D([], [], color="0.3", lw=1.2, ls=":", label="session created"),
             Patch(color="0.3", alpha=0.2, label="first run"),
         ]
@@ -78,6 +84,45 @@ def plot(report: "BenchReport", path_png: str | os.PathLike) -> None:
             fontsize=11,
         )
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
+    if workers:
+        _plot_workers(axes[-1, 0], workers, colors)
     fig.tight_layout()
     fig.savefig(path_png, dpi=110)
     plt.close(fig)
+
+
+def _plot_workers(ax, workers, colors) -> None:  # noqa: ANN001  (matplotlib types stay lazy)
+    """Total PSS (solid) and total private (dashed) against N, per strategy."""
+    from matplotlib.lines import Line2D
+
+    handles = []
+    for k, name in enumerate(workers.strategies()):
+        color = colors[k % len(colors)]
+        runs = sorted((r for r in workers.runs if r.strategy == name and not r.error), key=lambda r: r.n)
+        measured = [r for r in runs if not r.extrapolated]
+        for attr, ls in (("total_pss_bytes", "-"), ("total_private_bytes", "--")):
+            ax.plot([r.n for r in measured], [getattr(r, attr) / MiB for r in measured], color=color, ls=ls,
+                    marker="o")
+            guessed = measured[-1:] + [r for r in runs if r.extrapolated]
+            if len(guessed) > 1:
+                ax.plot([r.n for r in guessed], [getattr(r, attr) / MiB for r in guessed], color=color, ls=":",
+                        marker="o", markerfacecolor="none")
+        last = runs[-1] if runs else None
+        label = name if last is None else (
+            f"{name}: {last.n} workers {last.total_pss_bytes / MiB:.0f} MiB PSS, "
+            f"{last.total_private_bytes / MiB:.0f} private" + (" (extrapolated)" if last.extrapolated else ""))
+        handles.append(Line2D([], [], color=color, lw=2.5, label=label))
+    handles += [
+        Line2D([], [], color="0.3", lw=2.0, label="total PSS (private + shared)"),
+        Line2D([], [], color="0.3", lw=1.6, ls="--", label="total private (Pss_Anon+Pss_Shmem)"),
+        Line2D([], [], color="0.3", ls=":", marker="o", markerfacecolor="none", label="extrapolated (memory guard)"),
+    ]
+    ax.set_xlabel("worker processes")
+    ax.set_ylabel("memory summed over the workers (MiB)")
+    ax.set_xticks(workers.counts)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    mode = "started together" if workers.together else "started one after the other"
+    ax.set_title(f"{os.path.basename(workers.model)}: N worker processes, {mode}, each with a session "
+                 "that has run once", fontsize=11)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)

@@ -18,6 +18,8 @@ What is counted (all bytes):
   it still shares with its parent (``helper_pids`` tells you when this applies).
 * ``peak_anon_bytes`` / ``peak_file_bytes`` / ``timeline``: sampled sums over the tree, ``anon`` =
   ``RssAnon + RssShmem`` (heap: not reclaimable), ``file`` = ``RssFile`` (mapped files: reclaimable).
+  The bench calls the first *private* (what each process costs alone, what the OOM killer sees) and
+  the second *shared* (page cache: counted once per machine however many processes map it).
   Sampled values are lower bounds of the true peak (a spike shorter than the interval is missed);
   ``VmHWM`` is the authoritative peak.
 
@@ -82,6 +84,7 @@ class ProbeResult:
     helper_peak_run_bytes: int | None = None
     rss_after_run_bytes: int | None = None
     anon_after_run_bytes: int | None = None  # RssAnon (+RssShmem) after the first run, this process only
+    file_after_run_bytes: int | None = None  # RssFile after the first run, this process only
     peak_bytes: int = 0
     peak_anon_bytes: int = 0
     peak_file_bytes: int = 0
@@ -353,5 +356,6 @@ def _assemble(
         res.peak_run_bytes = ar["hwm"] + helper_run
         res.rss_after_run_bytes = ar["rss"] + sum(helpers_after(t_end))
         res.anon_after_run_bytes = ar["anon"]
+        res.file_after_run_bytes = ar["file"]
         res.peak_bytes = max(peak_create, res.peak_run_bytes)
     return res

@@ -175,3 +175,47 @@ class TreeSampler:
                 nxt = time.monotonic()
                 delay = 0
             self._stop.wait(delay)
+
+
+def read_smaps_rollup(pid: int | str) -> dict[str, int] | None:
+    """``/proc/<pid>/smaps_rollup`` in bytes (``Pss``, ``Pss_Anon``, ``Pss_File``, ``Pss_Shmem``,
+    ``Rss``, ``Private_Dirty``, ...), or ``None`` if the process is gone or the kernel lacks it (< 4.14).
+
+    Why PSS: a page mapped by N processes counts 1/N in each, so summing PSS over workers counts
+    shared weights once, which RSS (counting them N times) cannot."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    out: dict[str, int] = {}
+    for line in data.split(b"\n")[1:]:  # the first line names the address range
+        key, _, rest = line.partition(b":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == b"kB":
+            out[key.decode("ascii", "replace")] = int(parts[0]) * 1024
+    return out or None
+
+
+def read_meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes (``MemTotal``, ``MemAvailable``, ...); empty if unreadable."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            return {k.decode(): int(v.split()[0]) * 1024 for k, _, v in (line.partition(b":") for line in f)
+                    if v.strip()}
+    except OSError:
+        return {}
+
+
+def machine_used_bytes() -> int | None:
+    """Memory in use on the machine, ``MemTotal - MemAvailable`` (bytes): what processes hold that the
+    kernel cannot reclaim; reclaimable page cache is not counted."""
+    info = read_meminfo()
+    if "MemTotal" not in info or "MemAvailable" not in info:
+        return None
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+def machine_available_bytes() -> int | None:
+    """``MemAvailable`` (bytes): what a new process can still get."""
+    return read_meminfo().get("MemAvailable")

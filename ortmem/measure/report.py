@@ -1,13 +1,20 @@
 """Bench results: per-strategy statistics, ratios, the JSON file format and the text table.
 
+Private and shared memory are the headline, apart: *private* is anonymous memory (``RssAnon`` +
+``RssShmem``: the heap, what each process costs on its own and what the OOM killer counts), *shared*
+is file-backed memory (``RssFile``: mapped weights and libraries, page cache that every process
+mapping the same file shares and the kernel can reclaim). A zero-copy or warm start moves memory
+from the first to the second, so a single "peak RSS" ratio hides its win; every ratio is therefore
+given for each kind. Worker tables (``bench --workers``) live in :mod:`ortmem.measure.workers`.
+
 Why medians with min-max: under default glibc one model's peak can flip between modes from run
 to run, so the spread is reported and a ``bimodal`` flag is raised when max/min of the peak
 exceeds ``BIMODAL_SPREAD`` (1.03).
 
-JSON schema ``"ortmem.bench/1"`` (all sizes in bytes, times in seconds)::
+JSON schema ``"ortmem.bench/2"`` (all sizes in bytes, times in seconds)::
 
     {
-      "schema": "ortmem.bench/1",
+      "schema": "ortmem.bench/2",
       "created": "2025-01-01T12:00:00+00:00",        # ISO 8601, UTC
       "environment": {"python", "onnxruntime", "numpy", "ortmem", "platform", "libc",
                       "cpu_count", "mem_total_bytes"},
@@ -24,8 +31,8 @@ JSON schema ``"ortmem.bench/1"`` (all sizes in bytes, times in seconds)::
             "spread": 1.01,                          # max/min of peak_bytes
             "bimodal": false,                        # spread > 1.03
             "same_output_as_ort": true,              # null when there is no ort result
-            "ratios": {"ort": {"peak_bytes", "steady_bytes", "create_wall_s"},
-                       "twin": {...}},               # median / reference median; absent refs omitted
+            "ratios": {"ort": {RATIO_METRIC: x},     # median / reference median; absent refs omitted
+                       "twin": {...}},
             "median_run": 1,                         # index into runs of the median-peak run
             "runs": [ProbeResult.to_dict(), ...],    # every field of ortmem.measure.ProbeResult,
                                                      # incl. timeline [[t, anon, file]], events,
@@ -33,11 +40,14 @@ JSON schema ``"ortmem.bench/1"`` (all sizes in bytes, times in seconds)::
             "memray_run": ProbeResult.to_dict() | null,   # not part of the statistics
             "errors": ["..."]}
          ]}
-      ]
+      ],
+      "workers": WorkersReport.to_dict() | null      # bench --workers (ortmem.measure.workers)
     }
 
-``summary``/``ratios``/``spread`` are derived from ``runs``: :func:`read_json` recomputes them.
-A reader must reject a different ``schema`` string; fields may be added within version 1.
+Version 2 added ``file_after_run_bytes`` to the runs, the private/shared ratio metrics and
+``workers``. ``summary``/``ratios``/``spread`` are derived from ``runs``: :func:`read_json`
+recomputes them. A reader must reject an unknown ``schema`` string; :func:`read_json` reads
+versions 1 and 2 (a version-1 file simply lacks the new fields). Fields may be added within a version.
 """
 from __future__ import annotations
 
@@ -48,8 +58,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .probe import MiB, ProbeResult
+from .textable import align
+from .workers import WorkersReport
 
-SCHEMA = "ortmem.bench/1"
+SCHEMA = "ortmem.bench/2"
+READABLE_SCHEMAS = ("ortmem.bench/1", SCHEMA)
 BIMODAL_SPREAD = 1.03
 REFERENCES = ("ort", "twin")
 METRICS = (
@@ -59,6 +72,7 @@ METRICS = (
     "steady_bytes",
     "rss_after_create_bytes",
     "anon_after_run_bytes",
+    "file_after_run_bytes",
     "peak_anon_bytes",
     "peak_file_bytes",
     "baseline_rss_bytes",
@@ -66,7 +80,16 @@ METRICS = (
     "create_cpu_s",
     "run_wall_s",
 )
-RATIO_METRICS = ("peak_bytes", "peak_create_bytes", "steady_bytes", "create_wall_s")
+RATIO_METRICS = (
+    "peak_bytes",
+    "peak_create_bytes",
+    "steady_bytes",
+    "create_wall_s",
+    "peak_anon_bytes",  # private, sampled peak over creation and first run
+    "peak_file_bytes",  # shared, sampled peak
+    "anon_after_run_bytes",  # private once the session has run
+    "file_after_run_bytes",  # shared once the session has run
+)
 
 
 @dataclass
@@ -170,6 +193,7 @@ class BenchReport:
     environment: dict[str, Any] = field(default_factory=dict)
     created: str = ""
     memray: bool = False
+    workers: WorkersReport | None = None
 
 
 def _metric(run: ProbeResult, metric: str) -> float | None:
@@ -211,11 +235,12 @@ def to_json_dict(report: BenchReport) -> dict[str, Any]:
         "memray": report.memray,
         "order": [list(o) for o in report.order],
         "models": models,
+        "workers": report.workers.to_dict() if report.workers else None,
     }
 
 
 def write_json(report: BenchReport, path: str | os.PathLike) -> None:
-    """Write the report in schema ``ortmem.bench/1`` (see the module docstring)."""
+    """Write the report in schema ``ortmem.bench/2`` (see the module docstring)."""
     with open(path, "w") as f:
         json.dump(to_json_dict(report), f, indent=1)
         f.write("\n")
@@ -225,14 +250,15 @@ def read_json(path: str | os.PathLike) -> BenchReport:
     """Load a report written by :func:`write_json`; derived fields are recomputed from the runs."""
     with open(path) as f:
         d = json.load(f)
-    if d.get("schema") != SCHEMA:
-        raise ValueError(f"{os.fspath(path)}: schema {d.get('schema')!r}, expected {SCHEMA!r}")
+    if d.get("schema") not in READABLE_SCHEMAS:
+        raise ValueError(f"{os.fspath(path)}: schema {d.get('schema')!r}, expected one of {READABLE_SCHEMAS}")
     report = BenchReport(
         repeat=int(d["repeat"]),
         order=[tuple(o) for o in d.get("order", [])],
         environment=d.get("environment", {}),
         created=d.get("created", ""),
         memray=bool(d.get("memray", False)),
+        workers=WorkersReport.from_dict(d["workers"]) if d.get("workers") else None,
     )
     for md in d["models"]:
         mr = ModelReport(md["model"])
@@ -291,14 +317,22 @@ def _memray_line(name: str, sr: "StrategyResult") -> str:
     return line
 
 
+def _ratio(ratios: dict[str, dict[str, float]], ref: str, metric: str) -> str:
+    value = ratios.get(ref, {}).get(metric)
+    return "-" if value is None else f"{value:.2f}"
+
+
 def render_table(report: BenchReport) -> str:
-    """Plain-text table per model: medians with (min-max) and ratios to ``ort`` / ``twin``."""
-    header = [
-        "strategy", "peak MiB", "create pk", "steady MiB", "anon pk", "file pk", "anon run", "base MiB",
-        "init s", "first run s", "peak/ort", "peak/twin", "create/twin", "out", "flags",
-    ]
+    """Plain-text table per model: private and shared memory apart, medians with (min-max), and
+    ratios of each to the twin (to ``ort`` when there is no twin); then the worker table if any."""
     blocks = []
     for mr in report.models:
+        ref = "twin" if "twin" in mr.strategies else "ort"
+        header = [
+            "strategy", "private pk", "shared pk", "private run", "shared run", "peak MiB", "init s",
+            "first run s", f"private run/{ref}", f"private pk/{ref}", f"shared pk/{ref}", f"peak/{ref}",
+            f"init/{ref}", "out", "flags",
+        ]
         rows = [header]
         for name, sr in mr.strategies.items():
             ratios = mr.ratios(name)
@@ -315,37 +349,35 @@ def render_table(report: BenchReport) -> str:
             rows.append(
                 [
                     name,
-                    _mib_range(sr.stat("peak_bytes")),
-                    _mib(sr.stat("peak_create_bytes")),
-                    _mib_range(sr.stat("steady_bytes")),
                     _mib(sr.stat("peak_anon_bytes")),
                     _mib(sr.stat("peak_file_bytes")),
-                    _mib(sr.stat("anon_after_run_bytes")),
-                    _mib(sr.stat("baseline_rss_bytes")),
+                    _mib_range(sr.stat("anon_after_run_bytes")),
+                    _mib(sr.stat("file_after_run_bytes")),
+                    _mib_range(sr.stat("peak_bytes")),
                     _s_range(sr.stat("create_wall_s")),
                     _s_range(sr.stat("run_wall_s")),
-                    f"{ratios['ort']['peak_bytes']:.2f}" if "peak_bytes" in ratios.get("ort", {}) else "-",
-                    f"{ratios['twin']['peak_bytes']:.2f}" if "peak_bytes" in ratios.get("twin", {}) else "-",
-                    (f"{ratios['twin']['peak_create_bytes']:.2f}" if "peak_create_bytes" in ratios.get("twin", {})
-                     else "-"),
+                    _ratio(ratios, ref, "anon_after_run_bytes"),
+                    _ratio(ratios, ref, "peak_anon_bytes"),
+                    _ratio(ratios, ref, "peak_file_bytes"),
+                    _ratio(ratios, ref, "peak_bytes"),
+                    _ratio(ratios, ref, "create_wall_s"),
                     "-" if same is None else ("=ort" if same else "DIFF"),
                     ", ".join(flags),
                 ]
             )
-        widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
         lines = [f"{mr.name}  ({mr.model}), {report.repeat} fresh process(es) per strategy, medians (min-max)"]
-        for k, row in enumerate(rows):
-            cells = [row[0].ljust(widths[0])] + [row[c].rjust(widths[c]) for c in range(1, len(row) - 1)]
-            lines.append("  ".join(cells + [row[-1]]).rstrip())
-            if k == 0:
-                lines.append("  ".join("-" * w for w in widths).rstrip())
+        lines += align(rows)
         for name, sr in mr.strategies.items():
             if sr.memray_run and sr.memray_run.memray:
                 lines.append(_memray_line(name, sr))
         blocks.append("\n".join(lines))
     legend = (
-        "peak: VmHWM over creation and first run (+helpers); create pk: the same over creation only; "
-        "steady: RSS after the first run; anon/file pk: sampled RssAnon/RssFile peaks; anon run: RssAnon "
-        "after the first run; base: RSS after imports"
+        "private: anonymous memory (RssAnon+RssShmem), what each process costs alone; shared: file-backed "
+        "(RssFile), page cache counted once per machine and reclaimable. pk: sampled peak over creation and "
+        "first run; run: after the first run. peak: VmHWM (private + shared) over creation and first run "
+        "(+helpers). Ratios: medians over the reference's medians."
     )
-    return "\n\n".join(blocks + [legend])
+    out = blocks + ([legend] if report.models else [])
+    if report.workers is not None:
+        out.append(report.workers.render_table())
+    return "\n\n".join(out)
