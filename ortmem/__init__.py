@@ -8,7 +8,8 @@ The public API fits on one screen:
 - :class:`Model`, :class:`WeightRef`, :class:`WeightState` describe what was loaded;
 - :func:`estimate` predicts memory from metadata alone; :func:`stats` measures it per node;
 - :class:`PipelineSession` runs a model partitioned over devices with memory budgets
-  (:func:`ortmem.plan.partition`, ``ortmem partition``);
+  (:func:`ortmem.plan.partition`, ``ortmem partition``); ``ortmem.RayPipeline`` (a lazy attribute,
+  ``pip install ortmem[ray]``) runs it over the nodes of a Ray cluster (:mod:`ortmem.distributed`);
 - :func:`allocator_hygiene` (a context manager) and :func:`trim` keep glibc from hoarding what ORT
   frees, for sessions created without ortmem;
 - :mod:`ortmem.errors` holds the exception hierarchy rooted at :class:`OrtmemError`.
@@ -32,3 +33,12 @@ __all__ = [
     "allocator_hygiene", "estimate", "load", "partition", "stats", "trim",
 ]
 
+
+
+def __getattr__(name: str):
+    """``ortmem.RayPipeline``: imported (with Ray) only when asked for."""
+    if name == "RayPipeline":
+        from .distributed import RayPipeline
+
+        return RayPipeline
+    raise AttributeError(f"module 'ortmem' has no attribute {name!r}")
