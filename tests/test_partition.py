@@ -394,3 +394,29 @@ def test_cli_writes_a_plan_and_reports_failures(tiny, tmp_path, capsys):
     assert rc == 1 and "minimum budget per device" in err
     rc = _cli([str(tiny), "--device", "cpu=1GiB", "--device", "cpu=2GiB"])
     assert rc == 2
+
+
+def test_devices_on_named_nodes(tiny, tmp_path):
+    """``node:<NODE>/<device>`` (issue 16): the provider from the local part, the node in plan.json
+    for each stage and device, and the bytes each node sends each other node per request."""
+    from ortmem.plan.partition_devices import split_node
+
+    assert split_node("node:10.0.0.2/cuda:1") == ("10.0.0.2", "cuda:1")
+    assert split_node("node:n1") == ("n1", "cpu") and split_node("cpu:0") == (None, "cpu:0")
+    assert default_provider("node:n1/cuda:1")[:2] == ("CUDAExecutionProvider", {"device_id": 1})
+    assert default_provider("node:n1/cpu")[2] is True
+    on_nodes = {"node:a/cpu": 330_000, "node:b/cpu": 300_000, "node:c/cpu": 100 << 20}
+    plan = partition(tiny, on_nodes, dims={"batch": 2, "seq": 16}, stage_overhead=0, verify=False,
+                     out_dir=tmp_path / "p")
+    assert [s.node for s in plan.stages] == [s.device.split("/")[0][len("node:"):] for s in plan.stages]
+    assert [d.node for d in plan.devices] == ["a", "b", "c"]
+    back = PartitionPlan.load(tmp_path / "p")
+    assert [s.node for s in back.stages] == [s.node for s in plan.stages]
+    links = back.links()
+    assert links and all(x["from_node"] != x["to_node"] for x in links)
+    sent = sum(x["bytes"] for x in links)
+    want = sum((c.bytes or 0) * len({plan.stages[t].node for t in c.to_stages} - {plan.stages[c.from_stage].node})
+               for c in plan.crossings)
+    assert sent == want > 0 and "network a -> b" in back.report()
+    local = plan3(tiny, None)  # the same budgets on one machine: no network, no links
+    assert local.links() == [] and all(s.node is None for s in local.stages)
