@@ -55,7 +55,8 @@ class StageWorker:
                                        file=missing[0])
             # the baseline: after imports, inside a Ray task (this call), so Ray's own task
             # machinery is not charged to the stage
-            self.mem["baseline_rss_bytes"] = (procfs.read_status("self") or {}).get("VmRSS", 0)
+            self.mem["baseline"] = self._status()
+            self.mem["baseline_rss_bytes"] = self.mem["baseline"]["rss_bytes"]
             procfs.reset_hwm()
             t0 = time.perf_counter()
             opts = self.sess_options() if self.sess_options is not None else None
@@ -81,12 +82,16 @@ class StageWorker:
         self.load()
         outs = self.session.run(list(output_names), dict(zip(input_names, arrays)))
         self.mem["runs"] += 1
+        self.mem["last_input_bytes"] = {n: int(getattr(a, "nbytes", 0)) for n, a in zip(input_names, arrays)}
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def memory(self) -> dict[str, Any]:
         """Baseline (after imports), creation (peak and after) and steady state (peak over the runs
-        and now) of this actor's process, bytes; private (``RssAnon``+``RssShmem``) and shared
-        (``RssFile``: mapped weights and libraries) apart."""
+        and now) of this actor's process, bytes: private (``RssAnon``: the heap), shared (``RssFile``:
+        mapped weights, pre-packed weights, libraries) and ``object_store_bytes`` (``RssShmem``: pages
+        of the node's Ray object store this process touched, reading inputs and writing outputs; the
+        store is bounded by the node's ``object_store_memory``, not by the stage). ``peak_bytes`` is
+        ``VmHWM`` and counts all three."""
         out = dict(self.mem)
         if self.session is not None:
             out["steady"] = self._status()
@@ -101,5 +106,5 @@ class StageWorker:
     @staticmethod
     def _status() -> dict[str, int]:
         s = procfs.read_status("self") or {}
-        return {"peak_bytes": s.get("VmHWM", 0), "rss_bytes": s.get("VmRSS", 0),
-                "private_bytes": s.get("RssAnon", 0) + s.get("RssShmem", 0), "shared_bytes": s.get("RssFile", 0)}
+        return {"peak_bytes": s.get("VmHWM", 0), "rss_bytes": s.get("VmRSS", 0), "private_bytes": s.get("RssAnon", 0),
+                "shared_bytes": s.get("RssFile", 0), "object_store_bytes": s.get("RssShmem", 0)}
