@@ -50,7 +50,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..errors import StageFailedError
 from ..plan.device_map import PlanError
-from ..plan.partition_devices import is_cpu, resolve_provider
+from ..plan.partition_devices import stage_providers
 from ..plan.partition_plan import PartitionPlan
 from .cluster import ClusterNode, check_plan, cluster_nodes, connect, stage_reservations
 from .stage_actor import StageWorker, missing_files
@@ -149,11 +149,7 @@ class RayPipeline:
                       for st, node in zip(plan.stages, self.nodes)], "file check", check_missing=True)
         remote_cls = ray.remote(StageWorker)
         for st, node, mem in zip(plan.stages, self.nodes, reserve):
-            if st.device in overrides:
-                name, opts = resolve_provider(st.device, overrides)
-            else:
-                name, opts = st.provider, dict(st.provider_options)
-            providers: list[Any] = [(name, opts)] + ([] if is_cpu(name) else ["CPUExecutionProvider"])
+            _, _, providers = stage_providers(st.device, st.provider, st.provider_options, overrides)
             self._actors.append(remote_cls.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
                 num_cpus=0, memory=mem, max_restarts=max_restarts, max_task_retries=max_task_retries,
@@ -167,10 +163,7 @@ class RayPipeline:
             self.shutdown()
             raise
         self.start_s = time.perf_counter() - t0
-        self._last_read: dict[str, int] = {}
-        for k, st in enumerate(plan.stages):
-            for x in st.inputs:
-                self._last_read[x] = k
+        self._last_read = plan.last_readers()
         by_name = {a[0]: IOArg(*a) for rows in (*ins, *outs) for a in rows}
         self._inputs = [by_name[n] for n in plan.inputs if n in by_name]
         self._outputs = [by_name[n] for n in plan.outputs if n in by_name]
@@ -223,13 +216,7 @@ class RayPipeline:
     # ---------------------------------------------------------------------------------- running
     def submit(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> RayRequest:
         """Enqueue one request on the stages and return at once (see :meth:`RayRequest.result`)."""
-        wanted = list(output_names) if output_names else list(self.plan.outputs)
-        unknown = [n for n in wanted if n not in self.plan.outputs]
-        if unknown:
-            raise ValueError(f"unknown output name(s) {unknown}; the model's outputs are {self.plan.outputs}")
-        missing = [n for n in self.plan.inputs if n not in input_feed and n in self._last_read]
-        if missing:
-            raise ValueError(f"missing input(s) {missing}")
+        wanted = self.plan.requested_outputs(output_names, input_feed)
         keep = set(wanted)
         refs: dict[str, Any] = {n: ray.put(np.asarray(v)) for n, v in input_feed.items()
                                 if n in keep or n in self._last_read}

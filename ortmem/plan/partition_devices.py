@@ -64,6 +64,17 @@ def resolve_provider(device: str, providers_per_device: Mapping[str, Any] | None
     return name, opts
 
 
+def stage_providers(device: str, provider: str, provider_options: Mapping[str, Any],
+                    overrides: Mapping[str, Any] | None) -> tuple[str, dict[str, Any], list[Any]]:
+    """(provider, options, ORT ``providers`` list) a stage of ``device`` runs with: the plan's provider
+    unless ``overrides`` names the device; a non-CPU provider gets the CPU EP as its fallback."""
+    if overrides and device in overrides:
+        name, opts = resolve_provider(device, overrides)
+    else:
+        name, opts = provider, dict(provider_options)
+    return name, opts, [(name, opts)] + ([] if is_cpu(name) else ["CPUExecutionProvider"])
+
+
 def is_cpu(provider: str) -> bool:
     return provider == "CPUExecutionProvider"
 

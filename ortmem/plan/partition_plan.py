@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .device_map import PlanError
 
@@ -131,6 +131,28 @@ class PartitionPlan:
                 "bytes": sum(c.bytes or 0 for c in live),
             })
         return out
+
+    # -- requests (what PipelineSession and RayPipeline check and route the same way)
+    def last_readers(self) -> dict[str, int]:
+        """Value -> index of the last stage that reads it (after it the value can go)."""
+        out: dict[str, int] = {}
+        for k, st in enumerate(self.stages):
+            for x in st.inputs:
+                out[x] = k
+        return out
+
+    def requested_outputs(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[str]:
+        """The outputs a request asks for (all when None); ``ValueError`` on an unknown output or a
+        missing input that a stage reads."""
+        wanted = list(output_names) if output_names else list(self.outputs)
+        unknown = [n for n in wanted if n not in self.outputs]
+        if unknown:
+            raise ValueError(f"unknown output name(s) {unknown}; the model's outputs are {self.outputs}")
+        read = self.last_readers()
+        missing = [n for n in self.inputs if n not in input_feed and n in read]
+        if missing:
+            raise ValueError(f"missing input(s) {missing}")
+        return wanted
 
     def links(self) -> list[dict[str, Any]]:
         """Bytes per request sent from one node to another (plan's dims): each crossing tensor once
