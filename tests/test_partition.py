@@ -131,6 +131,34 @@ def test_cut_post_pass_finds_the_fewest_crossing_tensors(tiny):
     assert crossing(loose) <= crossing(strict)
 
 
+
+def test_cut_between_nodes_moves_the_fewest_bytes(tiny):
+    """Between two nodes (issue 16) the post-pass ranks cuts by the bytes alive across them (what the
+    network carries) before the tensor count; on one node it keeps ranking by count first."""
+    with ortmem.load(tiny) as model:
+        G = P._Graph(model)
+        act_b, ws_b, _ = P._node_costs(G, model, DIMS, None)
+        tree = P.group_modules(G.planned_graph, G.set_costs(act_b, ws_b), by=P._module_names(G.labels, "scope"))
+    bounds = P._module_boundaries(G, tree)
+    count, nbytes = stages._live_across(G)
+    n = len(G.order)
+    start = G.labels.index("model.layers.0.mlp.up_proj.matmul")
+    cuts = {}
+    for nodes in ([None, None], ["a", "b"]):
+        costs = P._Costs(G, [0, 0], nodes=nodes)
+        limits = [costs.device_totals([stages._Stage(0, n, 0)], 2)[0][0] * 3 // 4, 10**9]
+        got = stages._improve_cuts([stages._Stage(0, start, 0), stages._Stage(start, n, 1)], G, costs, bounds, limits,
+                                   [limits[0], 10**9], 0.3)
+        assert len(got) == 2
+        cuts[tuple(nodes)] = got[0].hi
+        base = costs.device_totals([stages._Stage(0, start, 0)], 2)[0][0]
+        allowed = [x for x in bounds if costs.device_totals([stages._Stage(0, x, 0)], 2)[0][0] <= limits[0]
+                   and base - costs.device_totals([stages._Stage(0, x, 0)], 2)[0][0] <= 0.3 * limits[0]]
+    local, remote = cuts[(None, None)], cuts[("a", "b")]
+    assert count[local] == min(count[x] for x in allowed)
+    assert nbytes[remote] == min(nbytes[x] for x in allowed)
+    assert nbytes[remote] <= nbytes[local]
+
 def test_modules_by_dotted_scope_stay_whole_and_by_node_can_split_them(tiny):
     names = P._module_names(["model.layers.0.mlp.gate_proj.matmul", "mask.shape", "model.layers.0.mlp.up_proj.matmul",
                              "logits"], "scope")
