@@ -29,8 +29,8 @@ from ortmem.plan.partition import PartitionPlan, partition  # noqa: E402
 from ortmem.synth import SynthConfig, write_model  # noqa: E402
 
 MiB = 1 << 20
-#: Ray ``memory`` per node: what each node's stages may hold (the plan uses 75% of it, see below).
-NODES = {"n0": 34 * MiB, "n1": 32 * MiB, "n2": 64 * MiB}
+#: Ray ``memory`` per node: what each node's stages may hold (the plan uses 70% of it, see below).
+NODES = {"n0": 36 * MiB, "n1": 34 * MiB, "n2": 64 * MiB}
 DIMS = {"batch": 1, "seq": 32}
 VOCAB = 4000
 
@@ -51,8 +51,8 @@ def split(cluster, tmp_path_factory):
     folder = tmp_path_factory.mktemp("ray")
     cfg = SynthConfig(hidden=512, intermediate=1408, layers=6, vocab=VOCAB, heads=4, name="ray", storage="external")
     model = write_model(cfg, folder / "model.onnx")
-    # 75%: the estimator under-predicts these stages by 2-4 MiB after several runs (docs/distributed.md)
-    plan = partition(model, cluster_devices(fraction=0.75), dims=DIMS, out_dir=folder / "parts")
+    # 70%: the estimator under-predicts these stages by 2-4 MiB after several runs (docs/distributed.md)
+    plan = partition(model, cluster_devices(fraction=0.7), dims=DIMS, out_dir=folder / "parts")
     return model, plan
 
 
@@ -138,8 +138,8 @@ def test_a_node_without_the_folder_is_refused_before_loading(split, tmp_path):
 
 def test_cli_plans_for_the_cluster(split, tmp_path, capsys):
     model, _ = split
-    assert cli_main(["partition", str(model), "--ray", "auto", "--ray-fraction", "0.75", "--dim", "batch=1",
-                     "--dim", "seq=32", "--out", str(tmp_path / "p"), "--no-verify"]) == 0
+    assert cli_main(["partition", str(model), "--ray", "auto", "--ray-fraction", "0.7", "--dim", "batch=1",
+                     "--dim", "seq=32", "--out", str(tmp_path / "p")]) == 0
     plan = PartitionPlan.load(tmp_path / "p")
     assert {d.name for d in plan.devices} == {f"node:{n}/cpu" for n in NODES}
     assert "network" in capsys.readouterr().out
