@@ -1,11 +1,11 @@
 """Ray cluster nodes as partition devices, and whether a plan still matches the cluster.
 
 A node's name is the value of its Ray label :data:`NODE_LABEL` (``ray start --labels
-'{"ortmem-node": "n1"}'``) or, without one, its IP address. Labels survive a node's restart (its
+ortmem-node=n1``) or, without one, its IP address. Labels survive a node's restart (its
 Ray node id does not) and tell apart several nodes on one host (test clusters). A device on a node is
 ``node:<name>/<device>`` (:func:`ortmem.plan.partition_devices.split_node`); ``--ray auto`` gives
 every alive node one CPU device whose budget is the node's Ray ``memory`` resource (what actors may
-reserve there: ``ray start --memory``, by default about 70% of the machine's free memory).
+reserve there: ``ray start --memory``, by default the node's available memory).
 
 Budgets here are what the plan charges (weights, activations, per-session overhead above a process
 baseline); the actor's own Python and Ray worker (about 60-80 MiB) come on top, as they do for
