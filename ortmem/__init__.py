@@ -8,7 +8,8 @@ The public API fits on one screen:
 - :class:`Model`, :class:`WeightRef`, :class:`WeightState` describe what was loaded;
 - :func:`estimate` predicts memory from metadata alone; :func:`stats` measures it per node;
 - :class:`PipelineSession` runs a model partitioned over devices with memory budgets
-  (:func:`ortmem.plan.partition`, ``ortmem partition``);
+  (:func:`ortmem.plan.partition`, ``ortmem partition``); ``ortmem.RayPipeline`` (``pip install ortmem[ray]``)
+  runs it over the nodes of a Ray cluster (:mod:`ortmem.distributed`);
 - :func:`hook` / :func:`unhook` route every session the process creates through ortmem, code that
   calls ``onnxruntime.InferenceSession`` itself included (``python -m ortmem run`` does it for a
   whole program);
@@ -46,12 +47,14 @@ _LAZY = {
     "hook": ".session_hook",
     "unhook": ".session_hook",
 }
+#: names that need an optional extra (not in ``__all__``, so ``from ortmem import *`` never imports Ray)
+_OPTIONAL = {"RayPipeline": ".distributed"}
 
 __all__ = ["OrtmemError", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
+    module = _LAZY.get(name) or _OPTIONAL.get(name)
     if module is None:
         raise AttributeError(f"module 'ortmem' has no attribute {name!r}")
     value = getattr(importlib.import_module(module, __name__), name)
@@ -60,4 +63,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_OPTIONAL))

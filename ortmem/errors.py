@@ -52,3 +52,13 @@ class ConversionError(OrtmemError):
 
 class CacheError(OrtmemError):
     """A cache entry could not be written or verified."""
+
+
+class StageFailedError(OrtmemError):
+    """A pipeline stage on another node died, timed out or could not start (``ortmem.distributed``):
+    ``stage`` (index) and ``node`` say which, so the caller knows what to restart or re-plan."""
+
+    def __init__(self, message: str, *, stage: int, node: str | None, file: str | os.PathLike | None = None):
+        self.stage = stage
+        self.node = node
+        super().__init__(f"stage {stage} on node {node or 'of the driver'}: {message}", file=file)

@@ -29,7 +29,8 @@ import numpy as np
 import onnxruntime as ort
 
 from .plan.device_map import PlanError
-from .plan.partition import PartitionPlan, StageInfo, is_cpu, resolve_provider
+from .plan.partition import PartitionPlan, StageInfo, is_cpu
+from .plan.partition_devices import stage_providers
 from .session import InferenceSession
 
 __all__ = ["PipelineSession"]
@@ -59,23 +60,14 @@ class PipelineSession:
         self._devices: list[tuple[str, dict[str, Any]]] = []
         self._sessions: list[InferenceSession] = []
         for st in plan.stages:
-            if st.device in overrides:
-                name, opts = resolve_provider(st.device, overrides)
-            else:
-                name, opts = st.provider, dict(st.provider_options)
-            providers: list[Any] = [(name, opts)]
-            if not is_cpu(name):
-                providers.append("CPUExecutionProvider")
+            name, opts, providers = stage_providers(st.device, st.provider, st.provider_options, overrides)
             self._devices.append((name, opts))
             self._sessions.append(InferenceSession(str(folder / st.file), sess_options, providers=providers,
                                                    **session_kwargs))
         all_cpu = all(is_cpu(name) for name, _ in self._devices)
         self._ortvalue = transfer == "ortvalue" or (transfer == "auto" and not all_cpu)
         # the last stage reading each value: after it, the value can go (unless asked for)
-        self._last_read: dict[str, int] = {}
-        for k, st in enumerate(plan.stages):
-            for x in st.inputs:
-                self._last_read[x] = k
+        self._last_read = plan.last_readers()
         self._inputs = self._collect(plan.inputs, lambda s: s.get_inputs())
         self._outputs = self._collect(plan.outputs, lambda s: s.get_outputs(), feeds_ok=True)
 
@@ -122,13 +114,7 @@ class PipelineSession:
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
             run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
         """Outputs ``output_names`` (all, when None) for ``input_feed``, as ORT's ``run`` returns them."""
-        wanted = list(output_names) if output_names else list(self.plan.outputs)
-        unknown = [n for n in wanted if n not in self.plan.outputs]
-        if unknown:
-            raise ValueError(f"unknown output name(s) {unknown}; the model's outputs are {self.plan.outputs}")
-        missing = [n for n in self.plan.inputs if n not in input_feed and n in self._last_read]
-        if missing:
-            raise ValueError(f"missing input(s) {missing}")
+        wanted = self.plan.requested_outputs(output_names, input_feed)
         keep = set(wanted)
         values: dict[str, Any] = dict(input_feed)
         where: dict[str, int] = {}  # value -> stage that made it (feeds: -1, on the host)

@@ -131,6 +131,34 @@ def test_cut_post_pass_finds_the_fewest_crossing_tensors(tiny):
     assert crossing(loose) <= crossing(strict)
 
 
+
+def test_cut_between_nodes_moves_the_fewest_bytes(tiny):
+    """Between two nodes (issue 16) the post-pass ranks cuts by the bytes alive across them (what the
+    network carries) before the tensor count; on one node it keeps ranking by count first."""
+    with ortmem.load(tiny) as model:
+        G = P._Graph(model)
+        act_b, ws_b, _ = P._node_costs(G, model, DIMS, None)
+        tree = P.group_modules(G.planned_graph, G.set_costs(act_b, ws_b), by=P._module_names(G.labels, "scope"))
+    bounds = P._module_boundaries(G, tree)
+    count, nbytes = stages._live_across(G)
+    n = len(G.order)
+    start = G.labels.index("model.layers.0.mlp.up_proj.matmul")
+    cuts = {}
+    for nodes in ([None, None], ["a", "b"]):
+        costs = P._Costs(G, [0, 0], nodes=nodes)
+        limits = [costs.device_totals([stages._Stage(0, n, 0)], 2)[0][0] * 3 // 4, 10**9]
+        got = stages._improve_cuts([stages._Stage(0, start, 0), stages._Stage(start, n, 1)], G, costs, bounds, limits,
+                                   [limits[0], 10**9], 0.3)
+        assert len(got) == 2
+        cuts[tuple(nodes)] = got[0].hi
+        base = costs.device_totals([stages._Stage(0, start, 0)], 2)[0][0]
+        allowed = [x for x in bounds if costs.device_totals([stages._Stage(0, x, 0)], 2)[0][0] <= limits[0]
+                   and base - costs.device_totals([stages._Stage(0, x, 0)], 2)[0][0] <= 0.3 * limits[0]]
+    local, remote = cuts[(None, None)], cuts[("a", "b")]
+    assert count[local] == min(count[x] for x in allowed)
+    assert nbytes[remote] == min(nbytes[x] for x in allowed)
+    assert nbytes[remote] <= nbytes[local]
+
 def test_modules_by_dotted_scope_stay_whole_and_by_node_can_split_them(tiny):
     names = P._module_names(["model.layers.0.mlp.gate_proj.matmul", "mask.shape", "model.layers.0.mlp.up_proj.matmul",
                              "logits"], "scope")
@@ -396,3 +424,29 @@ def test_cli_writes_a_plan_and_reports_failures(tiny, tmp_path, capsys):
     assert rc == 1 and "minimum budget per device" in err
     rc = _cli([str(tiny), "--device", "cpu=1GiB", "--device", "cpu=2GiB"])
     assert rc == 2
+
+
+def test_devices_on_named_nodes(tiny, tmp_path):
+    """``node:<NODE>/<device>`` (issue 16): the provider from the local part, the node in plan.json
+    for each stage and device, and the bytes each node sends each other node per request."""
+    from ortmem.plan.partition_devices import split_node
+
+    assert split_node("node:10.0.0.2/cuda:1") == ("10.0.0.2", "cuda:1")
+    assert split_node("node:n1") == ("n1", "cpu") and split_node("cpu:0") == (None, "cpu:0")
+    assert default_provider("node:n1/cuda:1")[:2] == ("CUDAExecutionProvider", {"device_id": 1})
+    assert default_provider("node:n1/cpu")[2] is True
+    on_nodes = {"node:a/cpu": 330_000, "node:b/cpu": 300_000, "node:c/cpu": 100 << 20}
+    plan = partition(tiny, on_nodes, dims={"batch": 2, "seq": 16}, stage_overhead=0, verify=False,
+                     out_dir=tmp_path / "p")
+    assert [s.node for s in plan.stages] == [s.device.split("/")[0][len("node:"):] for s in plan.stages]
+    assert [d.node for d in plan.devices] == ["a", "b", "c"]
+    back = PartitionPlan.load(tmp_path / "p")
+    assert [s.node for s in back.stages] == [s.node for s in plan.stages]
+    links = back.links()
+    assert links and all(x["from_node"] != x["to_node"] for x in links)
+    sent = sum(x["bytes"] for x in links)
+    want = sum((c.bytes or 0) * len({plan.stages[t].node for t in c.to_stages} - {plan.stages[c.from_stage].node})
+               for c in plan.crossings)
+    assert sent == want > 0 and "network a -> b" in back.report()
+    local = plan3(tiny, None)  # the same budgets on one machine: no network, no links
+    assert local.links() == [] and all(s.node is None for s in local.stages)

@@ -23,7 +23,8 @@ How a plan is made
    another stage, session and set of crossing tensors), and :func:`~ortmem.plan.partition_stages._fill` fills the devices in
    preference order with one contiguous run each. Stages are maximal runs of nodes on one device.
 5. **Fewer crossing tensors.** :func:`~ortmem.plan.partition_stages._improve_cuts` moves each cut, in whole modules, to the nearby
-   boundary with the fewest tensors alive across the cuts (or hands a stage to its neighbour) while
+   boundary with the fewest tensors alive across the cuts (first: the fewest bytes alive across cuts
+   between two nodes, ``node:<NODE>/<device>`` names) (or hands a stage to its neighbour) while
    both devices stay in budget and the earlier one gives up at most ``cut_slack`` of its budget; a
    cut inside a module is never made, so a pattern ORT fuses stays in one session.
 6. **Choice.** Of the candidates whose stages fit (exact first-order costs: weights once per stage,
@@ -68,7 +69,7 @@ from . import activations as act
 from . import ort_graph as og
 from .device_map import PlanError
 from .graph_modules import ModuleTree, group_modules
-from .partition_devices import default_overhead, default_provider, is_cpu, resolve_provider
+from .partition_devices import default_overhead, default_provider, is_cpu, resolve_provider, split_node
 from .partition_graph import _Graph, _module_names, _node_costs
 from .partition_ort import ANNOTATED_FILE, _annotated_model, ort_settings
 from .partition_plan import PLAN_FILE, Crossing, DeviceReport, PartitionPlan, StageInfo
@@ -144,7 +145,7 @@ def partition(model_path: str | os.PathLike, devices: Mapping[str, int], *, stat
         raise PlanError(f"cut_slack must be in [0, 1], got {cut_slack!r}")
     providers = [resolve_provider(d, providers_per_device) for d in names]
     if stage_overhead is None:
-        overhead = [default_overhead(p) for p, _ in providers]
+        overhead = [default_overhead(p, d) for (p, _), d in zip(providers, names)]
     elif isinstance(stage_overhead, Mapping):
         overhead = [int(stage_overhead.get(d, 0)) for d in names]
     else:
@@ -187,7 +188,8 @@ def _partition(model: Model, names: list[str], budgets: list[int], providers: li
     stage_dir = Path(out_dir) if out_dir is not None else model.path.parent
     verify_dev = [verify and is_cpu(p) for p, _ in providers]
     act_mult = [float(ARENA_STEADY) if v else 1.0 for v in verify_dev]
-    costs = _Costs(G, overhead, act_mult)
+    nodes = [split_node(d)[0] for d in names]
+    costs = _Costs(G, overhead, act_mult, nodes)
     module_act = sorted(tree.activation_bytes[m] for m in tree.nodes)
     typical_act = module_act[(3 * len(module_act)) // 4] if module_act else 0
     sizes = tree.weight_bytes
@@ -283,7 +285,7 @@ def _partition(model: Model, names: list[str], budgets: list[int], providers: li
         prov, opts = providers[s.device]
         mods = list(dict.fromkeys(tree.module_of[G.labels[p]] for p in range(s.lo, s.hi)))
         stage_infos.append(StageInfo(
-            index=k, device=names[s.device], provider=prov, provider_options=dict(opts),
+            index=k, device=names[s.device], node=nodes[s.device], provider=prov, provider_options=dict(opts),
             file=_stage_file(k, names[s.device]) if out_dir is not None else "",
             nodes=sg.nodes, replicated=sg.replicated, modules=mods, inputs=sg.inputs, outputs=sg.outputs,
             weight_bytes=c.weight_bytes, activation_bytes=c.activation_bytes, workspace_bytes=c.workspace_bytes,
@@ -292,7 +294,7 @@ def _partition(model: Model, names: list[str], budgets: list[int], providers: li
     for j, d in enumerate(names):
         mine = [s for s in stage_infos if s.device == d]
         reports.append(DeviceReport(
-            name=d, provider=providers[j][0], budget_bytes=budgets[j], planning_budget_bytes=caps[j],
+            name=d, node=nodes[j], provider=providers[j][0], budget_bytes=budgets[j], planning_budget_bytes=caps[j],
             stages=[s.index for s in mine],
             weight_bytes=sum(s.weight_bytes for s in mine) - credit[j],
             activation_bytes=sum(s.activation_bytes for s in mine),

@@ -37,9 +37,16 @@ def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
     from .estimate_cli import _dim
 
     parser.add_argument("model", help="path to an .onnx file")
-    parser.add_argument("--device", type=_device, action="append", default=[], required=True, metavar="NAME=BYTES",
+    parser.add_argument("--device", type=_device, action="append", default=[], metavar="NAME=BYTES",
                         help="a device and its memory budget, in preference order (repeatable), e.g. "
-                             "--device cuda:0=6GiB --device cpu=32GiB")
+                             "--device cuda:0=6GiB --device cpu=32GiB; on a node of a Ray cluster "
+                             "node:NODE/DEVICE=BYTES (NODE: the node's ortmem-node label or IP address)")
+    parser.add_argument("--ray", metavar="ADDRESS|auto",
+                        help="read the nodes of a running Ray cluster (needs ortmem[ray]): without --device every "
+                             "alive node is a device node:NODE/cpu with its Ray memory as budget; with --device "
+                             "the node names are checked against the cluster")
+    parser.add_argument("--ray-fraction", type=float, default=1.0, metavar="F",
+                        help="with --ray and no --device: plan for this share of each node's Ray memory (1.0)")
     parser.add_argument("--stats", metavar="CSV", help="measured per-node memory (ortmem stats / ORT's node stats CSV)")
     parser.add_argument("--dim", type=_dim, action="append", default=[], metavar="NAME=VALUE",
                         help="value of a symbolic input dimension (repeatable), e.g. --dim batch=1 --dim seq=512")
@@ -69,6 +76,14 @@ def main_partition(args: argparse.Namespace) -> int:
             print(f"ortmem partition: device {name!r} given twice", file=sys.stderr)
             return 2
         devices[name] = b
+    if args.ray:
+        devices, error = _ray_devices(args.ray, devices, args.ray_fraction)
+        if error:
+            print(f"ortmem partition: {error}", file=sys.stderr)
+            return 2
+    if not devices:
+        print("ortmem partition: give at least one --device NAME=BYTES (or --ray auto)", file=sys.stderr)
+        return 2
     try:
         plan = partition(args.model, devices, stats_csv=args.stats, dims=dict(args.dim), by=args.by, out_dir=args.out,
                          providers_per_device=dict(args.provider) or None, cut_slack=args.cut_slack,
@@ -85,3 +100,23 @@ def main_partition(args: argparse.Namespace) -> int:
         print(f"\nwrote {args.out}: {len(plan.stages)} stage file(s), weights.bin ({plan.weights_mode}), plan.json, "
               "report.txt, report.json")
     return 0
+
+
+def _ray_devices(address: str, given: dict[str, int], fraction: float) -> tuple[dict[str, int], str | None]:
+    """Devices from a running Ray cluster (``--ray``); the optional package is imported only here."""
+    from .partition_devices import split_node
+
+    try:
+        from ..distributed import cluster_devices, cluster_nodes, connect
+        from ..distributed.cluster import find_node
+    except ImportError as e:
+        return given, str(e)
+    connect(None if address == "auto" else address)
+    nodes = cluster_nodes()
+    if not given:
+        return cluster_devices(nodes, fraction), None
+    unknown = [d for d in given if split_node(d)[0] is not None and find_node(nodes, split_node(d)[0]) is None]
+    if unknown:
+        return given, (f"no alive Ray node for {unknown}; the cluster's nodes: "
+                       + ", ".join(f"{n.name} ({n.ip}, {n.memory_bytes:,} B memory)" for n in nodes))
+    return given, None

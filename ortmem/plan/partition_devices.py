@@ -2,6 +2,11 @@
 
 The planner and :class:`ortmem.pipeline.PipelineSession` (which runs a plan) must agree on which
 provider a device name means, so both use these functions.
+
+A device on another machine is named ``node:<NODE>/<device>`` (``node:10.0.0.2/cpu``,
+``node:n1/cuda:0``): ``<NODE>`` names a node of a Ray cluster (``ortmem.distributed`` resolves it),
+``<device>`` is a device name as below. The planner only needs to know which devices share a node
+(a cut between two nodes moves its tensors over the network); nothing here imports Ray.
 """
 from __future__ import annotations
 
@@ -9,14 +14,27 @@ import warnings
 from typing import Any, Mapping
 
 
+NODE_PREFIX = "node:"
+
+
+def split_node(device: str) -> tuple[str | None, str]:
+    """(node, device on that node) of a device name: ``"node:n1/cpu"`` -> ``("n1", "cpu")``,
+    ``"node:n1"`` -> ``("n1", "cpu")``; a name without the prefix is on no named node: ``(None, name)``."""
+    name = str(device).strip()
+    if not name.lower().startswith(NODE_PREFIX):
+        return None, name
+    node, _, local = name[len(NODE_PREFIX):].partition("/")
+    return node, local or "cpu"
+
+
 def default_provider(device: str) -> tuple[str, dict[str, Any], bool]:
-    """(execution provider, provider options, known) for a device name.
+    """(execution provider, provider options, known) for a device name (its ``node:<NODE>/`` prefix aside).
 
     ``cpu``/``cpu:N``/``disk`` run on the CPU EP; ``cuda``, ``cuda:N``, ``gpu:N`` and bare integers
     (accelerate's GPU names, ``"0"``) on the CUDA EP with that ``device_id``; ``dml:N`` on DirectML.
     Anything else is unknown: CPU, and ``known`` is False so the caller can warn.
     """
-    name = str(device).strip()
+    _, name = split_node(device)
     low = name.lower()
     kind, _, idx = low.partition(":")
     if low.isdigit():
@@ -46,17 +64,37 @@ def resolve_provider(device: str, providers_per_device: Mapping[str, Any] | None
     return name, opts
 
 
+def stage_providers(device: str, provider: str, provider_options: Mapping[str, Any],
+                    overrides: Mapping[str, Any] | None) -> tuple[str, dict[str, Any], list[Any]]:
+    """(provider, options, ORT ``providers`` list) a stage of ``device`` runs with: the plan's provider
+    unless ``overrides`` names the device; a non-CPU provider gets the CPU EP as its fallback."""
+    if overrides and device in overrides:
+        name, opts = resolve_provider(device, overrides)
+    else:
+        name, opts = provider, dict(provider_options)
+    return name, opts, [(name, opts)] + ([] if is_cpu(name) else ["CPUExecutionProvider"])
+
+
 def is_cpu(provider: str) -> bool:
     return provider == "CPUExecutionProvider"
 
 
-def default_overhead(provider: str) -> int:
+#: What a stage costs more in a Ray actor than in a plain process, above the actor's RSS once it has
+#: run a Ray task (docs/distributed.md: 5.1-5.6 MiB on three stages of a 21 MB synthetic Llama, Ray 2.60,
+#: onnxruntime 1.32.0: the session is created and run from Ray's task thread, arguments and results
+#: pass through Ray's buffers).
+NODE_ACTOR_OVERHEAD = 6 << 20
+
+
+def default_overhead(provider: str, device: str = "") -> int:
     """Per-session fixed bytes assumed for a stage: on the CPU, what the estimator's calibration
-    measured for a session (creation + first run + ortmem's hook); elsewhere 0 (a device budget is
-    taken to exclude the runtime's own context)."""
+    measured for a session (creation + first run + ortmem's hook), plus :data:`NODE_ACTOR_OVERHEAD`
+    for a device on a named node (a Ray actor); elsewhere 0 (a device budget is taken to exclude the
+    runtime's own context)."""
     if not is_cpu(provider):
         return 0
     from .estimate import Calibration
 
     cal = Calibration.load()
-    return cal.session_fixed_bytes + cal.run_fixed_bytes + cal.ortmem_fixed_bytes
+    actor = NODE_ACTOR_OVERHEAD if split_node(device)[0] is not None else 0
+    return cal.session_fixed_bytes + cal.run_fixed_bytes + cal.ortmem_fixed_bytes + actor

@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .device_map import PlanError
 
@@ -43,6 +43,7 @@ class StageInfo:
     workspace_bytes: int = 0
     overhead_bytes: int = 0
     estimated_bytes: int | None = None
+    node: str | None = None  # the machine it must run on (``node:<NODE>/...`` devices), None: this one
 
     @property
     def first_order_bytes(self) -> int:
@@ -83,6 +84,7 @@ class DeviceReport:
     first_order_bytes: int
     estimated_bytes: int | None
     did_not_fit: list[str] = field(default_factory=list)
+    node: str | None = None  # the machine the device is on (``node:<NODE>/...``), None: this one
 
     @property
     def placed_bytes(self) -> int:
@@ -130,10 +132,49 @@ class PartitionPlan:
             })
         return out
 
+    # -- requests (what PipelineSession and RayPipeline check and route the same way)
+    def last_readers(self) -> dict[str, int]:
+        """Value -> index of the last stage that reads it (after it the value can go)."""
+        out: dict[str, int] = {}
+        for k, st in enumerate(self.stages):
+            for x in st.inputs:
+                out[x] = k
+        return out
+
+    def requested_outputs(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[str]:
+        """The outputs a request asks for (all when None); ``ValueError`` on an unknown output or a
+        missing input that a stage reads."""
+        wanted = list(output_names) if output_names else list(self.outputs)
+        unknown = [n for n in wanted if n not in self.outputs]
+        if unknown:
+            raise ValueError(f"unknown output name(s) {unknown}; the model's outputs are {self.outputs}")
+        read = self.last_readers()
+        missing = [n for n in self.inputs if n not in input_feed and n in read]
+        if missing:
+            raise ValueError(f"missing input(s) {missing}")
+        return wanted
+
+    def links(self) -> list[dict[str, Any]]:
+        """Bytes per request sent from one node to another (plan's dims): each crossing tensor once
+        per node that reads it, other than the node that made it (a node holding a tensor serves
+        all its stages there, as Ray's object store does). Empty when no stage names a node."""
+        if all(s.node is None for s in self.stages):
+            return []
+        acc: dict[tuple[str | None, str | None], list[Any]] = {}
+        for c in self.crossings:
+            src = self.stages[c.from_stage].node
+            for dst in dict.fromkeys(self.stages[t].node for t in c.to_stages):
+                if dst != src:
+                    row = acc.setdefault((src, dst), [0, []])
+                    row[0] += c.bytes or 0
+                    row[1].append(c.name)
+        return [{"from_node": a, "to_node": b, "bytes": v[0], "tensors": v[1]} for (a, b), v in acc.items()]
+
     # -- serialisation
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["boundaries"] = self.boundaries()
+        d["links"] = self.links()
         for dev, rep in zip(d["devices"], self.devices):
             dev["placed_bytes"] = rep.placed_bytes
             dev["free_bytes"] = rep.free_bytes
@@ -190,13 +231,14 @@ class PartitionPlan:
             "model": self.model,
             "devices": [{**asdict(r), "placed_bytes": r.placed_bytes, "free_bytes": r.free_bytes}
                         for r in self.devices],
-            "stages": [{"index": s.index, "device": s.device, "provider": s.provider, "file": s.file,
+            "stages": [{"index": s.index, "device": s.device, "node": s.node, "provider": s.provider, "file": s.file,
                         "nodes": len(s.nodes), "first_node": s.nodes[0] if s.nodes else "",
                         "last_node": s.nodes[-1] if s.nodes else "", "weight_bytes": s.weight_bytes,
                         "activation_bytes": s.activation_bytes, "workspace_bytes": s.workspace_bytes,
                         "overhead_bytes": s.overhead_bytes, "estimated_bytes": s.estimated_bytes,
                         "bytes": s.bytes} for s in self.stages],
             "boundaries": self.boundaries(),
+            "links": self.links(),
             "notes": self.notes,
         }
 
@@ -228,6 +270,9 @@ def render_report(plan: PartitionPlan) -> str:
         lines.append(f"  cut after stage {b['after_stage']} ({b['from_device']} -> {b['to_device']}, after "
                      f"{b['last_node']}): {len(b['tensors'])} tensor(s), {_mib(b['bytes'])} MiB: "
                      f"{', '.join(b['tensors'][:6])}{' ...' if len(b['tensors']) > 6 else ''}")
+    for link in plan.links():
+        lines.append(f"  network {link['from_node'] or 'this machine'} -> {link['to_node'] or 'this machine'}: "
+                     f"{_mib(link['bytes'])} MiB per request ({len(link['tensors'])} tensor(s))")
     misses = [(d.name, m) for d in plan.devices for m in d.did_not_fit]
     if misses:
         lines.append("")

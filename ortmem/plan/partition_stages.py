@@ -43,13 +43,16 @@ class _Costs:
 
     A device's stages cost their weights, ``act_mult[device]`` times their activation peak (workspace
     included; :data:`~ortmem.plan.partition_verify.ARENA_STEADY` on verified CPU devices, where ORT's arena holds that much in steady
-    state) and ``overhead[device]`` each.
+    state) and ``overhead[device]`` each. ``nodes[device]``: the machine a device is on (None: this
+    one); a cut between devices of different nodes sends its tensors over the network.
     """
 
-    def __init__(self, G: _Graph, overhead: Sequence[int], act_mult: Sequence[float] | None = None):
+    def __init__(self, G: _Graph, overhead: Sequence[int], act_mult: Sequence[float] | None = None,
+                 nodes: Sequence[str | None] | None = None):
         self.G = G
         self.overhead = list(overhead)
         self.act_mult = list(act_mult) if act_mult is not None else [1.0] * len(self.overhead)
+        self.nodes = list(nodes) if nodes is not None else [None] * len(self.overhead)
         self._memo: dict[tuple[int, int], _Cost] = {}
         self._zeros = [0] * len(G.order)
 
@@ -157,16 +160,19 @@ def _normalise(stages: Sequence[_Stage]) -> list[_Stage]:
 
 def _improve_cuts(stages: list[_Stage], G: _Graph, costs: _Costs, boundaries: list[int], caps: Sequence[int],
                   budgets: Sequence[int], slack: float) -> list[_Stage]:
-    """Move each cut to the nearby module boundary that leaves the fewest tensors alive across all
-    cuts (then the fewest bytes); moving a cut onto its neighbour removes a stage (see
-    :mod:`ortmem.plan.partition`, step 6)."""
+    """Move each cut to the nearby module boundary that leaves the fewest bytes alive across cuts
+    between *nodes* (network transfers; 0 when every device is on one machine), then the fewest
+    tensors alive across all cuts, then the fewest bytes; moving a cut onto its neighbour removes a
+    stage (see :mod:`ortmem.plan.partition`, step 6)."""
     import bisect
 
     count, nbytes = _live_across(G)
     n_dev = len(caps)
+    nodes = costs.nodes
 
-    def score(st: Sequence[_Stage]) -> tuple[int, int]:
-        return sum(count[s.lo] for s in st[1:]), sum(nbytes[s.lo] for s in st[1:])
+    def score(st: Sequence[_Stage]) -> tuple[int, int, int]:
+        remote = sum(nbytes[s.lo] for prev, s in zip(st, st[1:]) if nodes[prev.device] != nodes[s.device])
+        return remote, sum(count[s.lo] for s in st[1:]), sum(nbytes[s.lo] for s in st[1:])
 
     stages = _normalise(stages)
     start_totals, _ = costs.device_totals(stages, n_dev)
