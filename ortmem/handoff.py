@@ -126,7 +126,9 @@ def prepare(model: ModelInput, convert: Optional[ConvertOptions] = None) -> Hand
     if isinstance(model, (str, os.PathLike)):
         entry = _cache_hit(Path(model), convert)
         if entry is not None:  # a warm start: nothing to parse but the entry, which ORT reads itself
-            return _warm_start(entry, convert)
+            handoff = _warm_start(entry, convert)
+            if handoff is not None:
+                return handoff
         return _converted_or_as_is(load(model), convert)
     if isinstance(model, (bytes, bytearray, memoryview)):
         return _spill(lambda f: f.write(model), convert)
@@ -143,13 +145,20 @@ def _converted_or_as_is(model: Model, convert: Optional[ConvertOptions]) -> Hand
         return from_model(model)
     settings = convert.settings or OrtSettings()
     if convert.cache is not None:
-        entry, hit, report = convert_cached(model, settings, convert.cache, progress=convert.progress,
-                                            fp16_in_fp32=convert.fp16_in_fp32)
-        convert.cache_hit, convert.report = hit, report
-        if entry is None:
-            return from_model(model)
-        _consume(model)
-        return _warm_start(entry, convert) if hit else Handoff(model=str(entry.model_path))
+        try:
+            for _ in range(2):  # a hit found damaged by the full check before pre-packing is rebuilt once
+                entry, hit, report = convert_cached(model, settings, convert.cache, progress=convert.progress,
+                                                    fp16_in_fp32=convert.fp16_in_fp32)
+                convert.cache_hit, convert.report = hit, report
+                if entry is None:
+                    return from_model(model)
+                handoff = _warm_start(entry, convert) if hit else Handoff(model=str(entry.model_path))
+                if handoff is not None:
+                    _consume(model)
+                    return handoff
+        except CacheError as exc:
+            log.warning("ortmem: the cache could not be used (%s); converting in memory instead", exc)
+        convert.cache_hit = False
     plan = plan_conversion(model, settings, carry_unchanged=True, fp16_in_fp32=convert.fp16_in_fp32)
     if not plan.has_work:
         return from_model(model)
@@ -168,17 +177,30 @@ def _cache_hit(path: Path, convert: Optional[ConvertOptions]):
     return entry
 
 
-def _warm_start(entry: Entry, convert: ConvertOptions) -> Handoff:
+def _warm_start(entry: Entry, convert: ConvertOptions) -> Optional[Handoff]:
     """A cache hit, loaded by path: the entry's pre-packed model when ``convert.prepacked`` (saved
     now if this is the first hit, or if the saved one is for another CPU or ORT), else the entry.
+    None when the entry turned out damaged (it is discarded; the caller converts again).
+
+    Nothing is derived from an entry that was not checked in full: before packing, an entry looked
+    up with ``verify="sampled"``/``"off"`` is digested whole (a byte flipped in weights.bin would
+    otherwise be baked into every later session's pre-packed weights).
 
     The packing is paid once, by the first warm start, rather than by the cold start (whose init
     time it would double) or beside a live session (whose peak it would raise): it runs before ORT's
     session exists, in groups of a few tensors, and peaks well under the session itself.
     """
     if convert.prepacked:
-        path = prepacked_model(entry.path)
+        mode = convert.cache.verify_mode if convert.cache is not None else "full"
+        path = prepacked_model(entry.path, mode)
         if path is None:
+            if mode != "full" and convert.cache is not None:
+                problem = convert.cache.verify(entry, mode="full")
+                if problem is not None:
+                    log.warning("ortmem: cache entry %s is damaged (%s); rebuilding", entry.path, problem)
+                    convert.cache.discard(entry)
+                    convert.cache_hit = False
+                    return None
             try:
                 path = save_prepacked(entry.path, sess_options=convert.sess_options)
                 if path is not None and convert.cache is not None:
