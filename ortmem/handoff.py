@@ -28,7 +28,7 @@ from typing import Optional, Union
 import onnx
 
 from .cache import Cache, Entry
-from .errors import CacheError
+from .errors import CacheError, OrtmemError
 from .convert import convert_cached, lookup_converted
 from .inmemory import InMemoryConversion, convert_in_memory
 from .loader import load
@@ -37,6 +37,7 @@ from .onnx_walk import iter_graphs
 from .passes.dq_matmul import ConversionReport, Progress, plan_conversion
 from .passes.dq_matmul_match import OrtSettings
 from .prepacked import prepacked_model, save_prepacked
+from .validity import validity_fault
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,25 @@ def _converted_or_as_is(model: Model, convert: Optional[ConvertOptions]) -> Hand
     a native MatMulNBits model. Without one: converted in memory and borrowed by ORT (ortmem.inmemory)."""
     if convert is None or not convert.enabled or not _has_dequantize(model):
         return from_model(model)
+    fault = validity_fault(model.skeleton.graph)
+    if fault is not None:  # a rewrite could hide it: ORT judges the model as given
+        log.info("ortmem: not converting %s (%s); onnxruntime gets it as given", model.path, fault)
+        return from_model(model)
+    try:
+        return _convert(model, convert)
+    except MemoryError:
+        raise
+    except CacheError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any rewrite failure: ORT gets the model as given
+        detail = str(exc) if isinstance(exc, OrtmemError) else f"{type(exc).__name__}: {exc}"
+        log.warning("ortmem: could not convert %s (%s); onnxruntime gets it as given", model.path, detail)
+        convert.report, convert.cache_hit = None, False
+        return from_model(model)
+
+
+def _convert(model: Model, convert: ConvertOptions) -> Handoff:
+    """The conversion itself (:func:`_converted_or_as_is` decides whether to try it)."""
     settings = convert.settings or OrtSettings()
     if convert.cache is not None:
         try:

@@ -198,6 +198,13 @@ class ExternalizeResult:
         return bool(self.spans)
 
 
+#: Message nesting protobuf accepts (its default recursion limit, which both onnx's Python parser and
+#: ORT use: measured with nested ``If`` subgraphs, 99 levels parse and 102 fail in both). The walk
+#: visits a subset of the messages, so a model it finds deeper is refused by protobuf too; the
+#: bound keeps the walk off Python's own stack limit.
+MAX_NESTING = 100
+
+
 class _Externalizer:
     """Rewrites a serialized ModelProto, moving large embedded raw_data to external references."""
 
@@ -207,6 +214,7 @@ class _Externalizer:
         self.location = location
         self.inline_max_bytes = inline_max_bytes
         self.spans: list[TensorSpan] = []
+        self.depth = 0
         # Which child messages of each message kind can contain tensors, and their kind.
         self.children: dict[str, dict[int, Callable[[int, int], Optional[bytes]]]] = {
             "model": {MODEL_GRAPH: self.graph, MODEL_TRAINING_INFO: self.training, MODEL_FUNCTIONS: self.function},
@@ -227,6 +235,16 @@ class _Externalizer:
 
     def message(self, kind: str, start: int, end: int) -> Optional[bytes]:
         """Return the rewritten message, or None when it is unchanged (the caller copies the slice)."""
+        self.depth += 1
+        try:
+            if self.depth > MAX_NESTING:
+                raise CorruptModelError(f"messages nested deeper than protobuf's limit of {MAX_NESTING}",
+                                        file=self.r.file)
+            return self._message(kind, start, end)
+        finally:
+            self.depth -= 1
+
+    def _message(self, kind: str, start: int, end: int) -> Optional[bytes]:
         handlers = self.children[kind]
         pieces: list[bytes] = []
         changed = False
@@ -270,6 +288,7 @@ class _Externalizer:
 
     def tensor(self, start: int, end: int) -> Optional[bytes]:
         raw: Optional[Field] = None
+        raws: list[Field] = []  # a repeated raw_data field: protobuf keeps the last, so must we
         name = ""
         data_type = 0
         dims: list[int] = []
@@ -277,6 +296,7 @@ class _Externalizer:
         for f in self.r.fields(start, end):
             if f.number == TENSOR_RAW_DATA and f.wire_type == LEN:
                 raw = f
+                raws.append(f)
             elif f.number == TENSOR_NAME and f.wire_type == LEN:
                 name = self.r.string(f)
             elif f.number == TENSOR_DATA_TYPE and f.wire_type == VARINT:
@@ -295,7 +315,11 @@ class _Externalizer:
             return None
         offset, length = raw.payload_start, raw.value
         self.spans.append(TensorSpan(name, data_type, dims, offset, length))
-        kept = bytes(self.buf[start : raw.start]) + bytes(self.buf[raw.end : end])
+        kept_parts, pos = [], start
+        for f in raws:  # every occurrence goes: an earlier one left beside EXTERNAL is an invalid tensor
+            kept_parts.append(bytes(self.buf[pos : f.start]))
+            pos = f.end
+        kept = b"".join(kept_parts) + bytes(self.buf[pos:end])
         return (
             kept
             + _key(TENSOR_DATA_LOCATION, VARINT)
