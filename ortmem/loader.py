@@ -160,12 +160,15 @@ def _register_external(model: Model, site, base_real: Path, label: str,
 
 def _check_inline(t: onnx.TensorProto, file: str) -> None:
     """Inline raw_data must match dtype x shape; ORT would otherwise fail later or read garbage."""
-    if not t.raw_data or t.data_type == onnx.TensorProto.STRING:
+    if t.data_type == onnx.TensorProto.STRING or not t.HasField("raw_data"):
+        return
+    size = len(t.raw_data)
+    if not size:
         return
     expected = byte_size(t.data_type, tuple(t.dims), tensor=t.name, file=file)
-    if len(t.raw_data) != expected:
+    if size != expected:
         raise TensorShapeError(
-            f"raw_data has {len(t.raw_data)} bytes but {dtype_info(t.data_type).name}{list(t.dims)} needs {expected}",
+            f"raw_data has {size} bytes but {dtype_info(t.data_type).name}{list(t.dims)} needs {expected}",
             tensor=t.name,
             file=file,
         )
