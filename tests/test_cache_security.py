@@ -29,6 +29,7 @@ from ortmem.cli import main as cli_main
 from ortmem.filetrust import open_new, untrusted_reason, write_new
 from ortmem.loader import load
 from ortmem.synth import SynthConfig, write_model
+from compare import assert_same_outputs
 
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 
@@ -42,10 +43,7 @@ def _ort(path: Path) -> list[np.ndarray]:
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, FEEDS)
 
 
-def _assert_same(got: list[np.ndarray], expected: list[np.ndarray]) -> None:
-    assert len(got) == len(expected) and len(expected) > 0
-    for g, e in zip(got, expected):
-        assert np.array_equal(g, e)
+_assert_same = assert_same_outputs
 
 
 def _entry_dir(sess) -> Path:

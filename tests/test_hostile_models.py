@@ -18,6 +18,7 @@ import ortmem
 from ortmem import protowire as pw
 from ortmem.errors import CorruptModelError, ExternalDataError, OrtmemError, UnsafePathError
 from ortmem.synth import SynthConfig, write_model
+from compare import assert_same_outputs
 
 TINY_FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 
@@ -157,7 +158,7 @@ def test_repeated_raw_data_keeps_only_the_last_like_protobuf(tmp_path, where):
         assert len(found) == (1 if where == "main" else 2)
         assert all(np.array_equal(w.array(), last) for w in found)
     got = ortmem.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
-    assert len(got) == len(expected) and np.array_equal(got[0], expected[0])
+    assert_same_outputs(got, expected)
 
 
 # ------------------------------------------------------------------------ finding 10: offsets
@@ -226,7 +227,7 @@ def test_a_failing_rewrite_leaves_the_model_to_ort(tmp_path, monkeypatch, caplog
     assert sess.ortmem_report is None and not sess.ortmem_cache_hit
     assert [r for r in caplog.records if "IndexError" in r.getMessage()]
     got = sess.run(None, TINY_FEEDS)
-    assert len(got) == len(expected) and all(np.array_equal(a, b) for a, b in zip(got, expected))
+    assert_same_outputs(got, expected)
 
 
 def _break(path: Path, how: str) -> Path:
