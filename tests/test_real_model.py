@@ -20,7 +20,6 @@ as a dependency although these tests need only its files: install it with
 """
 from __future__ import annotations
 
-
 import json
 import os
 import struct
