@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 from .dtypes import byte_size, dtype_info
 from .errors import CorruptModelError, ExternalDataError, TensorShapeError, UnsafePathError
 from .model import Model
-from .onnx_walk import external_data_dict, is_external, iter_tensor_sites
+from .onnx_walk import iter_tensor_sites
 from .protowire import FileBytes, externalize_embedded
 from .weights import WeightRef, WeightStore
 
@@ -97,10 +97,11 @@ def _register_weights(model: Model) -> None:
     base_real = base.resolve()
     files: dict[str, tuple[Path, int]] = {}
     model_real = model.path.resolve()
+    sizes: dict[tuple[int, ...], int] = {}  # (data_type, *dims) -> bytes: models repeat a few shapes
     for site in iter_tensor_sites(model.skeleton):
         t = site.tensor
-        if not is_external(t):
-            _check_inline(site.tensor, str(model.path))
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            _check_inline(t, str(model.path), sizes)
             continue
         label = t.name or site.graph
         try:
@@ -158,14 +159,17 @@ def _register_external(model: Model, site, base_real: Path, label: str,
     )
 
 
-def _check_inline(t: onnx.TensorProto, file: str) -> None:
+def _check_inline(t: onnx.TensorProto, file: str, sizes: dict[tuple[int, ...], int]) -> None:
     """Inline raw_data must match dtype x shape; ORT would otherwise fail later or read garbage."""
     if t.data_type == onnx.TensorProto.STRING or not t.HasField("raw_data"):
         return
     size = len(t.raw_data)
     if not size:
         return
-    expected = byte_size(t.data_type, tuple(t.dims), tensor=t.name, file=file)
+    key = (t.data_type, *t.dims)
+    expected = sizes.get(key)
+    if expected is None:
+        expected = sizes[key] = byte_size(t.data_type, key[1:], tensor=t.name, file=file)
     if size != expected:
         raise TensorShapeError(
             f"raw_data has {size} bytes but {dtype_info(t.data_type).name}{list(t.dims)} needs {expected}",

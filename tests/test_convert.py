@@ -20,7 +20,7 @@ import pytest
 import ortmem
 from ortmem.cache import Cache
 from ortmem.convert import convert_to, settings_from
-from ortmem.errors import CacheError, ConversionError
+from ortmem.errors import ConversionError
 from ortmem.synth import SynthConfig, write_model
 from compare import assert_same_outputs
 
