@@ -138,20 +138,14 @@ class WireReader:
         return CorruptModelError(f"malformed protobuf: {what} at byte {pos}", file=self.file)
 
     def varint(self, pos: int, end: int) -> tuple[int, int]:
-        buf = self.buf
-        result = 0
-        shift = 0
-        while True:
-            if pos >= end:
-                raise self._corrupt("truncated varint", pos)
-            byte = buf[pos]
-            pos += 1
-            result |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                return result, pos
-            shift += 7
-            if shift > 63:
-                raise self._corrupt("varint longer than 10 bytes", pos)
+        """The varint at ``pos`` (at most 10 bytes, inside ``end``) and the position after it."""
+        head = self.buf[pos : min(pos + 10, end)]
+        value, i = _varint_from(head, 0)
+        if value is None:
+            if len(head) < 10:
+                raise self._corrupt("truncated varint", pos + len(head))
+            raise self._corrupt("varint longer than 10 bytes", pos + 10)
+        return value, pos + i
 
     def fields(self, start: int, end: int):
         """Yield every field of the message occupying ``buf[start:end]``.

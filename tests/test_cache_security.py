@@ -306,14 +306,20 @@ def test_in_place_edit_with_restored_mtime_is_a_miss(tmp_path):
     _assert_same(again.run(None, FEEDS), expected)
 
 
-def test_weights_byte_flip_mid_span_is_detected_and_rebuilt(tmp_path, caplog):
-    """Finding 3: one byte flipped in the middle of a tensor in weights.bin gave wrong outputs."""
+def _entry_with_a_flipped_weight(tmp_path: Path) -> tuple[Path, Path]:
+    """(model, cache): the model's entry built, then one byte flipped mid-span in its largest tensor."""
     path = _model(tmp_path / "m")
     cache = tmp_path / "cache"
-    expected = _ort(path)
     entry = _entry_dir(ortmem.InferenceSession(path, cache=cache))
     offset, length = max(json.loads((entry / "manifest.json").read_text())["spans"], key=lambda s: s[1])
     _flip(entry / "weights.bin", offset + length // 2 + 1)
+    return path, cache
+
+
+def test_weights_byte_flip_mid_span_is_detected_and_rebuilt(tmp_path, caplog):
+    """Finding 3: one byte flipped in the middle of a tensor in weights.bin gave wrong outputs."""
+    path, cache = _entry_with_a_flipped_weight(tmp_path)
+    expected = _ort(path)
     with caplog.at_level(logging.WARNING, logger="ortmem"):
         sess = ortmem.InferenceSession(path, cache=cache, prepacked=False)
     assert not sess.ortmem_cache_hit and sess.ortmem_report is not None
@@ -323,12 +329,8 @@ def test_weights_byte_flip_mid_span_is_detected_and_rebuilt(tmp_path, caplog):
 
 def test_sampled_verify_still_checks_in_full_before_prepacking(tmp_path):
     """A flip before the first warm start was baked into prepacked.bin for every later session."""
-    path = _model(tmp_path / "m")
-    cache = tmp_path / "cache"
+    path, cache = _entry_with_a_flipped_weight(tmp_path)
     expected = _ort(path)
-    entry = _entry_dir(ortmem.InferenceSession(path, cache=cache))
-    offset, length = max(json.loads((entry / "manifest.json").read_text())["spans"], key=lambda s: s[1])
-    _flip(entry / "weights.bin", offset + length // 2 + 1)
     sess = ortmem.InferenceSession(path, cache=cache, verify="sampled")
     assert not sess.ortmem_cache_hit
     _assert_same(sess.run(None, FEEDS), expected)
