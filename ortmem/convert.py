@@ -17,6 +17,7 @@ import onnx
 import onnxruntime as ort
 
 from . import __version__
+from . import digest
 from .cache import (MODEL_FILE, SOURCE_LINK_PREFIX, WEIGHTS_FILE, Cache, Entry, file_identity, key_identity, make_key,
                     reserve, same_source)
 from .filetrust import PRIVATE_FILE_MODE, write_new
@@ -138,12 +139,35 @@ def lookup_converted(cache: Cache, model_path: Path, settings: OrtSettings,
         log.info("ortmem: a source of cache entry %s changed; rebuilding", entry.path)
         cache.discard(entry)
         return None
+    racy = manifest.get("source_digests")
+    if racy is not None:
+        if not isinstance(racy, list) or len(racy) != len(recorded) or not all(
+                digest.matches(Path(s["path"]), d) for s, d in zip(recorded, racy)):
+            log.info("ortmem: a source of cache entry %s changed within its timestamp tick; rebuilding", entry.path)
+            cache.discard(entry)
+            return None
+    update: dict[str, Any] = {}
     if None in verdicts:  # only another entry's hard link moved the link count: record the new identity
+        update["sources"] = current
+    if racy is not None and not _racy(current):  # content confirmed and now stat can tell any later edit
+        update["source_digests"] = None
+    if update:
         try:
-            entry.rewrite_manifest({**manifest, "sources": current})
+            entry.rewrite_manifest({k: v for k, v in {**manifest, **update}.items() if v is not None})
         except OSError:
             pass
     return entry
+
+
+#: A source modified this recently may be rewritten again within the same filesystem timestamp tick
+#: with the same size, which ``stat`` cannot see (git's "racy" files). Such an entry records a full
+#: digest of its sources, checked on lookups until the source is older than this.
+RACY_SECONDS = 2.0
+
+
+def _racy(identities: list[dict[str, Any]]) -> bool:
+    now = time.time_ns()
+    return any(now - int(s["mtime_ns"]) < RACY_SECONDS * 1e9 for s in identities)
 
 
 def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progress: Optional[Progress] = None,
@@ -165,8 +189,11 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
         report = write_converted(model, plan, tmp, progress=progress, link=True)
         reports.append(report)
         spans = [(t.offset, t.nbytes) for t in out_tensors(plan) if t.nbytes and t.location is None]
-        return {"spans": spans, "source": str(model.path), "sources": _source_identities(model),
-                "report": report.summary()}
+        sources = _source_identities(model)
+        extras = {"spans": spans, "source": str(model.path), "sources": sources, "report": report.summary()}
+        if _racy(sources):  # just written: stat alone cannot vouch for it yet
+            extras["source_digests"] = [digest.file_digest(Path(s["path"])) for s in sources]
+        return extras
 
     entry = cache.build(cache_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32}), build,
                         file_mode=private_mode(model.path))

@@ -406,3 +406,25 @@ def test_cache_verify_cli_checks_every_entry_in_full(tmp_path, monkeypatch, caps
     out = capsys.readouterr().out
     assert "weights.bin content changed" in out and "1 damaged" in out
     assert not entry.exists()  # removed: the next session rebuilds it
+
+
+def test_racy_source_is_checked_by_content(tmp_path, monkeypatch):
+    """A same-size rewrite inside one timestamp tick is invisible to stat ("racy"): an entry built
+    from a source written moments ago records the source's digest and checks it until the source
+    is old enough for stat to tell."""
+    from ortmem import convert
+
+    path = _model(tmp_path / "m")
+    cache = tmp_path / "cache"
+    entry = _entry_dir(ortmem.InferenceSession(path, cache=cache))
+    assert "source_digests" in json.loads((entry / "manifest.json").read_text())
+    file, offset, length = _dq_weight(path)
+    _flip(file, offset + length // 2)
+    monkeypatch.setattr(convert, "same_source", lambda recorded, current: True)  # stat sees nothing
+    again = ortmem.InferenceSession(path, cache=cache)
+    assert not again.ortmem_cache_hit and again.ortmem_report is not None
+    _assert_same(again.run(None, FEEDS), _ort(path))
+    monkeypatch.setattr(convert, "RACY_SECONDS", 0.0)  # the source is now "old": one last check, then stat
+    assert ortmem.InferenceSession(path, cache=cache).ortmem_cache_hit
+    entry = next(Cache(cache).entries()).path
+    assert "source_digests" not in json.loads((entry / "manifest.json").read_text())
