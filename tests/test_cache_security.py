@@ -428,3 +428,39 @@ def test_racy_source_is_checked_by_content(tmp_path, monkeypatch):
     assert ortmem.InferenceSession(path, cache=cache).ortmem_cache_hit
     entry = next(Cache(cache).entries()).path
     assert "source_digests" not in json.loads((entry / "manifest.json").read_text())
+
+
+def test_a_writer_killed_mid_conversion_leaves_a_folder_the_next_writer_removes(tmp_path, monkeypatch):
+    """Finding 8 with a real crash: kill -9 while the entry is being written."""
+    import signal
+
+    from ortmem import cache as cache_module
+
+    path = _model(tmp_path / "m")
+    cache_dir = tmp_path / "cache"
+    marker = tmp_path / "converting"
+    child = subprocess.Popen([sys.executable, "-c", r"""
+import sys, time
+import ortmem
+def progress(done, total, name):
+    open(sys.argv[3], "w").close()
+    time.sleep(120)
+ortmem.InferenceSession(sys.argv[1], cache=sys.argv[2], progress=progress)
+""", str(path), str(cache_dir), str(marker)])
+    try:
+        deadline = time.time() + 60
+        while not marker.exists() and child.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the child never started converting"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    leftovers = [p for p in cache_dir.iterdir() if p.name.startswith(f".tmp-{child.pid}-")]
+    assert leftovers and any(f.stat().st_size for f in leftovers[0].iterdir())
+    monkeypatch.setattr(cache_module, "STALE_IDLE_SECONDS", 0.0)  # instead of waiting 10 minutes
+    sess = ortmem.InferenceSession(path, cache=cache_dir)  # the next writer
+    assert not any(p.exists() for p in leftovers)
+    assert sess.ortmem_report is not None
+    _assert_same(sess.run(None, FEEDS), _ort(path))
