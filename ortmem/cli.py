@@ -145,6 +145,8 @@ def _add_cache(sub) -> None:
 #: Subcommands whose arguments and main live in the module that owns the stage:
 #: (name, module, add-arguments function, main function, help).
 DELEGATED = [
+    ("doctor", "ortmem.doctor", "add_arguments", "main",
+     "installed onnxruntime, what ortmem may convert on it, cache health (paste into bug reports)"),
     ("bench", "ortmem.measure.bench", "add_arguments", "main",
      "measure session creation (memory, time) per strategy, each in fresh processes"),
     ("estimate", "ortmem.plan.estimate_cli", "add_estimate_arguments", "main_estimate",
@@ -171,12 +173,25 @@ def _delegate(name: str, module: str, add: str, run: str, help: str) -> Callable
 SUBCOMMANDS: list[Callable] = [_add_inspect, _add_convert, _add_cache] + [_delegate(*d) for d in DELEGATED]
 
 
+def _version_line() -> str:
+    import onnxruntime as ort
+
+    from . import __version__
+    from .ortmodel.release import SUPPORTED, TESTED_RELEASES, installed
+
+    lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
+    state = "in range" if installed().supported else "OUT OF RANGE: zero-copy loading only"
+    return (f"ortmem {__version__}; onnxruntime {ort.__version__} ({state}; supported {lo}-{hi}.x, "
+            f"tested {', '.join(TESTED_RELEASES)})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ortmem",
         description="Own the memory of ONNX model weights around ONNX Runtime: load without copies, "
         "fuse QDQ models into MatMulNBits, measure and plan memory.",
     )
+    parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(sub)

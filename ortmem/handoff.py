@@ -36,6 +36,7 @@ from .model import Model
 from .onnx_walk import iter_graphs
 from .passes.dq_matmul import ConversionReport, Progress, plan_conversion
 from .passes.dq_matmul_match import OrtSettings
+from .ortmodel.release import capabilities
 from .prepacked import prepacked_model, save_prepacked
 from .validity import validity_fault
 
@@ -210,7 +211,7 @@ def _warm_start(entry: Entry, convert: ConvertOptions) -> Optional[Handoff]:
     time it would double) or beside a live session (whose peak it would raise): it runs before ORT's
     session exists, in groups of a few tensors, and peaks well under the session itself.
     """
-    if convert.prepacked:
+    if convert.prepacked and capabilities().prepacked_save:
         mode = convert.cache.verify_mode if convert.cache is not None else "full"
         path = prepacked_model(entry.path, mode)
         if path is None:

@@ -403,6 +403,12 @@ def allocator_hygiene(
             report.released = _trim(libc)
 
 
+def allocator() -> str | None:
+    """The allocator hygiene works with (``"glibc 2.36"``), or None where it is a no-op."""
+    libc = _glibc()
+    return f"glibc {libc.version}" if libc is not None else None
+
+
 def trim() -> int | None:
     """``malloc_trim(0)``: return free heap pages to the OS, for sessions created without the context.
 

@@ -54,7 +54,6 @@ converted ``weights.bin`` stays the source of every other tensor; ``prepacked.bi
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import json
 import logging
@@ -76,6 +75,7 @@ from .cache import MODEL_FILE, WEIGHTS_FILE, fsync_dir
 from .filetrust import PRIVATE_FILE_MODE, make_private_dir, open_new, read_nofollow, write_new
 from .errors import CacheError
 from .options import get_config
+from .ortmodel.release import cpu_flags
 from .weights import PAGE, page_align
 
 log = logging.getLogger(__name__)
@@ -100,37 +100,11 @@ _SUB_DIR_PREFIX = ".prepack-"
 # it packs every tensor of a session at once (on the demo model's reload it lifts the creation peak
 # from 200 to 459 MiB), so a warm start should not set it either.
 _COPIED_CONFIG = ("mlas.enable_gemm_fastmath_arm64_bfloat16", "mlas.use_kleidiai")
-# x86 / arm flags that select MLAS kernels and with them the packed layouts.
-_CPU_FLAGS = frozenset("""
-sse3 ssse3 sse4_1 sse4_2 avx avx2 fma f16c avx512f avx512bw avx512dq avx512vl avx512cd avx512_vnni
-avx512vnni avx_vnni avxvnni avx512_bf16 avx512_fp16 avx_vnni_int8 avxvnniint8 amx_tile amx_int8 amx_bf16
-amx_fp16 asimd asimddp asimdhp fphp sve sve2 i8mm bf16 svei8mm svebf16 sme sme2
-""".split())
-
-
 class PrepackError(CacheError):
     """Pre-packed weights could not be written (a full disk, an ORT failure in a packing session)."""
 
 
 # ------------------------------------------------------------------------------------------ key
-@functools.lru_cache(maxsize=None)
-def _cpu_flags() -> tuple[str, ...]:
-    return tuple(_read_cpu_flags())
-
-
-def _read_cpu_flags() -> list[str]:
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k.strip() in ("flags", "Features"):
-                    flags.update(v.split())
-    except OSError:
-        pass
-    return sorted(flags & _CPU_FLAGS)
-
-
 def prepacked_key_parts() -> dict[str, Any]:
     """What pre-packed blobs depend on beyond the converted model: put these in the cache key (or in
     the check that decides whether an entry's ``prepacked.*`` files may be used).
@@ -143,7 +117,7 @@ def prepacked_key_parts() -> dict[str, Any]:
         "prepacked_format": PREPACKED_FORMAT,
         "onnxruntime": ort.__version__,
         "machine": platform.machine(),
-        "cpu_flags": list(_cpu_flags()),
+        "cpu_flags": list(cpu_flags()),
     }
 
 

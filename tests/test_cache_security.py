@@ -73,9 +73,16 @@ def _as_nobody_available() -> str | None:
     return None
 
 
-def _as_nobody(code: str, *args: str) -> subprocess.CompletedProcess:
+def _as_nobody(code: str, *args: str, probes: Path) -> subprocess.CompletedProcess:
+    """Run ``code`` as ``nobody``, with a private copy of this run's ORT release-probe answers in
+    ``probes`` (the probe is a subprocess, which ``nobody`` cannot start from this venv here)."""
+    shutil.copytree(os.environ["ORTMEM_PROBE_DIR"], probes)  # set for the whole run by conftest.py
+    for f in [probes, *probes.iterdir()]:
+        os.chown(f, 65534, 65534)
+    os.chmod(probes, 0o700)
     cmd = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c", code, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": "/tmp"})
+    env = {**os.environ, "HOME": "/tmp", "ORTMEM_PROBE_DIR": str(probes)}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
 
 
 @pytest.fixture
@@ -215,7 +222,8 @@ for f in [root / key, *(root / key).iterdir()]:
     os.chmod(f, 0o777 if f.is_dir() else 0o666)
 print(key)
 """
-    r = _as_nobody(code, str(shared), str(victim_model), str(attacker_model))
+    ortmem.InferenceSession(attacker_model, cache=world_dir / "warmup")  # probe answers for this run
+    r = _as_nobody(code, str(shared), str(victim_model), str(attacker_model), probes=world_dir / "probes")
     assert r.returncode == 0, r.stderr
     planted = shared / "converted" / r.stdout.split()[-1]
     assert planted.is_dir() and planted.stat().st_uid == 65534
@@ -254,7 +262,8 @@ for c in (cache, cache + "/sub/deeper"):
     assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
 print("OK")
 """
-    r = _as_nobody(code, str(model), str(ro))
+    ortmem.InferenceSession(model, cache=False)  # probe answers for this run
+    r = _as_nobody(code, str(model), str(ro), probes=world_dir / "probes")
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
     assert r.stderr.count("WARNING") == 2 and r.stderr.count("converting in memory") == 2  # one per session
 

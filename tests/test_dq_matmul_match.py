@@ -8,8 +8,9 @@ candidate is built as a GatherBlockQuantized node and must reproduce ORT's own D
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 import zlib
-
 from pathlib import Path
 
 import numpy as np
@@ -143,7 +144,7 @@ def check(m: onnx.ModelProto, tmp_path: Path, *, level=EXT, config=None, disable
                                  disabled_optimizers=disabled)
     opt = ort_optimize(m, tmp_path, level, config, disabled)
     got = nbits_nodes(opt)
-    want = {(c.graph_path, c.ort_node_name): c for c in cands if c.ort_outcome in ("converted", "converted_wrong")}
+    want = {(c.graph_path, c.ort_node_name): c for c in cands if c.ort_outcome in ("converted", "converted_wrong", "fused_by_ort")}
     assert set(got) == set(want), f"ORT fused {sorted(got)}, matcher predicted {sorted(want)}; rejected={rej}"
     opt_graphs = dict(graphs(opt.graph))
     for key, c in want.items():
@@ -166,6 +167,18 @@ def check(m: onnx.ModelProto, tmp_path: Path, *, level=EXT, config=None, disable
         if r.ort_outcome == "kept" and r.code != "qdq_disabled":
             assert r.node in {n.name for n in opt_graphs[r.graph_path].node}, r
     return cands, rej
+
+
+def assert_shared(cands, rej, code: str) -> None:
+    """With the shared-initializer guard (PR #28326, ORT 1.31 on) the pair is rejected with ``code``;
+    without it (1.25) ORT fuses it, the matcher says so, and ortmem leaves it to ORT (``fused_by_ort``)."""
+    from ortmem.ortmodel.release import capabilities
+
+    if capabilities().shared_initializer_guard:
+        assert not cands and {r.code for r in rej} == {code}
+    else:
+        assert cands and all(c.ort_outcome == "fused_by_ort" for c in cands)
+        assert code not in {r.code for r in rej}
 
 
 def converted(cands) -> set[str]:
@@ -247,7 +260,7 @@ def test_explicit_block_size_only_checked_for_expanded_dqs(tmp_path):
     m = dq_mm(scale_shape=[], attrs={}, tag="pt48")
     cands, rej = dq_matmul_match(m, graph_optimization_level=EXT, session_config=bad)
     assert [(r.code, r.ort_outcome) for r in rej] == [("session_block_size", "session_error")]
-    with pytest.raises(Exception, match="power-of-two in \\[16, 256\\]"):
+    with pytest.raises(Exception, match="power-of-(two|2)"):
         ort_optimize(m, tmp_path, config=bad)
 
 
@@ -264,7 +277,6 @@ def test_invalid_accuracy_level_fails_like_ort(tmp_path):
 
 REJECTED = {
     "block8": (dict(block=8), "block_size"),
-    "block512": (dict(block=512, k=1024), "block_size"),
     "block48": (dict(block=48, k=96), "block_size"),
     "axis1_blockwise": (dict(attrs=dict(axis=1, block_size=16), scale_shape=[K, 1]), "axis"),
     "axis_minus2": (dict(attrs=dict(axis=-2, block_size=32)), "axis"),
@@ -274,6 +286,19 @@ REJECTED = {
     "int16": (dict(wtype=T.INT16), "weight_dtype"),
     "uint16": (dict(wtype=T.UINT16), "weight_dtype"),
 }
+
+
+@pytest.mark.parametrize("block", [256, 512, 1024])
+def test_block_size_bound_follows_the_installed_release(block, tmp_path):
+    """1.31 stops the rule at 256; 1.25 and 1.32 fuse larger blocks. The matcher's bound comes from
+    ortmem.ortmodel (table + probe) and must agree with this ORT, node by node (check())."""
+    from ortmem.ortmodel.release import capabilities
+
+    cands, rej = check(dq_mm(tag=f"block{block}", block=block, k=2 * block), tmp_path)
+    fused = block <= capabilities().fusion_block_max
+    assert bool(cands) == fused
+    if not fused:
+        assert codes(rej) == {"dq->mm": "block_size"}
 
 
 @pytest.mark.parametrize("name", list(REJECTED))
@@ -360,12 +385,12 @@ def test_independent_pairs_both_convert(tmp_path):
 
 def test_weight_shared_by_two_dqs(tmp_path):
     cands, rej = check(_two("ws", w2="W"), tmp_path)
-    assert not cands and set(codes(rej).values()) == {"weight_shared"}
+    assert_shared(cands, rej, "weight_shared")
 
 
 def test_scale_shared_by_two_dqs(tmp_path):
     cands, rej = check(_two("ss", s2="S"), tmp_path)
-    assert not cands and set(codes(rej).values()) == {"scale_shared"}
+    assert_shared(cands, rej, "scale_shared")
 
 
 def test_zero_point_shared_is_fine(tmp_path):
@@ -380,7 +405,7 @@ def test_zero_point_shared_is_fine(tmp_path):
 
 def test_constant_sharing_merges_equal_per_tensor_scales(tmp_path):
     cands, rej = check(_two("cs", per_tensor=True, same_scale_value=0.5), tmp_path)
-    assert not cands and set(codes(rej).values()) == {"scale_shared_by_constant_sharing"}
+    assert_shared(cands, rej, "scale_shared_by_constant_sharing")
     cands, rej = check(_two("cs2", per_tensor=True), tmp_path)  # different values: no sharing
     assert converted(cands) == {"mm", "mm2"}
 
@@ -391,7 +416,7 @@ def test_constant_sharing_with_an_unrelated_constant(tmp_path):
               [vi("A", [2, K]), vi("A2", [2, N])], [vi("Y", [2, N]), vi("Y2", [2, N])],
               [wt("W", [K, N], rng=rng), st("S", [], value=0.5), st("c", [], value=0.5)])
     cands, rej = check(m, tmp_path)
-    assert codes(rej) == {"dq->mm": "scale_shared_by_constant_sharing"}
+    assert_shared(cands, rej, "scale_shared_by_constant_sharing")
 
 
 @pytest.mark.parametrize("where", ["second_matmul", "other_op", "graph_output", "subgraph"])
@@ -415,7 +440,7 @@ def test_dq_output_used_elsewhere(where, tmp_path):
         ins.append(vi("c", [], T.BOOL))
         outs.append(vi("Y2", []))
     cands, rej = check(model(nodes, ins, outs, inits), tmp_path)
-    assert not cands and {r.code for r in rej} == {"dq_output_shared"}
+    assert_shared(cands, rej, "dq_output_shared")
 
 
 def test_weight_also_used_in_subgraph(tmp_path):
@@ -428,7 +453,7 @@ def test_weight_also_used_in_subgraph(tmp_path):
               [vi("A", [2, K]), vi("c", [], T.BOOL), vi("i", [], T.INT64)], [vi("Y", [2, N]), vi("Y2", [N])],
               [wt("W", [K, N], T.INT8, rng), st("S", [2, N], rng=rng)])
     cands, rej = check(m, tmp_path)
-    assert codes(rej) == {"dq->mm": "weight_shared"}
+    assert_shared(cands, rej, "weight_shared")
 
 
 @pytest.mark.parametrize("what", ["weight_overridable", "weight_input", "scale_overridable", "weight_from_node"])
@@ -716,8 +741,15 @@ def test_outer_scope_weight_makes_ort_fail(tmp_path):
     cands, rej = dq_matmul_match(m, graph_optimization_level=EXT)
     by = {c.node: c.ort_outcome for c in cands}
     assert by == {"then_mm": "session_error", "else_mm": "converted"} and not rej
-    with pytest.raises(Exception, match="Missing required weight: W"):
-        ort_optimize(m, tmp_path)
+    # in a child process: some releases (1.20) crash on this graph instead of failing cleanly
+    src = tmp_path / "outer.onnx"
+    onnx.save(m, src)
+    code = ("import sys, onnxruntime as ort\n"
+            "so = ort.SessionOptions(); so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED\n"
+            "try:\n    ort.InferenceSession(sys.argv[1], so, providers=['CPUExecutionProvider'])\n"
+            "except Exception as e:\n    print(e); sys.exit(3)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(src)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3 and "Missing required weight: W" in r.stdout, (r.returncode, r.stdout, r.stderr[-500:])
 
 
 def test_outer_scope_zero_point_is_silently_dropped_by_ort(tmp_path):
@@ -929,6 +961,13 @@ def test_gather_candidates_reproduce_dq_gather(name, tmp_path):
     assert len(cands) == 1 and not rej, rej
     c = cands[0]
     assert c.dq_kept == (name == "tied_with_matmul")
+    from ortmem.ortmodel.variants import onnx_type_name
+    from ortmem.ortmodel.release import capabilities
+
+    refusal = capabilities().gather_refusal(weight_type=onnx_type_name(c.weight_dtype), has_zp=c.has_zp,
+                                            scale_type=onnx_type_name(c.scale_dtype))
+    if refusal:  # ortmem does not write this GatherBlockQuantized on this release (test_convert checks the hook)
+        pytest.skip(refusal)
     ids = np.array([0, 3, -1, 7, 0], np.int64)
     idx_np = np.int32 if kw.get("idx_type") == T.INT32 else np.int64
     feeds = {"ids": ids.astype(idx_np)}

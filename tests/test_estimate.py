@@ -181,11 +181,17 @@ def test_real_ortmem_prepacked_warm_start(tmp_path, monkeypatch):
     from ortmem.measure.probe import prepare, probe
     from ortmem.synth import SynthConfig, write_model
 
+    from ortmem.ortmodel.release import capabilities
+
     monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "cache"))  # inherited by the probes' children
     path = tmp_path / "model.onnx"
     write_model(SynthConfig.tiny(hidden=1024, intermediate=2816, layers=4, vocab=2000, form="qdq",
                                  storage="external", name="model"), path)
     dims = {"batch": 1, "seq": 8}
+    if not capabilities().prepacked_save:  # 1.25: warm starts load the entry itself, and so does the estimate
+        e = estimate(path, dims=dims)
+        assert e.ortmem_prepacked == e.ortmem
+        pytest.skip(f"onnxruntime {capabilities().release.version} saves no pre-packed weights")
     # unmeasured: a cold start converts, the first hit saves prepacked.bin
     prepared = prepare("ortmem-warm", path, options={"dims": dims}, workdir=tmp_path)
     assert list((tmp_path / "cache").rglob("prepacked.json"))
@@ -194,9 +200,15 @@ def test_real_ortmem_prepacked_warm_start(tmp_path, monkeypatch):
     pp, twin = e.ortmem_prepacked, e.ortmem
     saved = pp.in_use["mapped_prepacked_weights"]
     assert saved == twin.in_use["packed_weights"] > 0 and pp.in_use["packed_weights"] == 0
-    # the twin keeps every packed B on the heap; the pre-packed start holds at most one at a time
-    assert pp.session_peak_bytes_without_hygiene < twin.session_peak_bytes_without_hygiene - saved // 2
-    assert pp.session_peak_bytes_with_hygiene < twin.session_peak_bytes_with_hygiene - saved // 2
+    # the twin keeps every packed B on the heap; the pre-packed start holds at most one at a time, but a
+    # release that compares every saved blob with a fresh packing (1.32 on) reads all blobs at creation
+    from ortmem.ortmodel.release import capabilities
+
+    if capabilities().prepacked_validated:
+        assert pp.session_peak_bytes_without_hygiene < twin.session_peak_bytes_without_hygiene + saved // 4
+    else:
+        assert pp.session_peak_bytes_without_hygiene < twin.session_peak_bytes_without_hygiene - saved // 2
+        assert pp.session_peak_bytes_with_hygiene < twin.session_peak_bytes_with_hygiene - saved // 2
     predicted = pp.session_peak_bytes_without_hygiene - e.baseline_bytes
     measured = r.peak_create_bytes - r.baseline_rss_bytes
     assert predicted == pytest.approx(measured, rel=0.25)

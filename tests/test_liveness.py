@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import onnx
+import pytest
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
@@ -141,6 +142,8 @@ def test_replay_matches_ort_profile(tmp_path):
     sess.run(None, {"x": np.ones(N, np.float32)})
     with open(sess.end_profiling()) as f:
         ev = [e for e in json.load(f) if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    if ev and "mem_bytes_in_use" not in ev[0]["args"]:
+        pytest.skip(f"onnxruntime {ort.__version__}'s profiler reports no mem_bytes_in_use per node")
     lv = liveness(path)
     assert [e["name"][:-len("_kernel_time")] for e in ev] == [s.node for s in lv.steps]
     peak_in_use = max(int(e["args"]["mem_bytes_in_use"]) for e in ev) - \

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from release_expect import matmul_refusal
 from onnx import TensorProto, helper, numpy_helper
 
 from ortmem.errors import ConversionError, TensorShapeError
@@ -318,6 +319,9 @@ def test_twin_matches_ort_fused_qdq_bit_exact(wname, zp, sdt, K, N, bs, tmp_path
     qdq = _qdq_model(wname, w, s, z, K, N, bs, sdt)
     feed = _input(K, sdt)
     for acc in (0, 4):
+        refusal = matmul_refusal(wname, zp, sdt.name, acc, bs)
+        if refusal:  # ortmem never writes this variant on the installed release (e.g. 1.25 fails its own run)
+            pytest.skip(refusal)
         saved = tmp_path / f"fused{acc}.onnx"
         fused = _session(qdq, accuracy=acc, save_to=saved).run(None, feed)[0]
         # ORT did fuse (fp16 graphs get Cast nodes around it: x86 CPU has no fp16 MatMulNBits kernel, so
@@ -333,6 +337,9 @@ def test_twin_close_to_unfused_qdq(wname, zp, sdt, K, N, bs):
     """(b) Accuracy 0 twin vs the unfused DQ+MatMul graph (ORT_DISABLE_ALL) within 1e-5 relative
     (fp32); fp16 graphs differ by fp16 rounding of the products' sums, so 2e-3 relative there."""
     sdt = np.dtype(sdt)
+    refusal = matmul_refusal(wname, zp, sdt.name, 0, bs)
+    if refusal:
+        pytest.skip(refusal)
     w, s, z = _random_case(wname, K, N, bs, zp, sdt)
     feed = _input(K, sdt)
     ref = _session(_qdq_model(wname, w, s, z, K, N, bs, sdt),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from ortmem.ortmodel.release import capabilities
 import onnxruntime as ort
 import pytest
 
@@ -57,8 +58,17 @@ def _clone(entry: Path, dest: Path) -> Path:
     return dest
 
 
+#: Whether the installed release saves pre-packed MatMulNBits weights at all (1.25 does not): from the
+#: release table checked by the probe, never assumed.
+SAVES = capabilities().prepacked_save
+needs_saving = pytest.mark.skipif(not SAVES, reason=f"onnxruntime {ort.__version__} saves no pre-packed "
+                                                    "MatMulNBits weights (ortmem.ortmodel.release)")
+
+
 @pytest.fixture(scope="module")
 def entry(tmp_path_factory) -> Path:
+    if not SAVES:
+        pytest.skip(f"onnxruntime {ort.__version__} saves no pre-packed MatMulNBits weights (ortmem.ortmodel.release)")
     folder = _make_entry(tmp_path_factory.mktemp("pp") / "entry")
     report = pp.PrepackReport(None)
     path = pp.save_prepacked(folder, report=report, group_bytes=8 << 20)
@@ -158,7 +168,12 @@ def test_merged_file_is_what_ort_maps(entry):
     assert reload["maps_prepacked"]
     assert reload["anon_created"] < twin["anon_created"] - 0.6 * blob_bytes
     assert reload["anon_run"] < twin["anon_run"] - 0.6 * blob_bytes
-    assert reload["hwm"] < twin["hwm"]
+    if capabilities().prepacked_validated:
+        # 1.32+ packs every weight again during creation to compare it with the saved blob: the creation
+        # peak is about the twin's (measured 117 vs 112 MB here); steady private memory stays tiny (above)
+        assert reload["hwm"] < 1.15 * twin["hwm"]
+    else:
+        assert reload["hwm"] < twin["hwm"]
 
 
 def test_truncated_data_is_refused_and_ort_errors_cleanly(entry, tmp_path):
@@ -185,7 +200,12 @@ def test_corrupted_blob_is_detected(entry, twin_out, tmp_path):
         f.write(b"\x5a" * 256)
     assert "content changed" in pp.verify_prepacked(bad)
     assert pp.prepacked_model(bad) is None
-    assert not np.array_equal(_run(bad / pp.PREPACKED_MODEL), twin_out)  # why the check exists
+    if capabilities().prepacked_validated:
+        # 1.32+ re-packs every saved weight on reload and refuses a blob that differs
+        with pytest.raises(Exception, match="do not match"):
+            _run(bad / pp.PREPACKED_MODEL)
+    else:
+        assert not np.array_equal(_run(bad / pp.PREPACKED_MODEL), twin_out)  # why the check exists
 
 
 
@@ -238,6 +258,7 @@ def test_failure_leaves_no_files(entry, tmp_path, monkeypatch):
     assert sorted(p.name for p in bad.iterdir()) == before
 
 
+@needs_saving
 def test_b_in_any_file_inside_the_folder_but_never_outside(tmp_path):
     """Converted entries may hard-link carried source files next to weights.bin: their B packs too."""
     cfg = SynthConfig.tiny(form="native", storage="external", name="carried")
@@ -280,6 +301,7 @@ def _ort_qdq(path: Path) -> np.ndarray:
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, QDQ_FEEDS)[0]
 
 
+@needs_saving
 def test_first_warm_start_saves_and_later_ones_load_the_prepacked_model(qdq, tmp_path):
     import ortmem
 
@@ -300,6 +322,7 @@ def test_first_warm_start_saves_and_later_ones_load_the_prepacked_model(qdq, tmp
         assert np.array_equal(s.run(None, QDQ_FEEDS)[0], expected)
 
 
+@needs_saving
 def test_cache_list_marks_entries_with_prepacked_weights(qdq, tmp_path, monkeypatch, capsys):
     import ortmem
     from ortmem.cli import main
@@ -311,6 +334,23 @@ def test_cache_list_marks_entries_with_prepacked_weights(qdq, tmp_path, monkeypa
     ortmem.InferenceSession(qdq)  # the first hit saves them
     assert main(["cache", "list"]) == 0
     assert "(+ pre-packed weights)" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(SAVES, reason="this onnxruntime saves pre-packed weights (tested above)")
+def test_a_release_without_saving_loads_the_entry_itself(qdq, tmp_path):
+    """Where ORT writes no pre-packed blobs (1.25), warm starts load the entry and nothing is left behind."""
+    import ortmem
+
+    cache = tmp_path / "cache"
+    expected = _ort_qdq(qdq)
+    cold = ortmem.InferenceSession(qdq, cache=cache)
+    entry = Path(cold._ortmem_handoff.model).parent
+    assert pp.save_prepacked(entry) is None  # ORT packed nothing it would save
+    warm = ortmem.InferenceSession(qdq, cache=cache)
+    assert warm.ortmem_cache_hit and Path(warm._ortmem_handoff.model) == entry / pp.MODEL_FILE
+    assert not any(p.name.startswith((".prepack", pp.PREPACKED_DATA, pp.PREPACKED_MANIFEST)) for p in entry.iterdir())
+    for s in (cold, warm):
+        assert np.array_equal(s.run(None, QDQ_FEEDS)[0], expected)
 
 
 def test_prepacked_only_for_cpu_with_prepacking_on(qdq, tmp_path):
@@ -329,6 +369,7 @@ def test_prepacked_only_for_cpu_with_prepacking_on(qdq, tmp_path):
     assert not (Path(opted_out._ortmem_handoff.model).parent / pp.PREPACKED_MANIFEST).exists()
 
 
+@needs_saving
 def test_damaged_prepacked_files_are_packed_again(qdq, tmp_path):
     import ortmem
 
@@ -348,6 +389,7 @@ def test_damaged_prepacked_files_are_packed_again(qdq, tmp_path):
     assert np.array_equal(again.run(None, QDQ_FEEDS)[0], expected)
 
 
+@needs_saving
 def test_a_prepacked_model_ort_refuses_falls_back_to_the_entry(qdq, tmp_path, monkeypatch, caplog):
     import ortmem
     from ortmem import handoff

@@ -77,7 +77,9 @@ def test_stats_rows_names_and_initializers(tmp_path, rng):
     # W (4096 B) charged once, to its first consumer; W_outer to the If that reads it from outside
     assert init == {"MatMul_0": 4096, "Relu_1": 0, "MatMul_2": 0, "branch": 4096, "then_mm": 4096, "then_outer": 0}
     assert rows[by_label["MatMul_0"].unique_name].input_sizes == 4 * 32 * 4
-    assert res.liveness_peak_bytes > 0 and res.activation_peak_bytes is not None
+    # the per-node arena figures come from ORT's profiler, which reports them from 1.31 on (not on 1.25)
+    reported = any(n.mem_bytes_in_use is not None for n in res.nodes)
+    assert res.liveness_peak_bytes > 0 and (res.activation_peak_bytes is not None) == reported
     data = json.loads((tmp_path / "s.json").read_text())
     assert data["runs"] == 2 and {n["name"] for n in data["nodes"]} >= {"MatMul_0", "then_mm", "branch"}
 

@@ -212,6 +212,11 @@ def create_ortmem_warm(model_path: str, options: dict) -> Any:
                                    cache=_bench_cache("warm"), prepacked=bool(options.get("prepacked", True)))
 
 
+def create_ortmem_warm_entry(model_path: str, options: dict) -> Any:
+    """A cache hit that loads the entry itself (``prepacked=False``): ORT packs on the heap, as for the twin."""
+    return create_ortmem_warm(model_path, dict(options, prepacked=False))
+
+
 def prepare_warm1(model_path: str, options: dict, workdir: str) -> str:
     """A converted entry without pre-packed weights: the next start is the first warm one."""
     from ..prepacked import discard_prepacked
@@ -262,6 +267,8 @@ register("ortmem", create_ortmem, prepare=prepare_cold, prepare_scope="each", de
          description="ortmem.InferenceSession, cold cache (converts)")
 register("ortmem-warm", create_ortmem_warm, prepare=prepare_warm, default=True,
          description="ortmem.InferenceSession, cache hit")
+register("ortmem-warm-entry", create_ortmem_warm_entry, prepare=prepare_warm,
+         description="ortmem.InferenceSession, cache hit loading the entry without pre-packed weights")
 register("ortmem-warm1", create_ortmem_warm1, prepare=prepare_warm1, prepare_scope="each",
          description="ortmem.InferenceSession, first cache hit (saves the pre-packed weights)")
 register("ortmem-nocache", create_ortmem_nocache, description="ortmem.InferenceSession(cache=False)")

@@ -39,6 +39,8 @@ from onnx import TensorProto, helper
 from ..dtypes import dtype_info, numel
 from ..errors import ConversionError
 from ..model import Model
+from ..ortmodel.variants import onnx_type_name
+from ..ortmodel.release import Capabilities
 from . import nbits_layout as nb
 from .dq_matmul_match import GatherCandidate, OrtSettings, dq_gather_match
 
@@ -97,7 +99,7 @@ def gathers_enabled(settings: OrtSettings) -> bool:
 
 
 def plan_gathers(model: Model, settings: OrtSettings, fresh: Callable[[str], str],
-                 skipped: list[tuple[str, str]]) -> list[GatherRewrite]:
+                 skipped: list[tuple[str, str]], capabilities: Capabilities) -> list[GatherRewrite]:
     """GatherRewrites for every DQ -> Gather that GatherBlockQuantized can express.
 
     ``fresh(base)`` returns an unused tensor name; rejections (the matcher's, and inputs whose bytes
@@ -115,6 +117,11 @@ def plan_gathers(model: Model, settings: OrtSettings, fresh: Callable[[str], str
     rewrites: list[GatherRewrite] = []
     shared: dict[tuple, str] = {}  # (graph, dq index, role) / alias key -> tensor name
     for c in result.candidates:
+        refusal = capabilities.gather_refusal(weight_type=onnx_type_name(c.weight_dtype), has_zp=c.zero_point is not None,
+                                              scale_type=onnx_type_name(c.scale_dtype))
+        if refusal is not None:
+            skipped.append((f"{c.dq_node} -> {c.node}", f"not GatherBlockQuantized: {refusal}"))
+            continue
         try:
             for name in (c.weight, c.scale, c.zero_point):
                 if name:

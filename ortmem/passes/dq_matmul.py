@@ -29,6 +29,9 @@ from ..dtypes import dtype_info
 from ..errors import ConversionError
 from ..model import Model
 from ..onnx_walk import iter_graphs, iter_tensor_sites, is_external, node_label
+from ..ortmodel.variants import onnx_type_name
+from ..ortmodel.release import Capabilities
+from ..ortmodel.release import capabilities as installed_capabilities
 from ..weights import WeightRef, page_align
 from . import dq_gather
 from . import nbits_layout as nb
@@ -126,7 +129,7 @@ class ConversionReport:
 
 
 def plan_conversion(model: Model, settings: Optional[OrtSettings] = None, *, carry_unchanged: bool = True,
-                    fp16_in_fp32: Optional[bool] = None) -> ConversionPlan:
+                    fp16_in_fp32: Optional[bool] = None, capabilities: Optional[Capabilities] = None) -> ConversionPlan:
     """Decide what to rewrite (ORT's rule for MatMul/Gemm; GatherBlockQuantized's kernel constraints
     for Gather), and lay out every output tensor in weights.bin.
 
@@ -135,13 +138,24 @@ def plan_conversion(model: Model, settings: Optional[OrtSettings] = None, *, car
     a caller whose session uses another EP that claims fp16 MatMuls (CUDA, DML) must pass False.
     """
     settings = settings or OrtSettings()
-    result: MatchResult = dq_matmul_match(model.skeleton, settings=settings)
+    caps = capabilities or installed_capabilities()
+    result: MatchResult = dq_matmul_match(model.skeleton, settings=settings, block_max=caps.fusion_block_max,
+                                          shared_guard=caps.shared_initializer_guard)
     rewrites: list[Rewrite] = []
     skipped = [(f"{r.node} -> {r.consumer}", r.reason) for r in result.rejected]
     taken: set[str] = _all_names(model.skeleton)
     for c in result.candidates:
+        if c.ort_outcome == "fused_by_ort":
+            skipped.append((c.node, "left to ORT, which fuses it itself: " + "; ".join(c.notes)))
+            continue
         if c.ort_outcome == "session_error":
             skipped.append((c.node, "ORT's own rule fails session creation here; left for ORT to report: " + "; ".join(c.notes)))
+            continue
+        refusal = caps.matmul_refusal(weight_type=onnx_type_name(c.weight_dtype), has_zp=c.has_zp,
+                                      scale_type=onnx_type_name(c.scale_dtype), accuracy=c.accuracy_level,
+                                      block_size=c.block_size)
+        if refusal is not None:
+            skipped.append((c.node, f"left to ORT: {refusal}"))
             continue
         try:
             _source(model, c.graph_path, c.weight)
@@ -163,7 +177,7 @@ def plan_conversion(model: Model, settings: Optional[OrtSettings] = None, *, car
             zp = OutTensor(_fresh(taken, f"{c.weight}_zp"), TensorProto.UINT8, shp.zero_points, int(np.prod(shp.zero_points)))
         rewrites.append(Rewrite(c, B, scales, zp, fp32=fp32))
 
-    gathers = dq_gather.plan_gathers(model, settings, lambda base: _fresh(taken, base), skipped)
+    gathers = dq_gather.plan_gathers(model, settings, lambda base: _fresh(taken, base), skipped, caps)
     plan = ConversionPlan(rewrites, skipped, [], gathers=gathers)
     if carry_unchanged:
         dropped = _dropped_initializers(model.skeleton, plan)

@@ -56,6 +56,7 @@ import onnx
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, numpy_helper
 
 from ..onnx_walk import node_subgraphs
+from ..ortmodel.release import capabilities
 
 __all__ = [
     "Candidate",
@@ -70,7 +71,9 @@ __all__ = [
     "match",
 ]
 
-OrtOutcome = Literal["converted", "converted_wrong", "session_error", "kept"]
+#: ``fused_by_ort``: the installed release fuses it but ortmem's rewrite does not reproduce that case
+#: (shared initializers on releases without PR #28326's guard): ortmem leaves the node for ORT to fuse.
+OrtOutcome = Literal["converted", "converted_wrong", "session_error", "kept", "fused_by_ort"]
 
 # ORT's GraphOptimizationLevel values (onnxruntime_c_api.h): 0 disable, 1 basic, 2 extended, 3 layout, 99 all.
 LEVEL_BASIC = 1
@@ -806,7 +809,8 @@ def _dq_parents(g: _Graph, inputs: Sequence[str]) -> list[tuple[int, int]]:
 
 
 def _evaluate(g: _Graph, dq_idx: int, cons_idx: int, slot: int, settings: OrtSettings,
-              sharing: dict[str, set[int]], sharing_unknown: set[str]) -> Candidate:
+              sharing: dict[str, set[int]], sharing_unknown: set[str], block_max: int = _MAX_BLOCK,
+              shared_guard: bool = True) -> Candidate:
     """Raise _Reject or return the Candidate, checking in the order ORT does."""
     dq = g.nodes[dq_idx]
     cons = g.nodes[cons_idx]
@@ -921,33 +925,41 @@ def _evaluate(g: _Graph, dq_idx: int, cons_idx: int, slot: int, settings: OrtSet
         bias = None
 
     # ---- shared weight / scale (PR #28326: GetConsumerNodes(weight|scale).size() > 1) -------------
-    dup, dup_why = _dq_duplicates(g, dq_idx, (cons_idx, slot))
-    if dup:
-        raise _Reject("dq_output_shared",
-                      f"the DQ output also goes to {', '.join(dup_why)}: "
-                      "EnsureUniqueDQForNodeUnit (Level 1) gives each consumer its own DQ copy, so weight "
-                      f"{w_name} and scale {s_name} then have several consumers and the shared-initializer guard in "
-                      "DQMatMulNodeGroupSelector::Check rejects the fusion")
-    w_users = g.consumers.get(w_name, [])
-    if len(w_users) > 1:
-        others = [g.label(i) for i in w_users if i != dq_idx]
-        raise _Reject("weight_shared",
-                      f"weight {w_name} is also read by {', '.join(others)}: ORT rejects the fusion when the weight "
-                      "initializer has more than one consumer (qdq_selectors.cc, PR #28326; subgraph users count)")
-    s_users = set(g.consumers.get(s_name, []))
-    if s_name in sharing:
-        merged = sharing[s_name]
-        if len(merged) > 1:
-            others = sorted(g.label(i) for i in merged if i != dq_idx)
-            raise _Reject("scale_shared_by_constant_sharing",
-                          f"scale {s_name} is a single value equal to another constant used by {', '.join(others)}: "
-                          "Level-1 ConstantSharing merges them into one initializer, which then has several consumers, "
-                          "and ORT's shared-scale guard rejects the fusion")
-    if len(s_users) > 1:
-        others = [g.label(i) for i in s_users if i != dq_idx]
-        raise _Reject("scale_shared",
-                      f"scale {s_name} is also read by {', '.join(others)}: ORT rejects the fusion when the scale "
-                      "initializer has more than one consumer (qdq_selectors.cc, PR #28326)")
+    # Releases before the guard (1.25) fuse these too; ortmem then leaves them to ORT (fused_by_ort).
+    shared_note: str | None = None
+    try:
+        dup, dup_why = _dq_duplicates(g, dq_idx, (cons_idx, slot))
+        if dup:
+            raise _Reject("dq_output_shared",
+                          f"the DQ output also goes to {', '.join(dup_why)}: "
+                          "EnsureUniqueDQForNodeUnit (Level 1) gives each consumer its own DQ copy, so weight "
+                          f"{w_name} and scale {s_name} then have several consumers and the shared-initializer guard in "
+                          "DQMatMulNodeGroupSelector::Check rejects the fusion")
+        w_users = g.consumers.get(w_name, [])
+        if len(w_users) > 1:
+            others = [g.label(i) for i in w_users if i != dq_idx]
+            raise _Reject("weight_shared",
+                          f"weight {w_name} is also read by {', '.join(others)}: ORT rejects the fusion when the weight "
+                          "initializer has more than one consumer (qdq_selectors.cc, PR #28326; subgraph users count)")
+        s_users = set(g.consumers.get(s_name, []))
+        if s_name in sharing:
+            merged = sharing[s_name]
+            if len(merged) > 1:
+                others = sorted(g.label(i) for i in merged if i != dq_idx)
+                raise _Reject("scale_shared_by_constant_sharing",
+                              f"scale {s_name} is a single value equal to another constant used by {', '.join(others)}: "
+                              "Level-1 ConstantSharing merges them into one initializer, which then has several consumers, "
+                              "and ORT's shared-scale guard rejects the fusion")
+        if len(s_users) > 1:
+            others = [g.label(i) for i in s_users if i != dq_idx]
+            raise _Reject("scale_shared",
+                          f"scale {s_name} is also read by {', '.join(others)}: ORT rejects the fusion when the scale "
+                          "initializer has more than one consumer (qdq_selectors.cc, PR #28326)")
+    except _Reject as r:
+        if shared_guard:
+            raise
+        shared_note = (f"{r.reason} - not on this onnxruntime, which has no shared-initializer guard and fuses it; "
+                       "ortmem's rewrite does not split shared initializers, so ORT fuses it itself")
 
     # ---- ValidateDQForMatMulNBits ------------------------------------------------------------------
     s_t = g.type_of(s_name)
@@ -987,9 +999,9 @@ def _evaluate(g: _Graph, dq_idx: int, cons_idx: int, slot: int, settings: OrtSet
         if axis_attr is None or axis_attr != 0:
             raise _Reject("axis", f"blockwise DQ has axis={axis_attr if axis_attr is not None else '1 (default)'}; "
                                   "the rule needs axis=0 exactly (blocks along K; -2 is not accepted)")
-        if block_attr < _MIN_BLOCK or block_attr > _MAX_BLOCK or not _is_pow2(block_attr):
-            raise _Reject("block_size", f"block_size={block_attr}; the rule needs a power of two in [16, 256] "
-                                        "(the upper bound is PR #31678: MLAS kernels take block lengths 16..256)")
+        if block_attr < _MIN_BLOCK or block_attr > block_max or not _is_pow2(block_attr):
+            raise _Reject("block_size", f"block_size={block_attr}; the rule of this onnxruntime needs a power of two in "
+                                        f"[16, {block_max}] (ortmodel.release: 256 up to 1.31, 512 from 1.32)")
         if len(sdims) != 2 or (zdims is not None and len(zdims) != 2):
             raise _Reject("scale_shape", f"blockwise scale {s_name} has shape {sdims}; the rule needs rank 2")
         if -(-K // block_attr) != sdims[0] or N != sdims[1] or (zdims is not None and zdims != sdims):
@@ -1068,7 +1080,9 @@ def _evaluate(g: _Graph, dq_idx: int, cons_idx: int, slot: int, settings: OrtSet
         scale_dtype=s_type, has_zp=zp_name is not None,
         input_a=cons.input[0], bias=bias or None, fold_add=fold_add, output=final_out,
         fusion=tuple(fusion), ort_node_name=target_name,
-        accuracy_level=settings.accuracy_level, ort_outcome=outcome, notes=tuple(notes))
+        accuracy_level=settings.accuracy_level,
+        ort_outcome="fused_by_ort" if shared_note else outcome,
+        notes=tuple(notes) + ((shared_note,) if shared_note else ()))
 
 
 def _walk(model: ModelProto) -> list[_Graph]:
@@ -1101,8 +1115,14 @@ def dq_matmul_match(
     disabled_optimizers: Iterable[str] = (),
     settings: OrtSettings | None = None,
     scalar_reader: Callable[[str, TensorProto], object] | None = None,
+    block_max: int | None = None,
+    shared_guard: bool | None = None,
 ) -> MatchResult:
     """Every DQ -> MatMul/Gemm pair of ``model`` (subgraphs included): what ORT 1.31.1 fuses, and why not.
+
+    ``block_max``: the largest DQ block size the installed ORT's rule fuses; ``shared_guard``: whether it
+    rejects DQs whose weight or scale has other consumers (PR #28326). None asks
+    :func:`ortmem.ortmodel.release.capabilities` (the one place that knows the release).
 
     Pure: reads graph structure, attributes and tensor metadata only (never weight bytes; see module
     docstring for the single-value exception). The defaults are ORT's defaults (``ORT_ENABLE_ALL``,
@@ -1111,6 +1131,10 @@ def dq_matmul_match(
     """
     st = _as_settings(settings, graph_optimization_level, session_config, disabled_optimizers)
     st.accuracy_level  # validate eagerly: ORT fails in the transformer's constructor  # noqa: B018
+    if block_max is None or shared_guard is None:
+        caps = capabilities()
+        block_max = caps.fusion_block_max if block_max is None else block_max
+        shared_guard = caps.shared_initializer_guard if shared_guard is None else shared_guard
     candidates: list[Candidate] = []
     rejected: list[Rejected] = []
     for g in _walk(model):
@@ -1125,7 +1149,7 @@ def dq_matmul_match(
                 if cons.op_type not in ("MatMul", "Gemm") or cons.domain not in ("", "ai.onnx"):
                     continue
                 try:
-                    candidates.append(_evaluate(g, dq_idx, cons_idx, slot, st, sharing, unknown))
+                    candidates.append(_evaluate(g, dq_idx, cons_idx, slot, st, sharing, unknown, block_max, shared_guard))
                 except _Reject as r:
                     rejected.append(Rejected(g.path, g.label(dq_idx), dq_idx, g.label(cons_idx), cons_idx,
                                              r.code, r.reason, r.outcome))

@@ -101,7 +101,6 @@ _STRIP_ROWS = 8
 #: byte vs. cache residency); 2 MiB keeps the tile in L2/L3.
 _TILE_BYTES = 2 * 1024 * 1024
 _TILE_MIN_ROWS = 256
-_SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 
 # ----------------------------------------------------------------------------------------------- shapes
@@ -134,10 +133,10 @@ class NBitsShapes:
 def _check_bits_bs(bits: int, block_size: int) -> None:
     if bits not in SUPPORTED_BITS:
         raise ConversionError(f"MatMulNBits supports bits 2, 4, 8, not {bits}")
-    if block_size not in _SUPPORTED_BLOCK_SIZES:
-        # MatMulNBits accepts any power of two >= 16, but ORT's CPU kernel and its DQ fusion are only
-        # correct for 16..256 (ComputeEffectiveBlockSize in qdq_actions.cc caps at 256).
-        raise ConversionError(f"block_size must be a power of two in [16, 256], not {block_size}")
+    if block_size < 16 or block_size & (block_size - 1):
+        # MatMulNBits' schema: any power of two >= 16. Which of them the installed ORT fuses and runs
+        # identically is the release's business (ortmem.ortmodel.release: 16..256 up to 1.31, more on 1.32).
+        raise ConversionError(f"block_size must be a power of two >= 16, not {block_size}")
 
 
 def matmulnbits_shapes(K: int, N: int, bits: int, block_size: int, has_zp: bool) -> NBitsShapes:

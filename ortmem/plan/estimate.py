@@ -50,6 +50,7 @@ from onnx import TensorProto
 from ..dtypes import byte_size, dtype_info
 from ..model import Model
 from ..passes.dq_matmul_match import OrtSettings, dq_matmul_match
+from ..ortmodel.release import capabilities
 from . import activations as act
 from . import ort_graph as og
 from .liveness import Context, _ort_view
@@ -144,6 +145,8 @@ class Calibration:
     #: explains, without hygiene (fitted on the calibration models; see docs/estimator.md)
     retention_fraction: float = 0.0
     source: str = "defaults"
+    #: the release the constants were fitted on (``ortmem estimate`` warns on another one)
+    onnxruntime: str = ""
 
     @classmethod
     def load(cls, path: Path = CALIBRATION_FILE) -> "Calibration":
@@ -153,7 +156,18 @@ class Calibration:
             return cls()
         c = data.get("constants", {})
         return cls(**{k: (float(v) if k == "retention_fraction" else int(v)) for k, v in c.items()
-                      if k in cls.__dataclass_fields__ and k != "source"}, source=str(path))
+                      if k in cls.__dataclass_fields__ and k not in ("source", "onnxruntime")}, source=str(path),
+                   onnxruntime=str(data.get("onnxruntime", "")))
+
+    def release_note(self) -> str | None:
+        """A warning when the installed ORT is another (major, minor) than the one the constants were fitted on."""
+        from ..ortmodel.release import installed, parse_version
+
+        here = installed().version
+        if not self.onnxruntime or parse_version(here)[:2] == parse_version(self.onnxruntime)[:2]:
+            return None
+        return (f"calibrated on onnxruntime {self.onnxruntime}; installed {here}: the allocator constants were not "
+                "refitted for it (release-specific behaviour such as pre-packed validation is modelled)")
 
 
 # ------------------------------------------------------------------------------- settings
@@ -541,13 +555,16 @@ def _new_initializer(h: Heap, nw: _New, label: str):
 
 
 def _simulate(plan: _Plan, *, dynamic: bool, all_external: bool, activation_peak: int, run_touch: int,
-              prepacked: bool = False) -> _Sim:
+              prepacked: bool = False, blobs_read_at_create: bool = False) -> _Sim:
     """Replay session creation's allocations (and one run) through the glibc model.
 
     ``prepacked``: ORT loads the cache entry's pre-packed model (:mod:`ortmem.prepacked`): it still
     packs every MatMulNBits ``B`` on the heap, hashes the result, finds the saved blob and frees its
     copy once that kernel is done; the saved blobs (MatMulNBits ``B`` only, fp32 MatMul/Gemm packs
-    stay on the heap) are not touched during creation and are read by the first run, file-backed."""
+    stay on the heap) are not touched during creation and are read by the first run, file-backed.
+    ``blobs_read_at_create``: the release compares every saved blob with its fresh packing during
+    creation (``ortmodel.release`` ``prepacked_validated``, 1.32 on), so the blobs are resident file
+    pages from creation on rather than from the first run."""
     h = Heap(dynamic=dynamic)
     ws = plan.weights
 
@@ -674,6 +691,8 @@ def _simulate(plan: _Plan, *, dynamic: bool, all_external: bool, activation_peak
             if prepacked and (node.op_type == "MatMulNBits" or id(node) in plan.fused):
                 hashed.append(blk)
                 saved += pb
+                if blobs_read_at_create:
+                    h.map_file(pb, f"saved blob of {obj.key[1]} compared")
             else:
                 packed_total += pb
         for obj in reads.get(id(node), []):
@@ -709,7 +728,7 @@ def _simulate(plan: _Plan, *, dynamic: bool, all_external: bool, activation_peak
         h.trim()  # hygiene's malloc_trim(0) after creation
         after_rss = h.rss
     # one run: external weights (and saved pre-packed blobs) read for the first time, the arena's activations
-    h.map_file(run_touch + saved, "first run reads mapped weights")
+    h.map_file(run_touch + (0 if blobs_read_at_create else saved), "first run reads mapped weights")
     h.alloc(activation_peak, "activations")
     steady_rss, steady_in_use = h.rss, h.in_use_total
     in_use = {
@@ -904,7 +923,8 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
     def side(all_external: bool, fixed: int, prepacked: bool = False) -> Side:
         touch = _run_touch(plan, shapes, root, all_external)
         base = cal.baseline_bytes + cal.session_fixed_bytes + fixed
-        sim = dict(all_external=all_external, activation_peak=act_peak, run_touch=touch, prepacked=prepacked)
+        sim = dict(all_external=all_external, activation_peak=act_peak, run_touch=touch, prepacked=prepacked,
+                   blobs_read_at_create=prepacked and capabilities().prepacked_validated)
         no = _simulate(plan, dynamic=True, **sim)
         yes = _simulate(plan, dynamic=False, **sim)
         kept = int(cal.retention_fraction * retention_basis(plan, all_external))
@@ -931,7 +951,9 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
     ortmem_side = side(True, cal.ortmem_fixed_bytes)
     # the hook keeps a cache entry (and pre-packs it on the first hit) only for a model it converts;
     # any other model is handed to ORT as it is, on every start
-    prepacked_side = side(True, cal.ortmem_fixed_bytes, prepacked=True) if plan.qdq else ortmem_side
+    # a release that saves no pre-packed weights (1.25) warm-starts from the entry itself
+    saves = capabilities().prepacked_save
+    prepacked_side = side(True, cal.ortmem_fixed_bytes, prepacked=True) if plan.qdq and saves else ortmem_side
     storage: dict[str, int] = {"embedded": 0, "external": 0, "inline": 0}
     for w in plan.weights.values():
         storage[w.storage] += w.nbytes
@@ -945,6 +967,8 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
         "retention_basis_bytes": retention_basis(plan, False),
     }
     notes = list(plan.notes)
+    if cal.release_note():
+        notes.insert(0, cal.release_note())
     if st.level >= 1:
         notes.append("activations are computed on the graph as given; GELU/BiasGelu fused as ORT does; ORT's other fusions (layer norm, "
                      "attention, MatMul+Add) change intermediate tensors")

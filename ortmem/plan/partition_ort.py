@@ -71,7 +71,7 @@ def ort_settings(plan: PartitionPlan, *, stats_file: str | None = None) -> dict[
         "session_config": {"session.layer_assignment_settings": layer},
         "alternative_session_config": {"session.resource_cuda_partitioning_settings": resource},
         "annotations": annotations,
-        "status": ("format accepted by ORT 1.31.1's parser (CPU build); placement not run on a GPU: untested. "
+        "status": ("format accepted by ORT's parser (CPU builds 1.25-1.32); placement not run on a GPU: untested. "
                    "The alternative is ORT's own greedy walk, which stops at the first node over budget."),
     }
 

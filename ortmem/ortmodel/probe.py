@@ -1,0 +1,189 @@
+"""Ask the installed ONNX Runtime, with tiny models, what it does with the patterns ortmem rewrites.
+
+Why a probe
+-----------
+What ORT fuses (``DQMatMulToMatMulNBits``: bit widths, zero points, scale types, block-size bounds) and
+which ``MatMulNBits`` / ``GatherBlockQuantized`` variants its kernels run correctly change from release
+to release (1.32 fuses block 512, 1.31 stops at 256; 1.25 refuses a 2-bit GatherBlockQuantized with zero
+points and fails 2-bit MatMulNBits with fp16 scales at run time). A table read from one release's source is
+not enough, so ortmem asks the build it runs on: for each variant it builds a DQ model of a few KiB,
+
+1. lets ORT optimize it (``optimized_model_filepath``) and records whether ORT fused it and with which
+   attributes (the *fusion* question: converting where ORT would not changes numerics);
+2. runs ORT on the QDQ model (the reference) and on the model ortmem's own rewrite produces, and records
+   whether the outputs are identical (the *kernel* question: ortmem must never write a node this ORT
+   cannot run or runs differently).
+
+This module is the child program (``python -m ortmem.ortmodel.probe`` prints one JSON object); it runs
+in a subprocess because older releases crash the process on some malformed graphs, and a crash must
+cost a probe, not the user's program. :mod:`ortmem.ortmodel.release` runs it once per ORT build and CPU
+and caches the answer. About 130 tiny sessions: 2-5 s on a 2-core VM.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from .variants import (ACCURACY_LEVELS, BLOCK_SWEEP, SCALE_TYPES, WEIGHT_TYPES, dq_gather_model, dq_matmul_model,
+                       variant_key)
+
+
+def _feeds(m: onnx.ModelProto) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    out = {}
+    for vi in m.graph.input:
+        shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+        if vi.type.tensor_type.elem_type == TensorProto.INT64:
+            out[vi.name] = np.array([3, 0, 15], np.int64)
+        else:
+            dt = np.float16 if vi.type.tensor_type.elem_type == TensorProto.FLOAT16 else np.float32
+            out[vi.name] = rng.standard_normal(shape).astype(dt)
+    return out
+
+
+def _session(ort: Any, path: Path, accuracy: int, level: Any = None, optimized: Path | None = None) -> Any:
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy))
+    if level is not None:
+        so.graph_optimization_level = level
+    if optimized is not None:
+        so.optimized_model_filepath = str(optimized)
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
+
+
+def probe_variant(ort: Any, m: onnx.ModelProto, accuracy: int, work: Path, fused_op: str,
+                  convert: bool = True) -> dict[str, Any]:
+    """Fusion and kernel answers for one model (see the module docstring)."""
+    from ..convert import settings_from, write_converted
+    from ..loader import load
+    from ..passes.dq_matmul import plan_conversion
+    from .release import unrestricted_capabilities
+
+    work.mkdir(parents=True, exist_ok=True)
+    src = work / "qdq.onnx"
+    onnx.save(m, src)
+    answer: dict[str, Any] = {}
+    try:
+        _session(ort, src, accuracy, ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, work / "opt.onnx")
+        opt = onnx.load(work / "opt.onnx", load_external_data=False)
+        nodes = [n for n in opt.graph.node if n.op_type == fused_op]
+        answer["fused"] = bool(nodes) and not any(n.op_type == "DequantizeLinear" for n in opt.graph.node)
+        if nodes:
+            answer["attrs"] = {a.name: helper.get_attribute_value(a) for a in nodes[0].attribute
+                               if a.type == onnx.AttributeProto.INT}
+    except Exception as exc:  # noqa: BLE001 - ORT's pybind errors: the answer is the message
+        answer["fused"], answer["ort_error"] = False, _short(exc)
+    feeds = _feeds(m)
+    try:
+        reference = _session(ort, src, accuracy).run(None, feeds)
+    except Exception as exc:  # noqa: BLE001
+        answer["reference_error"] = _short(exc)
+        return answer
+    if not convert:
+        return answer
+    try:
+        model = load(src)
+        with model:
+            plan = plan_conversion(model, settings_from(accuracy_level=accuracy), capabilities=unrestricted_capabilities())
+            if not plan.has_work:
+                answer["ortmem"] = "not converted"
+                return answer
+            out = work / "converted"
+            out.mkdir()
+            write_converted(model, plan, out)
+        ours = _session(ort, out / "model.onnx", accuracy).run(None, feeds)
+    except Exception as exc:  # noqa: BLE001
+        answer["ortmem"] = "error: " + _short(exc)
+        return answer
+    same = len(ours) == len(reference) and all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(ours, reference))
+    if same:
+        answer["ortmem"] = "equal"
+    else:
+        diff = max(float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) for a, b in zip(ours, reference))
+        answer["ortmem"] = f"differs (max |diff| {diff:.3g})"
+    return answer
+
+
+def probe_prepacked(ort: Any, work: Path) -> dict[str, Any]:
+    """Does this release save pre-packed MatMulNBits weights to an external file, and does a session on
+    the saved model give the QDQ model's outputs? (1.25 saves none; 1.32 re-packs and compares them.)"""
+    from ..convert import settings_from, write_converted
+    from ..loader import load
+    from ..passes.dq_matmul import plan_conversion
+    from ..prepacked import save_prepacked
+    from .release import unrestricted_capabilities
+
+    work.mkdir(parents=True, exist_ok=True)
+    # B must be large enough to be stored as external data (ortmem keeps tensors of one page inline)
+    m = dq_matmul_model("int4", "float", 128, False, n=128)
+    src = work / "qdq.onnx"
+    onnx.save(m, src)
+    feeds = _feeds(m)
+    reference = _session(ort, src, 4).run(None, feeds)
+    out = work / "converted"
+    out.mkdir()
+    with load(src) as model:
+        write_converted(model, plan_conversion(model, settings_from(accuracy_level=4),
+                                               capabilities=unrestricted_capabilities()), out)
+    try:
+        saved = save_prepacked(out)
+    except Exception as exc:  # noqa: BLE001 - PrepackError or ORT's own
+        return {"saved": False, "error": _short(exc)}
+    if saved is None:
+        return {"saved": False}
+    ours = _session(ort, saved, 4).run(None, feeds)
+    return {"saved": True, "reload": "equal" if all(np.array_equal(a, b) for a, b in zip(ours, reference)) else "differs"}
+
+
+def variants() -> Iterator[tuple[str, onnx.ModelProto, int, str, bool]]:
+    """(key, model, accuracy level, fused op, convert?) for every question the probe asks."""
+    for wtype in WEIGHT_TYPES:
+        for has_zp in (False, True):
+            for stype in SCALE_TYPES:
+                for acc in ACCURACY_LEVELS:
+                    yield (variant_key("matmul", wtype, has_zp, stype, acc),
+                           dq_matmul_model(wtype, stype, 32, has_zp), acc, "MatMulNBits", True)
+    for block in BLOCK_SWEEP:
+        yield f"block:{block}", dq_matmul_model("int4", "float", block, False), 4, "MatMulNBits", True
+    for wtype in ("uint2", "int4", "uint4", "uint8"):
+        for has_zp in (False, True):
+            for stype in SCALE_TYPES:
+                yield (variant_key("gather", wtype, has_zp, stype), dq_gather_model(wtype, stype, has_zp), 4,
+                       "GatherBlockQuantized", True)
+
+
+def run_all() -> dict[str, Any]:
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(4)
+    results: dict[str, Any] = {"onnxruntime": ort.__version__, "variants": {}}
+    with tempfile.TemporaryDirectory(prefix="ortmem-probe-") as tmp:
+        for i, (key, m, acc, op, convert) in enumerate(variants()):
+            try:
+                results["variants"][key] = probe_variant(ort, m, acc, Path(tmp) / str(i), op, convert)
+            except Exception as exc:  # noqa: BLE001 - one broken question must not lose the others
+                results["variants"][key] = {"probe_error": _short(exc), "trace": traceback.format_exc(limit=3)}
+        try:
+            results["prepacked"] = probe_prepacked(ort, Path(tmp) / "prepacked")
+        except Exception as exc:  # noqa: BLE001
+            results["prepacked"] = {"saved": False, "probe_error": _short(exc)}
+    return results
+
+
+def main() -> None:
+    """Entry point of the probe child (see :func:`ortmem.ortmodel.release.run_probe`)."""
+    json.dump(run_all(), sys.stdout)

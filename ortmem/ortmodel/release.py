@@ -1,0 +1,469 @@
+"""The installed ONNX Runtime: its release, build and CPU, and what it does with the patterns ortmem rewrites.
+
+Why one place
+-------------
+ortmem promises outputs equal to ORT's own run of the QDQ model. What ORT fuses and which fused
+kernels it runs correctly differ between releases (block size 512 fuses on 1.32 and not on 1.31; 1.25
+refuses a 2-bit GatherBlockQuantized with zero points; 1.32 re-packs and checks every saved pre-packed
+weight on reload). Every decision that depends on the release is taken here, from two sources that must
+agree:
+
+* :data:`RELEASE_TABLE`: what each *tested* release does, measured with :mod:`ortmem.ortmodel.probe` in
+  fresh venvs and cross-read with ORT's source (``docs/ort-releases.md``). A release between two tested
+  ones is expected to behave like the older one;
+* the probe itself, run once per ORT build and CPU (a subprocess of a few seconds; the answer is cached
+  beside the conversion cache in a private folder).
+
+A variant both call convertible is converted; where they disagree ortmem leaves that pattern to ORT and
+says why (``ortmem inspect``, ``ortmem doctor``, the conversion report). A release outside
+:data:`SUPPORTED` gets zero-copy loading only: no conversion, no pre-packed weights, one warning.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import stat as stat_mod
+import subprocess
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from ..cache import cache_root
+from .variants import ACCURACY_LEVELS, BLOCK_SWEEP, SCALE_TYPES, WEIGHT_TYPES, variant_key
+
+log = logging.getLogger(__name__)
+
+#: Oldest and newest (major, minor) ortmem converts for. 1.25 is the oldest because (a) it is the
+#: oldest release whose DQ+MatMul rule fuses every weight type ortmem writes (2/4/8-bit, signed and
+#: unsigned, zero points, fp16 scales; 1.20-1.24 fuse 4-bit only, probe in docs/ort-releases.md), and
+#: (b) pre-packed weights can be saved and reloaded from an external file (used by warm starts).
+#: Newer releases than the last tested one are not assumed to behave like it.
+SUPPORTED = ((1, 25), (1, 32))
+#: Releases the suite runs against in CI (``.ci/run``) and whose probe answers make up the table.
+TESTED_RELEASES = ("1.25.1", "1.31.1", "1.32.0")
+#: Bumped whenever the probe asks new questions (old cached answers are then asked again).
+PROBE_FORMAT = 2
+PROBE_TIMEOUT_S = 300
+
+# x86 / arm flags that select MLAS kernels and with them packed layouts and fused kernels.
+_CPU_FLAGS = frozenset("""
+sse3 ssse3 sse4_1 sse4_2 avx avx2 fma f16c avx512f avx512bw avx512dq avx512vl avx512cd avx512_vnni
+avx512vnni avx_vnni avxvnni avx512_bf16 avx512_fp16 avx_vnni_int8 avxvnniint8 amx_tile amx_int8 amx_bf16
+amx_fp16 asimd asimddp asimdhp fphp sve sve2 i8mm bf16 svei8mm svebf16 sme sme2
+""".split())
+
+
+@dataclass(frozen=True)
+class ReleaseFacts:
+    """What one tested release does (one row of :data:`RELEASE_TABLE`)."""
+
+    #: Largest DQ block size ORT's ``DQMatMulToMatMulNBits`` fuses (smallest is always 16;
+    #: :data:`UNBOUNDED` where the rule has no upper bound).
+    fusion_block_max: int
+    #: Largest block size for which ORT's fused kernel and ortmem's rewrite agree bit for bit (1.25 fuses
+    #: block 512 and up but its kernel is only right up to 256; ortmem leaves those to ORT).
+    convert_block_max: int
+    #: Probe variant keys (``probe.variant_key``) ORT fuses and ortmem's rewrite reproduces bit for bit:
+    #: everything not listed under ``matmul_not`` / ``gather_not``.
+    matmul_not: frozenset[str] = frozenset()
+    gather_not: frozenset[str] = frozenset()
+    #: The DQ+MatMul rule rejects a DQ whose weight or scale has other consumers (PR #28326, after 1.25).
+    shared_initializer_guard: bool = True
+    #: ``session.save_external_prepacked_constant_initializers`` writes blobs ORT maps on reload.
+    prepacked_save: bool = True
+    #: ``session.use_external_initializer_file_buffers_directly`` (new in 1.31): ORT borrows in-memory
+    #: external data instead of copying it (``ortmem.inmemory``; tests/test_convert.py checks both ways).
+    borrows_memory_buffers: bool = True
+    #: ORT packs every saved weight again on reload and refuses a blob that differs
+    #: (``session_state.cc ValidatePrePackedWeights``, new in 1.32).
+    prepacked_validated: bool = False
+
+
+def _keys(kind: str, wtypes: tuple[str, ...], zps=(False, True), stypes=("float", "float16"), accs=(0, 4)) -> frozenset[str]:
+    return frozenset(variant_key(kind, w, z, s, a) for w in wtypes for z in zps for s in stypes for a in accs)
+
+
+def _gather_keys(wtypes: tuple[str, ...], zps=(False, True), stypes=("float", "float16")) -> frozenset[str]:
+    return frozenset(variant_key("gather", w, z, s) for w in wtypes for z in zps for s in stypes)
+
+
+#: A rule without an upper block bound.
+UNBOUNDED = 1 << 30
+
+#: Measured with ``python -m ortmem doctor --probe`` in a fresh venv per release (docs/ort-releases.md).
+RELEASE_TABLE: dict[tuple[int, int], ReleaseFacts] = {}
+
+
+def _build_table() -> None:
+    RELEASE_TABLE.update({
+        # 1.25: ORT's own fused 2-bit MatMulNBits with fp16 scales fails at run (matmul_nbits.cc
+        # "nbits_ == 8"); GatherBlockQuantized refuses bits=2 data; the rule fuses any block size but the
+        # kernel is wrong past 256; MatMulNBits writes no pre-packed blobs when a model is saved.
+        (1, 25): ReleaseFacts(fusion_block_max=UNBOUNDED, convert_block_max=256,
+                              matmul_not=_keys("matmul", ("int2", "uint2"), stypes=("float16",)),
+                              gather_not=_gather_keys(("uint2",)), shared_initializer_guard=False,
+                              prepacked_save=False, borrows_memory_buffers=False),
+        # 1.31: the rule stops at 256 (PR #31678).
+        (1, 31): ReleaseFacts(fusion_block_max=256, convert_block_max=256),
+        # 1.32: the bound is gone again and the kernel is right up to the probe's largest block (2048);
+        # saved pre-packed weights are re-packed and compared on reload.
+        (1, 32): ReleaseFacts(fusion_block_max=UNBOUNDED, convert_block_max=2048, prepacked_validated=True),
+    })
+
+
+@dataclass(frozen=True)
+class Release:
+    """The ORT this process imports: version, build identity and CPU (what probe answers depend on)."""
+
+    version: str
+    build: str
+    cpu_flags: tuple[str, ...]
+    machine: str
+
+    @property
+    def version_tuple(self) -> tuple[int, ...]:
+        return parse_version(self.version)
+
+    @property
+    def supported(self) -> bool:
+        return SUPPORTED[0] <= self.version_tuple[:2] <= SUPPORTED[1]
+
+    def key(self) -> str:
+        blob = json.dumps([PROBE_FORMAT, self.version, self.build, self.cpu_flags, self.machine]).encode()
+        return hashlib.sha256(blob).hexdigest()[:24]
+
+    def facts(self) -> Optional[ReleaseFacts]:
+        """The table row that applies: this release's (major, minor), else the nearest older tested one."""
+        if not RELEASE_TABLE:
+            _build_table()
+        older = [v for v in RELEASE_TABLE if v <= self.version_tuple[:2]]
+        return RELEASE_TABLE[max(older)] if older and self.supported else None
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """``"1.32.0"`` -> ``(1, 32, 0)``; development suffixes (``1.33.0.dev2026``, ``1.32.0+cpu``) are dropped."""
+    out: list[int] = []
+    for part in text.replace("+", ".").split("."):
+        digits = "".join(ch for ch in part if ch.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out + [0] * (3 - len(out)))
+
+
+def cpu_flags() -> tuple[str, ...]:
+    """The CPU instruction-set flags that select ORT's (MLAS) kernels; empty where /proc is absent."""
+    return _cpu_flags()
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> tuple[str, ...]:
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k.strip() in ("flags", "Features"):
+                    flags.update(v.split())
+    except OSError:
+        pass
+    return tuple(sorted(flags & _CPU_FLAGS))
+
+
+@functools.lru_cache(maxsize=None)
+def installed() -> Release:
+    """The ORT release this process runs. The build is identified by the native module's size and
+    modification time, so a rebuilt or reinstalled wheel of the same version is probed again."""
+    import onnxruntime as ort
+    from onnxruntime.capi import onnxruntime_pybind11_state as native
+
+    try:
+        st = os.stat(native.__file__)
+        build = f"{Path(native.__file__).name}:{st.st_size}:{st.st_mtime_ns}"
+    except (OSError, AttributeError, TypeError):
+        build = "unknown"
+    return Release(ort.__version__, build, cpu_flags(), platform.machine())
+
+
+# ------------------------------------------------------------------------------------ capabilities
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether ortmem may convert one variant on this ORT, and why (or why not)."""
+
+    ok: bool
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What ortmem may do on the installed ORT: the table and the probe, reconciled."""
+
+    release: Release
+    #: False: convert nothing (release outside :data:`SUPPORTED`, or the probe could not run).
+    convert: bool
+    fusion_block_max: int
+    convert_block_max: int = 256
+    matmul: Mapping[str, Verdict] = field(default_factory=dict)
+    gather: Mapping[str, Verdict] = field(default_factory=dict)
+    prepacked_save: bool = False
+    prepacked_validated: bool = False
+    shared_initializer_guard: bool = True
+    borrows_memory_buffers: bool = True
+    #: ``table``: not probed (the probe child itself, and tests of the table); ``probe``: reconciled.
+    source: str = "table"
+    notes: tuple[str, ...] = ()
+
+    def matmul_refusal(self, *, weight_type: str, has_zp: bool, scale_type: str, accuracy: int,
+                       block_size: int = 32) -> Optional[str]:
+        """None when a DQ+MatMul of this kind may be converted; else the reason it is left to ORT."""
+        refusal = self._refusal(self.matmul, _variant("matmul", weight_type, has_zp, scale_type, accuracy))
+        if refusal is None and block_size > self.convert_block_max:
+            return (f"onnxruntime {self.release.version}: block size {block_size} is past {self.convert_block_max}, "
+                    "the largest for which its fused kernel and ortmem's rewrite were shown to agree")
+        return refusal
+
+    def gather_refusal(self, *, weight_type: str, has_zp: bool, scale_type: str) -> Optional[str]:
+        """None when a DQ+Gather of this kind may become GatherBlockQuantized; else why not."""
+        return self._refusal(self.gather, _variant("gather", weight_type, has_zp, scale_type, 4))
+
+    def _refusal(self, table: Mapping[str, Verdict], key: str) -> Optional[str]:
+        if not self.convert:
+            return self.notes[0] if self.notes else f"onnxruntime {self.release.version}: conversion disabled"
+        verdict = table.get(key)
+        if verdict is None:
+            return f"onnxruntime {self.release.version}: variant {key} was not probed"
+        return None if verdict.ok else verdict.why
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "onnxruntime": self.release.version, "build": self.release.build, "machine": self.release.machine,
+            "cpu_flags": list(self.release.cpu_flags), "supported_range": [".".join(map(str, v)) for v in SUPPORTED],
+            "tested_releases": list(TESTED_RELEASES), "convert": self.convert, "source": self.source,
+            "fusion_block_max": self.fusion_block_max, "convert_block_max": self.convert_block_max,
+            "prepacked_save": self.prepacked_save,
+            "prepacked_validated": self.prepacked_validated,
+            "shared_initializer_guard": self.shared_initializer_guard,
+            "borrows_memory_buffers": self.borrows_memory_buffers, "notes": list(self.notes),
+            "matmul": {k: {"ok": v.ok, "why": v.why} for k, v in sorted(self.matmul.items())},
+            "gather": {k: {"ok": v.ok, "why": v.why} for k, v in sorted(self.gather.items())},
+        }
+
+
+def _variant(kind: str, weight_type: str, has_zp: bool, scale_type: str, accuracy: int) -> str:
+    return variant_key(kind, weight_type, has_zp, scale_type, accuracy if kind == "matmul" else 4)
+
+
+def _all_keys() -> tuple[list[str], list[str]]:
+    mm = [variant_key("matmul", w, z, s, a) for w in WEIGHT_TYPES for z in (False, True) for s in SCALE_TYPES
+          for a in ACCURACY_LEVELS]
+    ga = [variant_key("gather", w, z, s) for w in ("uint2", "int4", "uint4", "uint8") for z in (False, True)
+          for s in SCALE_TYPES]
+    return mm, ga
+
+
+def table_capabilities(release: Optional[Release] = None) -> Capabilities:
+    """Capabilities from :data:`RELEASE_TABLE` alone (no probe): what the table expects of ``release``."""
+    release = release or installed()
+    facts = release.facts()
+    if facts is None:
+        lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
+        note = (f"onnxruntime {release.version} is outside ortmem's tested range {lo}-{hi}.x: models are loaded "
+                "without copies but not converted, and no pre-packed weights are used")
+        return Capabilities(release, False, 256, 0, notes=(note,))
+    mm_keys, ga_keys = _all_keys()
+    why = f"onnxruntime {release.version}: the release table says ORT does not fuse or run this variant identically"
+    matmul = {k: Verdict(k not in facts.matmul_not, "" if k not in facts.matmul_not else why) for k in mm_keys}
+    gather = {k: Verdict(k not in facts.gather_not, "" if k not in facts.gather_not else why) for k in ga_keys}
+    return Capabilities(release, True, facts.fusion_block_max, facts.convert_block_max, matmul, gather,
+                        facts.prepacked_save, facts.prepacked_validated, facts.shared_initializer_guard,
+                        facts.borrows_memory_buffers, "table")
+
+
+def unrestricted_capabilities(release: Optional[Release] = None) -> Capabilities:
+    """Every variant allowed, the widest block bound: what the probe child converts with, so that it
+    checks ortmem's rewrite on every variant whatever the table expects."""
+    release = release or installed()
+    mm_keys, ga_keys = _all_keys()
+    return Capabilities(release, True, UNBOUNDED, UNBOUNDED, {k: Verdict(True) for k in mm_keys},
+                        {k: Verdict(True) for k in ga_keys}, True, False, True, True, "unrestricted")
+
+
+def reconcile(table: Capabilities, answers: Mapping[str, Any]) -> Capabilities:
+    """Table and probe together: a variant is convertible only where both say so."""
+    variants = answers.get("variants", {})
+    notes = list(table.notes)
+
+    def measured(key: str) -> tuple[bool, str]:
+        a = variants.get(key)
+        if a is None:
+            return False, "not probed"
+        if a.get("probe_error"):
+            return False, f"the probe failed ({a['probe_error']})"
+        if not a.get("fused") and key.startswith("matmul:"):  # ORT has no DQ+Gather fusion to agree with
+            return False, "ORT does not fuse it" + (f" ({a['ort_error']})" if a.get("ort_error") else "")
+        if a.get("reference_error"):
+            return False, f"ORT fails to run its own fused model ({a['reference_error']})"
+        if a.get("ortmem") != "equal":
+            return False, f"ortmem's rewrite: {a.get('ortmem', 'not run')}"
+        return True, ""
+
+    def merge(items: Mapping[str, Verdict]) -> dict[str, Verdict]:
+        out = {}
+        for key, expected in items.items():
+            ok, why = measured(key)
+            if ok and expected.ok:
+                out[key] = Verdict(True)
+            elif not ok:
+                out[key] = Verdict(False, f"onnxruntime {table.release.version} probe: {why}")
+            else:
+                out[key] = Verdict(False, f"onnxruntime {table.release.version}: the probe shows this variant fused and "
+                                          "reproduced, but the release table says otherwise; left to ORT until the "
+                                          "table is checked for this release")
+                notes.append(f"probe and table disagree on {key}")
+        return out
+
+    packed = answers.get("prepacked", {})
+    prepacked_save = bool(packed.get("saved") and packed.get("reload") == "equal")
+    if prepacked_save != table.prepacked_save:
+        notes.append(f"pre-packed weights: the probe says {'saved and reloaded' if prepacked_save else 'not usable'} "
+                     f"({packed}), the table {'saved' if table.prepacked_save else 'not saved'}: not used")
+    fused_max, equal_max = probed_block_max(variants, table.fusion_block_max)
+    if fused_max != table.fusion_block_max:
+        notes.append(f"ORT fuses DQ block sizes up to {fused_max} here; the table expects {table.fusion_block_max}")
+    if equal_max < table.convert_block_max:
+        notes.append(f"ortmem's rewrite agrees with ORT up to block size {equal_max} here; the table expects "
+                     f"{table.convert_block_max}")
+    return Capabilities(table.release, table.convert, fused_max, min(equal_max, table.convert_block_max),
+                        merge(table.matmul), merge(table.gather), table.prepacked_save and prepacked_save,
+                        table.prepacked_validated, table.shared_initializer_guard, table.borrows_memory_buffers,
+                        "probe", tuple(notes))
+
+
+def probed_block_max(variants: Mapping[str, Any], expected_fused: int) -> tuple[int, int]:
+    """(largest swept block size up to which ORT fuses every power of two, largest up to which ortmem's
+    rewrite is also identical). Where ORT fuses the whole sweep, its bound lies beyond and
+    ``expected_fused`` (the table's) stands."""
+    fused = equal = 0
+    still_equal = True
+    for block in BLOCK_SWEEP:
+        a = variants.get(f"block:{block}", {})
+        if not a.get("fused"):
+            break
+        fused = block
+        still_equal = still_equal and a.get("ortmem") == "equal"
+        if still_equal:
+            equal = block
+    return (max(fused, expected_fused) if fused == BLOCK_SWEEP[-1] else fused), equal
+
+
+def run_probe(timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
+    """Run :mod:`ortmem.ortmodel.probe` in a fresh interpreter (an ORT crash costs the probe only)."""
+    env = dict(os.environ, ORTMEM_PROBE_CHILD="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", "from ortmem.ortmodel.probe import main; main()"],
+                          capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=tempfile.gettempdir())
+    if proc.returncode != 0:
+        tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        raise RuntimeError(f"probe exited with {proc.returncode}: {tail[0][:300]}")
+    return json.loads(proc.stdout)
+
+
+def _probe_dir() -> Optional[Path]:
+    """A private folder for probe answers: ``$ORTMEM_PROBE_DIR``, else ``.release-probes`` in the cache
+    root (the answers depend on the ORT build and CPU only, so fresh-process children and tests with
+    private conversion caches share them); None when it cannot be created or trusted."""
+    try:
+        if os.environ.get("ORTMEM_PROBE_DIR"):
+            d = Path(os.environ["ORTMEM_PROBE_DIR"])
+        else:
+            d = cache_root() / ".release-probes"
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = d.lstat()
+        if not _private(st):
+            log.warning("ortmem: %s is not a private folder of this user; probe answers are not cached there", d)
+            return None
+        return d
+    except OSError:
+        return None
+
+
+def _private(st: os.stat_result) -> bool:
+    return (not stat_mod.S_ISLNK(st.st_mode) and st.st_uid == os.getuid()
+            and not st.st_mode & (stat_mod.S_IWGRP | stat_mod.S_IWOTH))
+
+
+def _read_answers(path: Path) -> Optional[dict[str, Any]]:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        if not _private(os.fstat(fd)):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = json.loads(f.read())
+        return data if isinstance(data, dict) and "variants" in data else None
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def _write_answers(path: Path, answers: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(answers, f)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+_current: Optional[Capabilities] = None
+
+
+def capabilities(*, refresh: bool = False) -> Capabilities:
+    """The installed ORT's capabilities, probed once per build and CPU (cached on disk) and per process."""
+    global _current
+    if _current is not None and not refresh:
+        return _current
+    table = table_capabilities()
+    if not table.convert:
+        _warn_once(table.notes[0])
+        _current = table
+        return table
+    if os.environ.get("ORTMEM_PROBE_CHILD") == "1":
+        return table  # the probe child converts by the table: it is what is being checked
+    folder = _probe_dir()
+    path = folder / f"{table.release.key()}.json" if folder else None
+    answers = None if (refresh or path is None) else _read_answers(path)
+    if answers is None:
+        log.info("ortmem: probing onnxruntime %s (once per build and CPU)", table.release.version)
+        try:
+            answers = run_probe()
+        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
+            note = f"onnxruntime {table.release.version} could not be probed ({exc}): models are not converted"
+            _warn_once(note)
+            _current = Capabilities(table.release, False, table.fusion_block_max, 0, notes=(note,))
+            return _current
+        if path is not None:
+            _write_answers(path, answers)
+    _current = reconcile(table, answers)
+    return _current
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn("ortmem: " + message, RuntimeWarning, stacklevel=3)
