@@ -161,14 +161,14 @@ def _register_external(model: Model, site, base_real: Path, label: str,
 
 def _check_inline(t: onnx.TensorProto, file: str, sizes: dict[tuple[int, ...], int]) -> None:
     """Inline raw_data must match dtype x shape; ORT would otherwise fail later or read garbage."""
-    if t.data_type == onnx.TensorProto.STRING or not t.HasField("raw_data"):
-        return
-    size = len(t.raw_data)
+    size = len(t.raw_data)  # 0 when absent
     if not size:
         return
     key = (t.data_type, *t.dims)
     expected = sizes.get(key)
     if expected is None:
+        if key[0] == onnx.TensorProto.STRING:
+            return
         expected = sizes[key] = byte_size(t.data_type, key[1:], tensor=t.name, file=file)
     if size != expected:
         raise TensorShapeError(

@@ -91,6 +91,14 @@ class FileBytes:
         self._data = os.pread(self.fd, self.window, start)
         self._start = start
 
+    def chunk_at(self, pos: int, ahead: int = 20) -> tuple[bytes, int]:
+        """``(data, start)``: the loaded window, moved so that it holds ``buf[pos:pos + ahead]`` (or
+        up to the end of the file); lets a caller decode many small fields without a call per byte."""
+        stop = self._start + len(self._data)
+        if not (self._start <= pos and (pos + ahead <= stop or stop == self.size)):
+            self._load(pos)
+        return self._data, self._start
+
     def __getitem__(self, key):
         if isinstance(key, slice):
             start, stop, _ = key.indices(self.size)
@@ -155,23 +163,26 @@ class WireReader:
         a fraction of a second.
         """
         buf = self.buf
+        windowed = isinstance(buf, FileBytes)
+        data, base = buf, 0
         pos = start
         while pos < end:
-            head = buf[pos : min(pos + 20, end)]
-            key, i = _varint_from(head, 0)
-            if key is None:
+            if windowed:
+                data, base = buf.chunk_at(pos)
+            key, j = _varint_from(data, pos - base)
+            if key is None or base + j > end:
                 key, p = self.varint(pos, end)  # truncated or over-long: the checked path names the fault
             else:
-                p = pos + i
+                p = base + j
             number, wire_type = key >> 3, key & 7
             if number == 0:
                 raise self._corrupt("field number 0", pos)
             if wire_type == VARINT or wire_type == LEN:
-                value, j = _varint_from(head, p - pos)
-                if value is None:
+                value, j = _varint_from(data, p - base)
+                if value is None or base + j > end:
                     value, p = self.varint(p, end)
                 else:
-                    p = pos + j
+                    p = base + j
                 if wire_type == VARINT:
                     yield Field(number, wire_type, pos, p, value)
                 else:
