@@ -95,6 +95,8 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         freed = cache.prune(args.max_size)
         print(f"pruned {cache.root} to {args.max_size / 2**20:.1f} MiB ({freed / 2**20:.1f} MiB freed)")
         return 0
+    if args.action == "verify":
+        return _verify_cache(cache)
     rows = list(cache.entries())
     print(f"{cache.root}: {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}")
     for e in rows:
@@ -107,11 +109,33 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_cache(cache) -> int:
+    """``ortmem cache verify``: every entry (and its pre-packed weights) digested in full; damaged
+    ones are removed so the next session rebuilds them. Exit status 1 when any was damaged."""
+    from .prepacked import PREPACKED_MANIFEST, discard_prepacked, verify_prepacked
+
+    rows = list(cache.entries())
+    damaged = 0
+    for e in rows:
+        problem = cache.verify(e, mode="full")
+        if problem is not None:
+            cache.discard(e)
+        elif (e.path / PREPACKED_MANIFEST).exists():
+            packed = verify_prepacked(e.path, "full")
+            if packed is not None:
+                problem = f"pre-packed weights: {packed}"
+                discard_prepacked(e.path)
+        damaged += problem is not None
+        print(f"  {e.key}  {'ok' if problem is None else 'DAMAGED, removed: ' + problem}")
+    print(f"{cache.root}: {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}, {damaged} damaged")
+    return 1 if damaged else 0
+
+
 def _add_cache(sub) -> None:
     from .units import bytes_arg
 
-    p = sub.add_parser("cache", help="list, prune or clear converted models in the cache ($ORTMEM_CACHE_DIR)")
-    p.add_argument("action", choices=["list", "prune", "clear"])
+    p = sub.add_parser("cache", help="list, prune, clear or verify (in full) converted models in the cache ($ORTMEM_CACHE_DIR)")
+    p.add_argument("action", choices=["list", "prune", "clear", "verify"])
     p.add_argument("--max-size", type=bytes_arg, default=None, metavar="BYTES",
                    help="prune: remove least recently used entries until the rest fit (e.g. 20GiB); "
                         "$ORTMEM_CACHE_MAX_SIZE applies the same limit after every new entry")

@@ -7,6 +7,7 @@ path and memory-maps each tensor, so nothing is copied again.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -16,13 +17,17 @@ import onnx
 import onnxruntime as ort
 
 from . import __version__
-from .cache import MODEL_FILE, WEIGHTS_FILE, Cache, Entry, file_identity, make_key, reserve
+from . import digest
+from .cache import (MODEL_FILE, SOURCE_LINK_PREFIX, WEIGHTS_FILE, Cache, Entry, file_identity, key_identity, make_key,
+                    reserve, same_source)
+from .filetrust import PRIVATE_FILE_MODE, write_new
 from .errors import ConversionError
 from .model import Model
 from .passes.dq_matmul import (ConversionPlan, ConversionReport, Progress, out_tensors, plan_conversion,
                                relocate_carried, rewrite_skeleton, write_weights)
 from .passes.dq_matmul_match import OrtSettings
 
+log = logging.getLogger(__name__)
 
 #: Bumped whenever the converted graph for the same input changes (new rewrites, different layouts),
 #: so entries written by an older conversion are never taken for hits.
@@ -49,22 +54,22 @@ def settings_from(sess_options: Optional[ort.SessionOptions] = None, *, accuracy
 
 
 def write_converted(model: Model, plan: ConversionPlan, out_dir: Path, *, progress: Optional[Progress] = None,
-                    link: bool = False) -> ConversionReport:
+                    link: bool = False, mode: int = PRIVATE_FILE_MODE) -> ConversionReport:
     """Write ``model.onnx`` + ``weights.bin`` for ``plan`` into the existing folder ``out_dir``.
 
     ``link``: hard-link source files instead of copying unchanged tensors (cache entries: free and
     instant; not for ``ortmem convert``, whose output must not change if the source is edited in place).
+    Files are created new (never through a planted file or symlink) with ``mode``.
     """
     start = time.perf_counter()
     if link:
         relocate_carried(plan, link_sources(plan, out_dir))
     weights = out_dir / WEIGHTS_FILE
-    fd = reserve(weights, plan.size)  # a full disk fails here, before anything is mapped
+    fd = reserve(weights, plan.size, mode)  # a full disk fails here, before anything is mapped
     os.close(fd)
     write_weights(model, plan, weights, progress=progress)
     skeleton = rewrite_skeleton(model, plan, WEIGHTS_FILE)
-    with open(out_dir / MODEL_FILE, "wb") as f:
-        f.write(skeleton.SerializeToString())
+    write_new(out_dir / MODEL_FILE, skeleton.SerializeToString(), mode)
     return ConversionReport.from_plan(plan, time.perf_counter() - start)
 
 
@@ -79,7 +84,7 @@ def link_sources(plan: ConversionPlan, out_dir: Path) -> dict[Path, str]:
     for ref, _ in plan.copied:
         if ref.file in links:
             continue
-        name = f"source-{len(links)}{ref.file.suffix or '.bin'}"
+        name = f"{SOURCE_LINK_PREFIX}{len(links)}{ref.file.suffix or '.bin'}"
         try:
             os.link(ref.file, out_dir / name)
         except OSError:
@@ -95,7 +100,7 @@ def cache_key(model_path: Path, settings: OrtSettings, extra: Optional[Mapping[s
     return make_key({
         "what": "dq-matmulnbits",
         "format": CONVERSION_FORMAT,
-        "model": file_identity(Path(model_path)),
+        "model": key_identity(Path(model_path)),
         "settings": {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
                      "disabled": sorted(settings.disabled_optimizers)},
         "ortmem": __version__,
@@ -103,6 +108,14 @@ def cache_key(model_path: Path, settings: OrtSettings, extra: Optional[Mapping[s
         "onnx": onnx.__version__,
         **(extra or {}),
     })
+
+
+def private_mode(source: Path) -> int:
+    """0600, or the source model's mode where that is stricter (a 0400 model gives 0400 files)."""
+    try:
+        return (PRIVATE_FILE_MODE & os.stat(source).st_mode) | 0o400
+    except OSError:
+        return PRIVATE_FILE_MODE
 
 
 def _source_identities(model: Model) -> list[dict[str, Any]]:
@@ -116,14 +129,45 @@ def lookup_converted(cache: Cache, model_path: Path, settings: OrtSettings,
     if entry is None:
         return None
     try:
-        recorded = entry.manifest().get("sources", [])
+        manifest = entry.manifest()
+        recorded = manifest.get("sources", [])
         current = [file_identity(Path(s["path"])) for s in recorded]
-    except (OSError, KeyError, TypeError, ValueError):
-        current = None
-    if not recorded or current != recorded:  # an external data file was edited or replaced
+        verdicts = [same_source(r, c) for r, c in zip(recorded, current)]
+    except (OSError, KeyError, TypeError, ValueError, AttributeError):
+        verdicts = [False]
+    if not recorded or False in verdicts:  # a source file was edited (even with its mtime restored) or replaced
+        log.info("ortmem: a source of cache entry %s changed; rebuilding", entry.path)
         cache.discard(entry)
         return None
+    racy = manifest.get("source_digests")
+    if racy is not None:
+        if not isinstance(racy, list) or len(racy) != len(recorded) or not all(
+                digest.matches(Path(s["path"]), d) for s, d in zip(recorded, racy)):
+            log.info("ortmem: a source of cache entry %s changed within its timestamp tick; rebuilding", entry.path)
+            cache.discard(entry)
+            return None
+    update: dict[str, Any] = {}
+    if None in verdicts:  # only another entry's hard link moved the link count: record the new identity
+        update["sources"] = current
+    if racy is not None and not _racy(current):  # content confirmed and now stat can tell any later edit
+        update["source_digests"] = None
+    if update:
+        try:
+            entry.rewrite_manifest({k: v for k, v in {**manifest, **update}.items() if v is not None})
+        except OSError:
+            pass
     return entry
+
+
+#: A source modified this recently may be rewritten again within the same filesystem timestamp tick
+#: with the same size, which ``stat`` cannot see (git's "racy" files). Such an entry records a full
+#: digest of its sources, checked on lookups until the source is older than this.
+RACY_SECONDS = 2.0
+
+
+def _racy(identities: list[dict[str, Any]]) -> bool:
+    now = time.time_ns()
+    return any(now - int(s["mtime_ns"]) < RACY_SECONDS * 1e9 for s in identities)
 
 
 def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progress: Optional[Progress] = None,
@@ -145,14 +189,18 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
         report = write_converted(model, plan, tmp, progress=progress, link=True)
         reports.append(report)
         spans = [(t.offset, t.nbytes) for t in out_tensors(plan) if t.nbytes and t.location is None]
-        return {"spans": spans, "source": str(model.path), "sources": _source_identities(model),
-                "report": report.summary()}
+        sources = _source_identities(model)
+        extras = {"spans": spans, "source": str(model.path), "sources": sources, "report": report.summary()}
+        if _racy(sources):  # just written: stat alone cannot vouch for it yet
+            extras["source_digests"] = [digest.file_digest(Path(s["path"])) for s in sources]
+        return extras
 
-    with cache.creating(cache_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32})):
+    key = cache_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32})
+    with cache.creating(key):
         hit = lookup_converted(cache, model.path, settings, fp16_in_fp32)  # built while we waited?
         if hit is not None:
             return hit, True, None
-        entry = cache.build(cache_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32}), build)
+        entry = cache.build(key, build, file_mode=private_mode(model.path))
     return entry, False, reports[0] if reports else None
 
 
@@ -168,7 +216,7 @@ def convert_to(model: Model, out_dir: Path, settings: OrtSettings, *, progress: 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True)
     try:
-        report = write_converted(model, plan, tmp, progress=progress)
+        report = write_converted(model, plan, tmp, progress=progress, mode=0o666)
         (tmp / "conversion.json").write_text(json.dumps({"summary": report.summary()}, indent=1))
         if out_dir.exists():
             out_dir.rmdir()

@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import platform
-import stat
 import sys
 from typing import Any
 
@@ -38,20 +37,21 @@ def report(*, refresh: bool = False) -> dict[str, Any]:
 
 def _cache_health() -> dict[str, Any]:
     from .cache import Cache, cache_root
+    from .errors import CacheError
+    from .filetrust import untrusted_reason
 
     try:
         root = cache_root()
     except OSError as exc:
         return {"path": os.environ.get("ORTMEM_CACHE_DIR", "(user cache dir)"), "usable": False, "problem": str(exc)}
-    st = root.lstat()
-    problems = []
-    if st.st_uid != os.getuid():
-        problems.append("owned by another user")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        problems.append("writable by group or others")
+    problems = [p for p in (untrusted_reason(root),) if p]
     if not os.access(root, os.W_OK):
         problems.append("not writable")
-    entries = list(Cache(root).entries())
+    try:
+        entries = list(Cache().entries())  # the converted models, under <root>/converted
+    except CacheError as exc:
+        problems.append(str(exc))
+        entries = []
     return {"path": str(root), "usable": not problems, "problem": "; ".join(problems) or None,
             "entries": len(entries), "bytes": sum(e.size_bytes() for e in entries)}
 

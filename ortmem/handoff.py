@@ -33,7 +33,7 @@ from typing import Optional, Union
 import onnx
 
 from .cache import Cache, Entry
-from .errors import CacheError
+from .errors import CacheError, OrtmemError
 from .convert import convert_cached, lookup_converted
 from .inmemory import InMemoryConversion, convert_in_memory
 from .loader import load
@@ -44,6 +44,7 @@ from .passes.dq_matmul import ConversionReport, Progress, plan_conversion
 from .passes.dq_matmul_match import OrtSettings
 from .ortmodel.release import capabilities
 from .prepacked import prepacked_model, save_prepacked
+from .validity import validity_fault
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,9 @@ def prepare(model: ModelInput, convert: Optional[ConvertOptions] = None) -> Hand
             return Handoff(model=str(model), action=f"untouched: the caller's SessionOptions set {FOLDER_KEY}")
         entry = _cache_hit(Path(model), convert)
         if entry is not None:  # a warm start: nothing to parse but the entry, which ORT reads itself
-            return _warm_start(entry, convert)
+            handoff = _warm_start(entry, convert)
+            if handoff is not None:  # None: the entry failed its full check and was discarded
+                return handoff
         handoff = _converted_or_as_is(load(model), convert)
         if FOLDER_KEY in handoff.config and handoff.memory is None and convert is not None and convert.sess_options is not None:
             # Only the caller's options could carry the folder entry, and ortmem leaves them alone.
@@ -159,15 +162,41 @@ def _converted_or_as_is(model: Model, convert: Optional[ConvertOptions], own_fol
     a native MatMulNBits model. Without one: converted in memory and borrowed by ORT (ortmem.inmemory)."""
     if convert is None or not convert.enabled or not _has_dequantize(model):
         return from_model(model, own_folder=own_folder, link_root=_cache_root(convert))
+    fault = validity_fault(model.skeleton.graph)
+    if fault is not None:  # a rewrite could hide it: ORT judges the model as given
+        log.info("ortmem: not converting %s (%s); onnxruntime gets it as given", model.path, fault)
+        return from_model(model, own_folder=own_folder, link_root=_cache_root(convert))
+    try:
+        return _convert(model, convert, own_folder)
+    except MemoryError:
+        raise
+    except CacheError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any rewrite failure: ORT gets the model as given
+        detail = str(exc) if isinstance(exc, OrtmemError) else f"{type(exc).__name__}: {exc}"
+        log.warning("ortmem: could not convert %s (%s); onnxruntime gets it as given", model.path, detail)
+        convert.report, convert.cache_hit = None, False
+        return from_model(model, own_folder=own_folder, link_root=_cache_root(convert))
+
+
+def _convert(model: Model, convert: ConvertOptions, own_folder: bool) -> Handoff:
+    """The conversion itself (:func:`_converted_or_as_is` decides whether to try it)."""
     settings = convert.settings or OrtSettings()
     if convert.cache is not None:
-        entry, hit, report = convert_cached(model, settings, convert.cache, progress=convert.progress,
-                                            fp16_in_fp32=convert.fp16_in_fp32)
-        convert.cache_hit, convert.report = hit, report
-        if entry is None:
-            return from_model(model, own_folder=own_folder, link_root=_cache_root(convert))
-        _consume(model)
-        return _warm_start(entry, convert) if hit else Handoff(model=str(entry.model_path), action="converted")
+        try:
+            for _ in range(2):  # a hit found damaged by the full check before pre-packing is rebuilt once
+                entry, hit, report = convert_cached(model, settings, convert.cache, progress=convert.progress,
+                                                    fp16_in_fp32=convert.fp16_in_fp32)
+                convert.cache_hit, convert.report = hit, report
+                if entry is None:
+                    return from_model(model, own_folder=own_folder, link_root=_cache_root(convert))
+                handoff = _warm_start(entry, convert) if hit else Handoff(model=str(entry.model_path), action="converted")
+                if handoff is not None:
+                    _consume(model)
+                    return handoff
+        except CacheError as exc:
+            log.warning("ortmem: the cache could not be used (%s); converting in memory instead", exc)
+        convert.cache_hit = False
     plan = plan_conversion(model, settings, carry_unchanged=True, fp16_in_fp32=convert.fp16_in_fp32)
     if not plan.has_work:
         return from_model(model, own_folder=own_folder)
@@ -186,22 +215,35 @@ def _cache_hit(path: Path, convert: Optional[ConvertOptions]):
     return entry
 
 
-def _warm_start(entry: Entry, convert: ConvertOptions) -> Handoff:
+def _warm_start(entry: Entry, convert: ConvertOptions) -> Optional[Handoff]:
     """A cache hit, loaded by path: the entry's pre-packed model when ``convert.prepacked`` (saved
     now if this is the first hit, or if the saved one is for another CPU or ORT), else the entry.
+    None when the entry turned out damaged (it is discarded; the caller converts again).
+
+    Nothing is derived from an entry that was not checked in full: before packing, an entry looked
+    up with ``verify="sampled"``/``"off"`` is digested whole (a byte flipped in weights.bin would
+    otherwise be baked into every later session's pre-packed weights).
 
     The packing is paid once, by the first warm start, rather than by the cold start (whose init
     time it would double) or beside a live session (whose peak it would raise): it runs before ORT's
     session exists, in groups of a few tensors, and peaks well under the session itself.
     """
     if convert.prepacked and capabilities().prepacked_save:
-        path = prepacked_model(entry.path)
-        if path is None and convert.cache is not None:
-            with convert.cache.creating(entry.key):  # N workers on a fresh entry: one packs
-                path = prepacked_model(entry.path)
-                path = path or _save_prepacked(entry, convert)
-        elif path is None:
-            path = _save_prepacked(entry, convert)
+        mode = convert.cache.verify_mode if convert.cache is not None else "full"
+        path = prepacked_model(entry.path, mode)
+        if path is None:
+            if mode != "full" and convert.cache is not None:
+                problem = convert.cache.verify(entry, mode="full")
+                if problem is not None:
+                    log.warning("ortmem: cache entry %s is damaged (%s); rebuilding", entry.path, problem)
+                    convert.cache.discard(entry)
+                    convert.cache_hit = False
+                    return None
+            if convert.cache is not None:
+                with convert.cache.creating(entry.key):  # N workers on a fresh entry: one packs
+                    path = prepacked_model(entry.path, mode) or _save_prepacked(entry, convert)
+            else:
+                path = _save_prepacked(entry, convert)
         if path is not None:
             return Handoff(model=str(path), fallback=str(entry.model_path), action="pre-packed")
     return Handoff(model=str(entry.model_path), action="cache-hit")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Union
 
@@ -19,7 +20,7 @@ from google.protobuf.message import DecodeError
 from .dtypes import byte_size, dtype_info
 from .errors import CorruptModelError, ExternalDataError, TensorShapeError, UnsafePathError
 from .model import Model
-from .onnx_walk import external_data_dict, is_external, iter_tensor_sites
+from .onnx_walk import iter_tensor_sites
 from .protowire import FileBytes, externalize_embedded
 from .weights import WeightRef, WeightStore
 
@@ -35,6 +36,19 @@ INLINE_MAX_BYTES = 4096
 _RESERVED_LOCATION_MARKERS = ("_ORT_MEM_ADDR_", "_ORT_NATIVE_ENDIAN_MEM_ADDR_")
 
 PathLike = Union[str, os.PathLike]
+
+#: What ORT reads as an external-data offset / length (onnxruntime 1.32,
+#: core/framework/tensor_external_data_info.cc through ``ParseStringWithClassicLocale``, i.e.
+#: ``std::from_chars`` over the whole string, checked by experiment in tests/test_hostile_models.py):
+#: ASCII digits, a ``-`` for the signed offset only, nothing before or after, within the C type.
+#: Python's ``int`` also takes spaces, ``+``, ``4_096`` and non-ASCII digits, which ORT refuses.
+_ORT_OFFSET = re.compile(r"-?[0-9]+", re.ASCII)
+_ORT_LENGTH = re.compile(r"[0-9]+", re.ASCII)
+#: The keys ORT's parser knows; any other key (and an empty value for these) is "model format error!".
+_ORT_KEYS = ("location", "offset", "length", "checksum")
+#: Python errors a hostile location or path can raise from the standard library (a NUL byte, a
+#: name too long, a symlink loop, undecodable bytes), turned into an ExternalDataError.
+_PATH_ERRORS = (TypeError, ValueError, RuntimeError, OSError, RecursionError)
 
 
 def load(path: PathLike, *, inline_max_bytes: int = INLINE_MAX_BYTES) -> Model:
@@ -81,71 +95,121 @@ def _parse(skeleton_bytes: bytes, file: str) -> onnx.ModelProto:
 def _register_weights(model: Model) -> None:
     base = model.path.parent
     base_real = base.resolve()
+    files: dict[str, tuple[Path, int]] = {}
+    model_real = model.path.resolve()
+    sizes: dict[tuple[int, ...], int] = {}  # (data_type, *dims) -> bytes: models repeat a few shapes
     for site in iter_tensor_sites(model.skeleton):
         t = site.tensor
-        if not is_external(t):
-            _check_inline(site.tensor, str(model.path))
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            _check_inline(t, str(model.path), sizes)
             continue
         label = t.name or site.graph
-        info = external_data_dict(t)
-        location = info.get("location", "")
+        try:
+            _register_external(model, site, base_real, label, files, model_real)
+        except _PATH_ERRORS as exc:
+            raise ExternalDataError(f"external data reference cannot be used: {type(exc).__name__}: {exc}",
+                                    tensor=label, file=str(model.path)) from None
+
+
+def _register_external(model: Model, site, base_real: Path, label: str,
+                       files: dict[str, tuple[Path, int]], model_real: Path) -> None:
+    """Check one external tensor the way ORT will and add its span to the store. ``files`` caches
+    each location's resolved path and size: one resolve and one stat per file, not per tensor."""
+    t = site.tensor
+    info = _external_info(t, label, str(model.path))
+    location = info.get("location", "")
+    if location not in files:
         target = resolve_location(base_real, location, tensor=label, model_file=str(model.path))
-        dtype_info(t.data_type, tensor=label, file=str(target))
-        shape = tuple(int(d) for d in t.dims)
-        if any(d < 0 for d in shape):
-            raise TensorShapeError(f"negative dimension in {list(shape)}", tensor=label, file=str(target))
-        expected = byte_size(t.data_type, shape, tensor=label, file=str(target))
-        offset = _int_key(info, "offset", 0, label, target)
-        file_size = target.stat().st_size
-        length = _int_key(info, "length", None, label, target)
-        if length is None:
-            length = expected
-        if length != expected:
-            raise TensorShapeError(
-                f"external data length {length} does not match {dtype_info(t.data_type).name}{list(shape)} "
-                f"= {expected} bytes",
-                tensor=label,
-                file=str(target),
-            )
-        if offset + length > file_size:
-            raise ExternalDataError(
-                f"external data [{offset}, {offset + length}) runs past the end of the file ({file_size} bytes)",
-                tensor=label,
-                file=str(target),
-            )
-        model.store.add(
-            WeightRef(
-                name=t.name,
-                graph=site.graph,
-                kind=site.kind,
-                data_type=t.data_type,
-                shape=shape,
-                file=target,
-                offset=offset,
-                length=length,
-                embedded=target == model.path.resolve(),
-            )
-        )
-
-
-def _check_inline(t: onnx.TensorProto, file: str) -> None:
-    """Inline raw_data must match dtype x shape; ORT would otherwise fail later or read garbage."""
-    if not t.raw_data or t.data_type == onnx.TensorProto.STRING:
-        return
-    expected = byte_size(t.data_type, tuple(t.dims), tensor=t.name, file=file)
-    if len(t.raw_data) != expected:
+        files[location] = (target, target.stat().st_size)
+    target, file_size = files[location]
+    dtype_info(t.data_type, tensor=label, file=str(target))
+    shape = tuple(int(d) for d in t.dims)
+    if any(d < 0 for d in shape):
+        raise TensorShapeError(f"negative dimension in {list(shape)}", tensor=label, file=str(target))
+    expected = byte_size(t.data_type, shape, tensor=label, file=str(target))
+    offset = _int_key(info, "offset", 0, label, target)
+    length = _int_key(info, "length", None, label, target)
+    if length is None:
+        length = expected
+    if length != expected:
         raise TensorShapeError(
-            f"raw_data has {len(t.raw_data)} bytes but {dtype_info(t.data_type).name}{list(t.dims)} needs {expected}",
+            f"external data length {length} does not match {dtype_info(t.data_type).name}{list(shape)} "
+            f"= {expected} bytes",
+            tensor=label,
+            file=str(target),
+        )
+    if offset + length > file_size:
+        raise ExternalDataError(
+            f"external data [{offset}, {offset + length}) runs past the end of the file ({file_size} bytes)",
+            tensor=label,
+            file=str(target),
+        )
+    model.store.add(
+        WeightRef(
+            name=t.name,
+            graph=site.graph,
+            kind=site.kind,
+            data_type=t.data_type,
+            shape=shape,
+            file=target,
+            offset=offset,
+            length=length,
+            embedded=target == model_real,
+        )
+    )
+
+
+def _check_inline(t: onnx.TensorProto, file: str, sizes: dict[tuple[int, ...], int]) -> None:
+    """Inline raw_data must match dtype x shape; ORT would otherwise fail later or read garbage."""
+    size = len(t.raw_data)  # 0 when absent
+    if not size:
+        return
+    key = (t.data_type, *t.dims)
+    expected = sizes.get(key)
+    if expected is None:
+        if key[0] == onnx.TensorProto.STRING:
+            return
+        expected = sizes[key] = byte_size(t.data_type, key[1:], tensor=t.name, file=file)
+    if size != expected:
+        raise TensorShapeError(
+            f"raw_data has {size} bytes but {dtype_info(t.data_type).name}{list(t.dims)} needs {expected}",
             tensor=t.name,
             file=file,
         )
+
+
+def _external_info(t: onnx.TensorProto, tensor: str, file: str) -> dict[str, str]:
+    """The external_data entries as ORT's parser reads them: every entry needs a key and a value;
+    known keys with a non-empty value, and keys starting with ``prepacked``, are all it accepts;
+    a repeated key's last value wins."""
+    info: dict[str, str] = {}
+    for e in t.external_data:
+        if not e.HasField("key") or not e.HasField("value"):
+            raise ExternalDataError("external data entry without a key or a value", tensor=tensor, file=file)
+        if e.key.startswith("prepacked"):
+            continue
+        if e.key not in _ORT_KEYS or not e.value:
+            raise ExternalDataError(f"external data entry {e.key!r}={e.value!r} is not one ORT accepts",
+                                    tensor=tensor, file=file)
+        info[e.key] = e.value
+    return info
+
+
+def parse_ort_integer(text: str, *, signed: bool) -> int:
+    """``text`` as ORT parses an external-data offset (``signed``) or length; ValueError where ORT fails."""
+    if not (_ORT_OFFSET if signed else _ORT_LENGTH).fullmatch(text):
+        raise ValueError(text)
+    value = int(text)
+    if not (-(1 << 63) <= value < (1 << 63) if signed else value < (1 << 64)):
+        raise ValueError(text)
+    return value
 
 
 def _int_key(info: dict[str, str], key: str, default, tensor: str, file: Path):
     if key not in info:
         return default
     try:
-        value = int(info[key])
+        value = parse_ort_integer(info[key], signed=key == "offset")
     except ValueError:
         raise ExternalDataError(f"external data {key} {info[key]!r} is not an integer", tensor=tensor, file=str(file))
     if value < 0:

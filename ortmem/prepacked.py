@@ -70,7 +70,9 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from .cache import MODEL_FILE, WEIGHTS_FILE, _fsync_dir
+from . import digest as content_digest
+from .cache import MODEL_FILE, WEIGHTS_FILE, fsync_dir
+from .filetrust import PRIVATE_FILE_MODE, make_private_dir, open_new, read_nofollow, write_new
 from .errors import CacheError
 from .options import get_config
 from .ortmodel.release import cpu_flags
@@ -82,7 +84,7 @@ PREPACKED_MODEL = "model.prepacked.onnx"
 PREPACKED_DATA = "prepacked.bin"
 PREPACKED_MANIFEST = "prepacked.json"
 #: Bumped whenever what this module writes changes.
-PREPACKED_FORMAT = 1
+PREPACKED_FORMAT = 2  # 2: full digests of both files
 #: ``B`` bytes packed per throw-away session. The saver's peak is about the session's fixed cost
 #: plus ~3.5x this (``B`` mapped, packed copy kept for saving, the copy ORT writes); a single
 #: larger ``B`` gets a group of its own.
@@ -161,16 +163,16 @@ def _digest(path: Path, spans: Iterable[tuple[int, int]]) -> str:
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return hashlib.sha256(read_nofollow(path)).hexdigest()
 
 
-def verify_prepacked(entry_dir: Path) -> Optional[str]:
+def verify_prepacked(entry_dir: Path, mode: str = content_digest.DEFAULT_VERIFY) -> Optional[str]:
     """None when ``entry_dir``'s pre-packed model may be used on this machine and ORT; otherwise why
-    not. The data is checked on sampled pages (:func:`_digest`), not hashed whole: a full hash costs
-    about a second per GB, on every warm start or (kept for a deep check) on the saving one."""
+    not. ``mode`` as the cache's ``verify``: "full" digests every byte of both files (xxh3, about
+    0.05 s/GB, see ortmem.digest), "sampled" checks sampled pages (:func:`_digest`), "off" sizes."""
     entry_dir = Path(entry_dir)
     try:
-        m = json.loads((entry_dir / PREPACKED_MANIFEST).read_text())
+        m = json.loads(read_nofollow(entry_dir / PREPACKED_MANIFEST))
     except FileNotFoundError:
         return "no pre-packed weights saved"
     except (OSError, ValueError) as exc:
@@ -186,16 +188,18 @@ def verify_prepacked(entry_dir: Path) -> Optional[str]:
         base = entry_dir / m.get("base_model", MODEL_FILE)
         if m.get("base_model_sha256") and _sha256(base) != m["base_model_sha256"]:
             return f"{base.name} changed since the weights were packed"
-        if _digest(data, [tuple(s) for s in m.get("spans", [])]) != m.get("digest"):
+        if mode == "full" and not content_digest.matches(data, m.get("data_digest")):
+            return f"{PREPACKED_DATA} content changed (full digest)"
+        if mode == "sampled" and _digest(data, [tuple(s) for s in m.get("spans", [])]) != m.get("digest"):
             return f"{PREPACKED_DATA} content changed"
     except OSError as exc:
         return f"pre-packed files unreadable: {exc}"
     return None
 
 
-def prepacked_model(entry_dir: Path) -> Optional[Path]:
+def prepacked_model(entry_dir: Path, mode: str = content_digest.DEFAULT_VERIFY) -> Optional[Path]:
     """The verified pre-packed model of ``entry_dir`` to load on a warm start, or None (logged)."""
-    problem = verify_prepacked(entry_dir)
+    problem = verify_prepacked(entry_dir, mode)
     if problem is None:
         return Path(entry_dir) / PREPACKED_MODEL
     log.info("ortmem: not using pre-packed weights in %s (%s)", entry_dir, problem)
@@ -207,7 +211,7 @@ def discard_prepacked(entry_dir: Path) -> None:
     for name in (PREPACKED_MANIFEST, PREPACKED_MODEL, PREPACKED_DATA):
         try:
             os.unlink(Path(entry_dir) / name)
-        except FileNotFoundError:
+        except OSError:  # absent, or a read-only folder: the manifest check refuses the rest
             pass
 
 
@@ -401,7 +405,7 @@ def save_prepacked(entry_dir: Path, *, sess_options: Optional[ort.SessionOptions
     if not packables:
         return None
     types = _value_types(model)
-    token = uuid.uuid4().hex[:12]
+    token = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"  # the pid tells a crash leftover (ortmem.cache.reclaim_stale)
     work = entry_dir / f"{_SUB_DIR_PREFIX}{token}"
     tmp_data = entry_dir / f".{PREPACKED_DATA}.{token}"
     tmp_model = entry_dir / f".{PREPACKED_MODEL}.{token}"
@@ -409,13 +413,13 @@ def save_prepacked(entry_dir: Path, *, sess_options: Optional[ort.SessionOptions
     new_ext: dict[str, list[tuple[str, str]]] = {}
     spans: list[tuple[int, int]] = []
     try:
-        work.mkdir()
+        make_private_dir(work)
         src_fds: dict[str, int] = {}
         d_fd = -1
         try:
             for loc in sorted({p.location for p in packables}):
                 src_fds[loc] = os.open(entry_dir / loc, os.O_RDONLY)
-            d_fd = os.open(tmp_data, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            d_fd = open_new(tmp_data, PRIVATE_FILE_MODE, readable=True)
             inits = {t.name: t for t in model.graph.initializer}
             # Every B copy first, then every blob: ORT reads each B once during creation (it packs and
             # hashes it again), and the kernel's read-ahead then stays inside the B region instead of
@@ -485,7 +489,7 @@ def save_prepacked(entry_dir: Path, *, sess_options: Optional[ort.SessionOptions
                 for k, v in kv:
                     e = t.external_data.add()
                     e.key, e.value = k, v
-        tmp_model.write_bytes(model.SerializeToString())
+        write_new(tmp_model, model.SerializeToString())
         manifest = {
             "format": PREPACKED_FORMAT,
             "key_parts": prepacked_key_parts(),
@@ -496,10 +500,11 @@ def save_prepacked(entry_dir: Path, *, sess_options: Optional[ort.SessionOptions
             "data_size": tmp_data.stat().st_size,
             "spans": spans,
             "digest": _digest(tmp_data, spans),
+            "data_digest": content_digest.file_digest(tmp_data),
             "tensors": rep.tensors,
             "blob_bytes": rep.blob_bytes,
         }
-        tmp_manifest.write_bytes(json.dumps(manifest, indent=1).encode())
+        write_new(tmp_manifest, json.dumps(manifest, indent=1).encode(), sync=True)
         # Publish: a reader trusts the files only through the manifest, which goes last.
         try:
             os.unlink(entry_dir / PREPACKED_MANIFEST)
@@ -508,7 +513,7 @@ def save_prepacked(entry_dir: Path, *, sess_options: Optional[ort.SessionOptions
         os.replace(tmp_data, entry_dir / PREPACKED_DATA)
         os.replace(tmp_model, entry_dir / PREPACKED_MODEL)
         os.replace(tmp_manifest, entry_dir / PREPACKED_MANIFEST)
-        _fsync_dir(entry_dir)
+        fsync_dir(entry_dir)
         rep.model = entry_dir / PREPACKED_MODEL
         return rep.model
     except OSError as exc:
@@ -518,7 +523,7 @@ def save_prepacked(entry_dir: Path, *, sess_options: Optional[ort.SessionOptions
         for tmp in (tmp_data, tmp_model, tmp_manifest):
             try:
                 os.unlink(tmp)
-            except FileNotFoundError:
+            except OSError:  # absent (published or never made), or a read-only folder
                 pass
         rep.seconds = time.perf_counter() - start
 

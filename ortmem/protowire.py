@@ -91,6 +91,14 @@ class FileBytes:
         self._data = os.pread(self.fd, self.window, start)
         self._start = start
 
+    def chunk_at(self, pos: int, ahead: int = 20) -> tuple[bytes, int]:
+        """``(data, start)``: the loaded window, moved so that it holds ``buf[pos:pos + ahead]`` (or
+        up to the end of the file); lets a caller decode many small fields without a call per byte."""
+        stop = self._start + len(self._data)
+        if not (self._start <= pos and (pos + ahead <= stop or stop == self.size)):
+            self._load(pos)
+        return self._data, self._start
+
     def __getitem__(self, key):
         if isinstance(key, slice):
             start, stop, _ = key.indices(self.size)
@@ -138,38 +146,50 @@ class WireReader:
         return CorruptModelError(f"malformed protobuf: {what} at byte {pos}", file=self.file)
 
     def varint(self, pos: int, end: int) -> tuple[int, int]:
-        buf = self.buf
-        result = 0
-        shift = 0
-        while True:
-            if pos >= end:
-                raise self._corrupt("truncated varint", pos)
-            byte = buf[pos]
-            pos += 1
-            result |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                return result, pos
-            shift += 7
-            if shift > 63:
-                raise self._corrupt("varint longer than 10 bytes", pos)
+        """The varint at ``pos`` (at most 10 bytes, inside ``end``) and the position after it."""
+        head = self.buf[pos : min(pos + 10, end)]
+        value, i = _varint_from(head, 0)
+        if value is None:
+            if len(head) < 10:
+                raise self._corrupt("truncated varint", pos + len(head))
+            raise self._corrupt("varint longer than 10 bytes", pos + 10)
+        return value, pos + i
 
     def fields(self, start: int, end: int):
-        """Yield every field of the message occupying ``buf[start:end]``."""
+        """Yield every field of the message occupying ``buf[start:end]``.
+
+        The key and length varints are decoded from a small window read once per field (one
+        ``buf`` slice, not one call per byte): a graph with 1e5 initializers is walked in
+        a fraction of a second.
+        """
+        buf = self.buf
+        windowed = isinstance(buf, FileBytes)
+        data, base = buf, 0
         pos = start
         while pos < end:
-            key, p = self.varint(pos, end)
+            if windowed:
+                data, base = buf.chunk_at(pos)
+            key, j = _varint_from(data, pos - base)
+            if key is None or base + j > end:
+                key, p = self.varint(pos, end)  # truncated or over-long: the checked path names the fault
+            else:
+                p = base + j
             number, wire_type = key >> 3, key & 7
             if number == 0:
                 raise self._corrupt("field number 0", pos)
-            if wire_type == VARINT:
-                value, p = self.varint(p, end)
-                yield Field(number, wire_type, pos, p, value)
-            elif wire_type == LEN:
-                length, p = self.varint(p, end)
-                if p + length > end:
-                    raise self._corrupt(f"field {number} of {length} bytes runs past the end of its message", pos)
-                yield Field(number, wire_type, pos, p + length, length, p)
-                p += length
+            if wire_type == VARINT or wire_type == LEN:
+                value, j = _varint_from(data, p - base)
+                if value is None or base + j > end:
+                    value, p = self.varint(p, end)
+                else:
+                    p = base + j
+                if wire_type == VARINT:
+                    yield Field(number, wire_type, pos, p, value)
+                else:
+                    if p + value > end:
+                        raise self._corrupt(f"field {number} of {value} bytes runs past the end of its message", pos)
+                    yield Field(number, wire_type, pos, p + value, value, p)
+                    p += value
             elif wire_type == I64:
                 if p + 8 > end:
                     raise self._corrupt("truncated fixed64", pos)
@@ -188,6 +208,21 @@ class WireReader:
         return bytes(self.buf[f.payload_start : f.end]).decode("utf-8", errors="replace")
 
 
+def _varint_from(data: bytes, i: int) -> tuple[Optional[int], int]:
+    """A varint of at most 10 bytes starting at ``data[i]``; (None, i) when ``data`` ends first or
+    it is longer (the caller then takes the checked path, which reports the fault)."""
+    result = shift = 0
+    n = len(data)
+    while i < n and shift <= 63:
+        byte = data[i]
+        i += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, i
+        shift += 7
+    return None, i
+
+
 @dataclass
 class ExternalizeResult:
     skeleton: bytes
@@ -196,6 +231,13 @@ class ExternalizeResult:
     @property
     def changed(self) -> bool:
         return bool(self.spans)
+
+
+#: Message nesting protobuf accepts (its default recursion limit, which both onnx's Python parser and
+#: ORT use: measured with nested ``If`` subgraphs, 99 levels parse and 102 fail in both). The walk
+#: visits a subset of the messages, so a model it finds deeper is refused by protobuf too; the
+#: bound keeps the walk off Python's own stack limit.
+MAX_NESTING = 100
 
 
 class _Externalizer:
@@ -207,6 +249,7 @@ class _Externalizer:
         self.location = location
         self.inline_max_bytes = inline_max_bytes
         self.spans: list[TensorSpan] = []
+        self.depth = 0
         # Which child messages of each message kind can contain tensors, and their kind.
         self.children: dict[str, dict[int, Callable[[int, int], Optional[bytes]]]] = {
             "model": {MODEL_GRAPH: self.graph, MODEL_TRAINING_INFO: self.training, MODEL_FUNCTIONS: self.function},
@@ -227,14 +270,24 @@ class _Externalizer:
 
     def message(self, kind: str, start: int, end: int) -> Optional[bytes]:
         """Return the rewritten message, or None when it is unchanged (the caller copies the slice)."""
+        self.depth += 1
+        try:
+            if self.depth > MAX_NESTING:
+                raise CorruptModelError(f"messages nested deeper than protobuf's limit of {MAX_NESTING}",
+                                        file=self.r.file)
+            return self._message(kind, start, end)
+        finally:
+            self.depth -= 1
+
+    def _message(self, kind: str, start: int, end: int) -> Optional[bytes]:
         handlers = self.children[kind]
         pieces: list[bytes] = []
         changed = False
         copy_from = start  # start of the run of fields copied verbatim
         for f in self.r.fields(start, end):
             handler = handlers.get(f.number) if f.wire_type == LEN else None
-            if handler is None:
-                continue
+            if handler is None or (handler == self.tensor and f.value <= self.inline_max_bytes):
+                continue  # a tensor message this short cannot hold raw_data worth externalizing
             new = handler(f.payload_start, f.end)
             if new is None:
                 continue
@@ -270,6 +323,7 @@ class _Externalizer:
 
     def tensor(self, start: int, end: int) -> Optional[bytes]:
         raw: Optional[Field] = None
+        raws: list[Field] = []  # a repeated raw_data field: protobuf keeps the last, so must we
         name = ""
         data_type = 0
         dims: list[int] = []
@@ -277,6 +331,7 @@ class _Externalizer:
         for f in self.r.fields(start, end):
             if f.number == TENSOR_RAW_DATA and f.wire_type == LEN:
                 raw = f
+                raws.append(f)
             elif f.number == TENSOR_NAME and f.wire_type == LEN:
                 name = self.r.string(f)
             elif f.number == TENSOR_DATA_TYPE and f.wire_type == VARINT:
@@ -295,7 +350,11 @@ class _Externalizer:
             return None
         offset, length = raw.payload_start, raw.value
         self.spans.append(TensorSpan(name, data_type, dims, offset, length))
-        kept = bytes(self.buf[start : raw.start]) + bytes(self.buf[raw.end : end])
+        kept_parts, pos = [], start
+        for f in raws:  # every occurrence goes: an earlier one left beside EXTERNAL is an invalid tensor
+            kept_parts.append(bytes(self.buf[pos : f.start]))
+            pos = f.end
+        kept = b"".join(kept_parts) + bytes(self.buf[pos:end])
         return (
             kept
             + _key(TENSOR_DATA_LOCATION, VARINT)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import onnxruntime as ort
 
 from . import handoff as _handoff
-from .cache import Cache
+from .cache import open_cache
 from .convert import settings_from
 from .hygiene import allocator_hygiene
 from .options import get_config, scoped_config
@@ -46,7 +46,12 @@ class InferenceSession(ort.InferenceSession):
       dict; see :func:`ortmem.plan.recompute.apply_for_session`), planned for ``dims`` (symbolic
       dimension sizes). A model written by ``ortmem recompute`` always runs with the execution order
       and optimizer settings it records;
-    - ``progress``: ``callable(done_bytes, total_bytes, name)`` called while converting.
+    - ``progress``: ``callable(done_bytes, total_bytes, name)`` called while converting;
+    - ``verify``: how a cache entry is checked on every warm start: ``"full"`` (default: every byte
+      digested, about 0.05 s/GB, see docs/cache-security.md), ``"sampled"`` (a few pages per tensor)
+      or ``"off"`` (sizes only). Anything derived from an entry (pre-packing) is checked in full first.
+      A cache folder that cannot be used (read-only, someone else's) gives one warning and an
+      in-memory conversion.
 
     ``self.ortmem_report`` tells what was converted (None when nothing was, or on a cache hit) and
     ``self.ortmem_cache_hit`` whether the conversion came from the cache.
@@ -66,12 +71,13 @@ class InferenceSession(ort.InferenceSession):
         recompute: Any = None,
         dims: Optional[dict[str, int]] = None,
         progress: Optional[Callable[[int, int, str], None]] = None,
+        verify: str = "full",
         **kwargs: Any,
     ) -> None:
         options = _handoff.ConvertOptions(
             enabled=convert and _fusing_providers_only(providers),
             settings=settings_from(sess_options, disabled_optimizers=kwargs.get("disabled_optimizers")),
-            cache=None if cache is False else Cache(None if cache is True else Path(cache)),
+            cache=None if cache is False else open_cache(None if cache is True else Path(cache), verify=verify),
             progress=progress,
             prepacking=get_config(sess_options, "session.disable_prepacking") != "1" if sess_options else True,
             fp16_in_fp32=False if _gpu_providers(providers) else None,

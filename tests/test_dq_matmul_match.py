@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,7 @@ ort.set_default_logger_severity(3)
 # ------------------------------------------------------------------------------------------------
 
 def rng_for(tag: str) -> np.random.Generator:
-    return np.random.default_rng(abs(hash(tag)) % (2**32))
+    return np.random.default_rng(zlib.crc32(tag.encode()))  # hash() differs per process
 
 
 def wt(name: str, shape, dtype=T.INT4, rng=None, values=None) -> T:

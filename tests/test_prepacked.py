@@ -406,7 +406,7 @@ def test_a_prepacked_model_ort_refuses_falls_back_to_the_entry(qdq, tmp_path, mo
                 key, rest = e.value.split("|", 1)
                 e.value = f"{key}|{1 << 40};{rest.split(';', 1)[1]}"
     onnx.save_model(m, str(entry / pp.PREPACKED_MODEL))  # verification is bypassed below
-    monkeypatch.setattr(handoff, "prepacked_model", lambda d: Path(d) / pp.PREPACKED_MODEL)
+    monkeypatch.setattr(handoff, "prepacked_model", lambda d, mode="full": Path(d) / pp.PREPACKED_MODEL)
     s = ortmem.InferenceSession(qdq, cache=cache)
     assert "could not load the pre-packed model" in caplog.text
     assert Path(s._ortmem_handoff.model).name == pp.MODEL_FILE and not (entry / pp.PREPACKED_MANIFEST).exists()

@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,7 +204,7 @@ def _defer_level2_bias_fold(model: Model, c: Candidate) -> Candidate:
     """
     if c.fold_add is None or "MatMulNBitsFusion" not in c.fusion:
         return c
-    target = dict(iter_graphs(model.skeleton.graph))[c.graph_path].node[c.node_index]
+    target = skeleton_index(model).graphs[c.graph_path].node[c.node_index]
     fusion = tuple(f for f in c.fusion if f != "MatMulNBitsFusion")
     return dataclasses.replace(c, bias=None, fold_add=None, output=target.output[0], fusion=fusion)
 
@@ -412,16 +414,46 @@ def _fresh(taken: set[str], base: str) -> str:
 # ----------------------------------------------------------------------------- reading sources
 
 
+@dataclass
+class SkeletonIndex:
+    """Every graph of a skeleton by path and every initializer by (graph path, name), built once per
+    skeleton: looking a tensor up per pattern by rescanning the graphs made conversion quadratic
+    (800 patterns took 30x the time of 100). The first initializer of a name wins, as a scan would."""
+
+    skeleton: onnx.ModelProto
+    graphs: dict[str, onnx.GraphProto]
+    initializers: dict[str, dict[str, TensorProto]]
+
+
+_INDEXES: "weakref.WeakKeyDictionary[Model, SkeletonIndex]" = weakref.WeakKeyDictionary()
+_INDEX_LOCK = threading.Lock()  # conversion workers look tensors up concurrently
+
+
+def skeleton_index(model: Model) -> SkeletonIndex:
+    """The :class:`SkeletonIndex` of ``model.skeleton`` (rebuilt if the skeleton was replaced; a
+    loaded model's skeleton is never edited in place: rewrites work on a copy)."""
+    with _INDEX_LOCK:
+        idx = _INDEXES.get(model)
+        if idx is None or idx.skeleton is not model.skeleton:
+            graphs = dict(iter_graphs(model.skeleton.graph))
+            inits: dict[str, dict[str, TensorProto]] = {}
+            for path, g in graphs.items():
+                by_name = inits.setdefault(path, {})
+                for t in g.initializer:
+                    by_name.setdefault(t.name, t)
+            idx = SkeletonIndex(model.skeleton, graphs, inits)
+            _INDEXES[model] = idx
+        return idx
+
+
 def _find_initializer(model: Model, graph_path: str, name: str) -> tuple[str, TensorProto]:
     """The initializer ``name`` as seen from ``graph_path`` (outer scopes included, as ORT looks it up)."""
-    graphs = dict(iter_graphs(model.skeleton.graph))
+    index = skeleton_index(model)
     path = graph_path
     while True:
-        g = graphs.get(path)
-        if g is not None:
-            for t in g.initializer:
-                if t.name == name:
-                    return path, t
+        t = index.initializers.get(path, {}).get(name)
+        if t is not None:
+            return path, t
         if not path:
             break
         path = path.rsplit("/", 2)[0] if path.count("/") >= 2 else ""

@@ -1,0 +1,101 @@
+"""Files only their owner could have written: private creation and the checks before a read.
+
+Why: the cache holds models ORT will run. Anyone who can write into it can make a victim's session
+return their outputs (a planted entry, a swapped file, a symlink that turns a write into an
+overwrite elsewhere). So the cache trusts a file or folder only when the current user owns it, it
+is not a symbolic link, and neither group nor others may write it; and everything the cache creates
+is private (0700 folders, 0600 files, ``O_EXCL|O_NOFOLLOW``), so an attacker cannot pre-create,
+replace or redirect it. See docs/cache-security.md for the threat model.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Optional, Union
+
+PathLike = Union[str, os.PathLike]
+
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def untrusted_reason(path: PathLike, *, owner_only: bool = True) -> Optional[str]:
+    """None when ``path`` is neither a symlink nor writable by group/others and (``owner_only``)
+    belongs to the current user; else why it may not be trusted. A missing path is not trusted."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"cannot be examined: {exc.strerror or exc}"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if owner_only and hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def parent_untrusted_reason(path: PathLike) -> Optional[str]:
+    """Whether another user could rename or replace ``path`` through its parent folder: the parent
+    must not be writable by others, unless it has the sticky bit (like /tmp), which forbids that."""
+    parent = Path(os.path.abspath(path)).parent
+    try:
+        st = os.stat(parent)
+    except OSError as exc:
+        return f"parent {parent} cannot be examined: {exc.strerror or exc}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        return f"parent {parent} is writable by group or others without the sticky bit"
+    return None
+
+
+def make_private_dir(path: PathLike, *, parents: bool = False) -> None:
+    """Create ``path`` 0700 (ancestors, when created, too); an existing folder owned by this user
+    is tightened to 0700; anything else is left for :func:`untrusted_reason` to refuse."""
+    path = Path(path)
+    if parents and not path.parent.exists():
+        make_private_dir(path.parent, parents=True)
+    try:
+        os.mkdir(path, PRIVATE_DIR_MODE)
+    except FileExistsError:
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode) and (not hasattr(os, "geteuid") or st.st_uid == os.geteuid()):
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                os.chmod(path, PRIVATE_DIR_MODE)
+        return
+    os.chmod(path, PRIVATE_DIR_MODE)  # mkdir's mode is masked by the umask; be exact
+
+
+def open_new(path: PathLike, mode: int = PRIVATE_FILE_MODE, *, readable: bool = False) -> int:
+    """Create ``path`` exclusively without following a symlink; returns a write (or read-write) fd.
+
+    Fails (``FileExistsError``/``OSError``) if anything is already there, so a planted file or link
+    is never written through.
+    """
+    flags = os.O_CREAT | os.O_EXCL | _NOFOLLOW | (os.O_RDWR if readable else os.O_WRONLY)
+    return os.open(path, flags, mode)
+
+
+def write_new(path: PathLike, data: bytes, mode: int = PRIVATE_FILE_MODE, *, sync: bool = False) -> None:
+    """Write ``data`` to a new file at ``path`` (:func:`open_new`), optionally fsynced."""
+    fd = open_new(path, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_nofollow(path: PathLike) -> bytes:
+    """The bytes of ``path``, refusing a symlink in its last component."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)

@@ -1,0 +1,475 @@
+"""The cache trusts no one but its owner, serves no stale or damaged entry, and degrades instead of
+failing (issue 13, findings 1-4 and 8). Attacks run as a second local user (``nobody`` through
+``setpriv``) where the machine allows it, and are skipped with the reason otherwise.
+
+Every session's outputs are compared with plain ORT on the same (possibly edited) model, and every
+test that expects a conversion asserts one happened (``ortmem_report`` / the entry's ops).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import ortmem
+from ortmem import prepacked as pp
+from ortmem.cache import Cache, UntrustedCacheError
+from ortmem.cli import main as cli_main
+from ortmem.filetrust import open_new, untrusted_reason, write_new
+from ortmem.loader import load
+from ortmem.synth import SynthConfig, write_model
+from compare import assert_same_outputs
+
+FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
+
+
+def _model(folder: Path, **kw) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_model(SynthConfig.tiny(storage="external", **kw), folder / "model.onnx")
+
+
+def _ort(path: Path) -> list[np.ndarray]:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, FEEDS)
+
+
+_assert_same = assert_same_outputs
+
+
+def _entry_dir(sess) -> Path:
+    return Path(sess._ortmem_handoff.model).parent
+
+
+def _flip(path: Path, offset: int) -> None:
+    """Flip one byte in place, keeping the file's mtime (what an edit that restores it looks like)."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _as_nobody_available() -> str | None:
+    """Why attacks as a second user cannot run here (None when they can)."""
+    if os.geteuid() != 0:
+        return "not root: cannot switch to a second local user"
+    if shutil.which("setpriv") is None:
+        return "setpriv not installed"
+    r = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "true"], capture_output=True)
+    if r.returncode != 0:
+        return f"setpriv refused: {r.stderr.decode(errors='replace').strip()}"
+    return None
+
+
+def _as_nobody(code: str, *args: str, probes: Path) -> subprocess.CompletedProcess:
+    """Run ``code`` as ``nobody``, with a private copy of this run's ORT release-probe answers in
+    ``probes`` (the probe is a subprocess, which ``nobody`` cannot start from this venv here)."""
+    shutil.copytree(os.environ["ORTMEM_PROBE_DIR"], probes)  # set for the whole run by conftest.py
+    for f in [probes, *probes.iterdir()]:
+        os.chown(f, 65534, 65534)
+    os.chmod(probes, 0o700)
+    cmd = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c", code, *args]
+    env = {**os.environ, "HOME": "/tmp", "ORTMEM_PROBE_DIR": str(probes)}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.fixture
+def world_dir():
+    """A folder outside pytest's private tmp (which ``nobody`` cannot enter), removed afterwards."""
+    d = Path(tempfile.mkdtemp(prefix="ortmem-sec-"))
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------ privacy
+def test_cache_folders_and_files_are_private(tmp_path):
+    path = _model(tmp_path / "m")
+    os.chmod(path, 0o644)
+    sess = ortmem.InferenceSession(path, cache=tmp_path / "cache")
+    assert sess.ortmem_report is not None
+    entry = _entry_dir(sess)
+    assert stat.S_IMODE((tmp_path / "cache").stat().st_mode) == 0o700
+    assert stat.S_IMODE(entry.stat().st_mode) == 0o700
+    for name in ("model.onnx", "weights.bin", "manifest.json"):
+        assert stat.S_IMODE((entry / name).stat().st_mode) == 0o600, name
+
+
+def test_a_stricter_source_mode_is_kept(tmp_path):
+    path = _model(tmp_path / "m")
+    os.chmod(path, 0o400)
+    sess = ortmem.InferenceSession(path, cache=tmp_path / "cache")
+    entry = _entry_dir(sess)
+    assert stat.S_IMODE((entry / "weights.bin").stat().st_mode) == 0o400
+    assert stat.S_IMODE((entry / "model.onnx").stat().st_mode) == 0o400
+    _assert_same(ortmem.InferenceSession(path, cache=tmp_path / "cache").run(None, FEEDS), _ort(path))
+
+
+def test_default_cache_root_is_created_private(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "a" / "b"))
+    path = _model(tmp_path / "m")
+    ortmem.InferenceSession(path)
+    for d in (tmp_path / "a" / "b", tmp_path / "a" / "b" / "converted"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
+def test_new_files_refuse_planted_links(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    link = tmp_path / "planted"
+    link.symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        write_new(link, b"overwritten")
+    with pytest.raises(FileExistsError):
+        open_new(link)
+    assert victim.read_bytes() == b"precious"
+    assert "symbolic link" in untrusted_reason(link)
+
+
+def test_prepack_temp_files_never_write_through_a_planted_link(tmp_path, monkeypatch):
+    """Finding 1: the pre-pack temp model was written with write_bytes (follows symlinks), under a
+    name derived from a token visible in the work folder's name."""
+    import uuid
+
+    path = _model(tmp_path / "m")
+    cache = tmp_path / "cache"
+    entry = _entry_dir(ortmem.InferenceSession(path, cache=cache))
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+
+    class FixedUUID:
+        hex = "0123456789abcdef0123456789abcdef"
+
+    monkeypatch.setattr(uuid, "uuid4", lambda: FixedUUID())
+    token = f"{os.getpid()}-{FixedUUID.hex[:12]}"
+    for name in (f".{pp.PREPACKED_MODEL}.{token}", f".{pp.PREPACKED_MANIFEST}.{token}", f".{pp.PREPACKED_DATA}.{token}"):
+        (entry / name).symlink_to(victim)
+        with pytest.raises(pp.PrepackError):
+            pp.save_prepacked(entry)
+        assert victim.read_bytes() == b"precious"
+        (entry / name).unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------- another user's entries
+def test_entry_owned_by_another_user_is_never_read(tmp_path, caplog):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give an entry to another user")
+    path = _model(tmp_path / "m")
+    cache = tmp_path / "cache"
+    entry = _entry_dir(ortmem.InferenceSession(path, cache=cache))
+    for f in [entry, *entry.iterdir()]:
+        os.chown(f, 65534, 65534)
+    with caplog.at_level(logging.WARNING, logger="ortmem"):
+        sess = ortmem.InferenceSession(path, cache=cache)
+    assert not sess.ortmem_cache_hit and sess.ortmem_report is not None
+    assert any("owned by uid 65534" in r.getMessage() for r in caplog.records)
+    _assert_same(sess.run(None, FEEDS), _ort(path))
+
+
+def test_group_writable_entry_file_is_refused(tmp_path):
+    path = _model(tmp_path / "m")
+    cache = tmp_path / "cache"
+    entry = _entry_dir(ortmem.InferenceSession(path, cache=cache))
+    os.chmod(entry / "weights.bin", 0o620)
+    sess = ortmem.InferenceSession(path, cache=cache)
+    assert not sess.ortmem_cache_hit and sess.ortmem_report is not None
+    _assert_same(sess.run(None, FEEDS), _ort(path))
+
+
+def test_shared_cache_poisoned_by_a_second_user_is_not_used(world_dir, caplog):
+    """Finding 1 as an attack: ``nobody`` plants a complete entry, under the victim's key, of a
+    model with other outputs in a shared cache folder. The victim must get its own model's outputs."""
+    reason = _as_nobody_available()
+    if reason:
+        pytest.skip(reason)
+    shared = world_dir / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    victim_model = _model(world_dir / "victim", seed=1)
+    attacker_model = _model(world_dir / "attacker", seed=2)
+    for p in (world_dir / "victim", world_dir / "attacker"):
+        for f in [p, *p.iterdir()]:
+            os.chmod(f, 0o755 if f.is_dir() else 0o644)
+    expected = _ort(victim_model)
+    assert not np.array_equal(expected[0], _ort(attacker_model)[0])
+    # The attacker builds an entry for *their* model under the key of the victim's (the key is computable).
+    code = r"""
+import os, shutil, sys
+from pathlib import Path
+os.umask(0)
+from ortmem.cache import Cache
+from ortmem.convert import cache_key, convert_cached, settings_from
+from ortmem.loader import load
+shared, victim, attacker = map(Path, sys.argv[1:4])
+root = shared / "converted"
+cache = Cache(root)
+entry, hit, report = convert_cached(load(attacker), settings_from(None), cache)
+key = cache_key(victim, settings_from(None), {"fp16_in_fp32": None})
+os.rename(entry.path, root / key)
+for f in [root / key, *(root / key).iterdir()]:
+    os.chmod(f, 0o777 if f.is_dir() else 0o666)
+print(key)
+"""
+    ortmem.InferenceSession(attacker_model, cache=world_dir / "warmup")  # probe answers for this run
+    r = _as_nobody(code, str(shared), str(victim_model), str(attacker_model), probes=world_dir / "probes")
+    assert r.returncode == 0, r.stderr
+    planted = shared / "converted" / r.stdout.split()[-1]
+    assert planted.is_dir() and planted.stat().st_uid == 65534
+    with caplog.at_level(logging.WARNING, logger="ortmem"):
+        sess = ortmem.InferenceSession(victim_model, cache=shared / "converted")
+    assert any("not used" in r.getMessage() for r in caplog.records)
+    assert not sess.ortmem_cache_hit and sess.ortmem_report is not None  # converted privately, in memory
+    _assert_same(sess.run(None, FEEDS), expected)
+
+
+def test_read_only_cache_folder_degrades_with_one_warning(world_dir, caplog):
+    """Finding 4: an unwritable cache folder made every session fail with a raw OSError."""
+    reason = _as_nobody_available()
+    if reason:
+        pytest.skip(reason)
+    model = _model(world_dir / "m")
+    for f in [world_dir / "m", *(world_dir / "m").iterdir()]:
+        os.chmod(f, 0o755 if f.is_dir() else 0o644)
+    ro = world_dir / "ro"
+    ro.mkdir()
+    os.chown(ro, 65534, 65534)
+    os.chmod(ro, 0o500)
+    code = r"""
+import logging, sys
+import numpy as np
+import onnxruntime as ort
+import ortmem
+logging.basicConfig(level=logging.WARNING)
+feeds = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
+model, cache = sys.argv[1], sys.argv[2]
+want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, feeds)
+for c in (cache, cache + "/sub/deeper"):
+    s = ortmem.InferenceSession(model, cache=c)
+    got = s.run(None, feeds)
+    assert s.ortmem_report is not None, "nothing converted"
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+print("OK")
+"""
+    ortmem.InferenceSession(model, cache=False)  # probe answers for this run
+    r = _as_nobody(code, str(model), str(ro), probes=world_dir / "probes")
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+    assert r.stderr.count("WARNING") == 2 and r.stderr.count("converting in memory") == 2  # one per session
+
+
+def test_uncreatable_cache_path_degrades(tmp_path, caplog):
+    path = _model(tmp_path / "m")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with caplog.at_level(logging.WARNING, logger="ortmem"):
+        sess = ortmem.InferenceSession(path, cache=blocker / "cache")
+    assert sess.ortmem_report is not None
+    assert len([r for r in caplog.records if "not using the cache" in r.getMessage()]) == 1
+    _assert_same(sess.run(None, FEEDS), _ort(path))
+
+
+def test_cache_folder_writable_by_others_is_refused(tmp_path):
+    root = tmp_path / "open"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    if os.geteuid() == 0:
+        os.chown(root, 65534, 65534)
+    with pytest.raises(UntrustedCacheError):
+        Cache(root)
+
+
+# ----------------------------------------------------------------- identity and integrity
+def _dq_weight(path: Path):
+    """The largest integer DequantizeLinear input of the model, as (file, offset, length)."""
+    m = load(path)
+    try:
+        w = max((w for w in m.weights if w.data_type in (2, 3, 21, 22)), key=lambda w: w.length)
+        return w.file, w.offset, w.length
+    finally:
+        m.close()
+
+
+def test_in_place_edit_with_restored_mtime_is_a_miss(tmp_path):
+    """Finding 2: editing a weight in place and restoring the mtime served the old conversion."""
+    path = _model(tmp_path / "m")
+    cache = tmp_path / "cache"
+    first = ortmem.InferenceSession(path, cache=cache)
+    _assert_same(first.run(None, FEEDS), _ort(path))
+    file, offset, length = _dq_weight(path)
+    _flip(file, offset + length // 2)
+    _flip(file, offset + length // 3)
+    again = ortmem.InferenceSession(path, cache=cache)
+    assert not again.ortmem_cache_hit and again.ortmem_report is not None
+    expected = _ort(path)
+    _assert_same(again.run(None, FEEDS), expected)
+
+
+def _entry_with_a_flipped_weight(tmp_path: Path) -> tuple[Path, Path]:
+    """(model, cache): the model's entry built, then one byte flipped mid-span in its largest tensor."""
+    path = _model(tmp_path / "m")
+    cache = tmp_path / "cache"
+    entry = _entry_dir(ortmem.InferenceSession(path, cache=cache))
+    offset, length = max(json.loads((entry / "manifest.json").read_text())["spans"], key=lambda s: s[1])
+    _flip(entry / "weights.bin", offset + length // 2 + 1)
+    return path, cache
+
+
+def test_weights_byte_flip_mid_span_is_detected_and_rebuilt(tmp_path, caplog):
+    """Finding 3: one byte flipped in the middle of a tensor in weights.bin gave wrong outputs."""
+    path, cache = _entry_with_a_flipped_weight(tmp_path)
+    expected = _ort(path)
+    with caplog.at_level(logging.WARNING, logger="ortmem"):
+        sess = ortmem.InferenceSession(path, cache=cache, prepacked=False)
+    assert not sess.ortmem_cache_hit and sess.ortmem_report is not None
+    assert any("weights.bin content changed" in r.getMessage() for r in caplog.records)
+    _assert_same(sess.run(None, FEEDS), expected)
+
+
+def test_sampled_verify_still_checks_in_full_before_prepacking(tmp_path):
+    """A flip before the first warm start was baked into prepacked.bin for every later session."""
+    path, cache = _entry_with_a_flipped_weight(tmp_path)
+    expected = _ort(path)
+    sess = ortmem.InferenceSession(path, cache=cache, verify="sampled")
+    assert not sess.ortmem_cache_hit
+    _assert_same(sess.run(None, FEEDS), expected)
+    warm = ortmem.InferenceSession(path, cache=cache, verify="sampled")
+    assert warm.ortmem_cache_hit and Path(warm._ortmem_handoff.model).name == pp.PREPACKED_MODEL
+    _assert_same(warm.run(None, FEEDS), expected)
+
+
+def test_prepacked_byte_flip_inside_a_weight_copy_is_detected(tmp_path):
+    """Finding 3: a flip in a B copy inside prepacked.bin was wrong in every later session."""
+    path = _model(tmp_path / "m")
+    cache = tmp_path / "cache"
+    expected = _ort(path)
+    ortmem.InferenceSession(path, cache=cache)
+    warm = ortmem.InferenceSession(path, cache=cache)
+    entry = _entry_dir(warm)
+    assert Path(warm._ortmem_handoff.model).name == pp.PREPACKED_MODEL
+    offset, length = json.loads((entry / pp.PREPACKED_MANIFEST).read_text())["spans"][0]  # a B copy
+    _flip(entry / pp.PREPACKED_DATA, offset + length // 2 + 7)
+    assert "content changed" in pp.verify_prepacked(entry, "full")
+    again = ortmem.InferenceSession(path, cache=cache)
+    assert again.ortmem_cache_hit
+    assert pp.verify_prepacked(entry, "full") is None  # packed afresh
+    _assert_same(again.run(None, FEEDS), expected)
+
+
+def test_verify_rejects_unknown_modes(tmp_path):
+    with pytest.raises(ortmem.OrtmemError, match="verify must be one of"):
+        ortmem.InferenceSession(_model(tmp_path / "m"), cache=tmp_path / "c", verify="fast")
+
+
+# ---------------------------------------------------------------------------- leftovers
+def test_crash_leftovers_are_reclaimed_by_the_next_writer_and_prune(tmp_path):
+    """Finding 8: after kill -9, .tmp-* folders and pre-pack temp files stayed forever."""
+    path = _model(tmp_path / "m")
+    cache_dir = tmp_path / "cache"
+    entry = _entry_dir(ortmem.InferenceSession(path, cache=cache_dir))
+    dead = 2**22 + 12345  # above pid_max's default: no such process
+    old = time.time() - 3600
+    leftovers = [cache_dir / f".tmp-{dead}-ab12", cache_dir / ".trash-deadbeef", entry / f".prepack-{dead}-cd34"]
+    for d in leftovers:
+        d.mkdir()
+        (d / "weights.bin").write_bytes(b"x" * 4096)
+    files = [entry / f".{pp.PREPACKED_DATA}.{dead}-ef56", entry / f".{pp.PREPACKED_MODEL}.{dead}-ef56"]
+    for f in files:
+        f.write_bytes(b"y")
+    live = cache_dir / f".tmp-{os.getpid()}-live"  # a live writer's folder is kept, however old
+    live.mkdir()
+    fresh = cache_dir / f".tmp-{dead}-fresh"  # a young one may be another container's live writer
+    fresh.mkdir()
+    for p in [*leftovers, *files, live]:
+        for q in [p, *(p.rglob("*") if p.is_dir() else [])]:
+            os.utime(q, (old, old))
+    Cache(cache_dir).prune(2**40)
+    assert not any(p.exists() for p in [*leftovers, *files])
+    assert live.exists() and fresh.exists()
+    # and the next writer reclaims too
+    (cache_dir / f".tmp-{dead}-again").mkdir()
+    os.utime(cache_dir / f".tmp-{dead}-again", (old, old))
+    ortmem.InferenceSession(_model(tmp_path / "m2", seed=3), cache=cache_dir)
+    assert not (cache_dir / f".tmp-{dead}-again").exists()
+
+
+def test_cache_verify_cli_checks_every_entry_in_full(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "root"))
+    path = _model(tmp_path / "m")
+    entry = _entry_dir(ortmem.InferenceSession(path))
+    assert cli_main(["cache", "verify"]) == 0
+    assert "1 entry, 0 damaged" in capsys.readouterr().out
+    offset, length = max(json.loads((entry / "manifest.json").read_text())["spans"], key=lambda s: s[1])
+    _flip(entry / "weights.bin", offset + length // 2)
+    assert cli_main(["cache", "verify"]) == 1
+    out = capsys.readouterr().out
+    assert "weights.bin content changed" in out and "1 damaged" in out
+    assert not entry.exists()  # removed: the next session rebuilds it
+
+
+def test_racy_source_is_checked_by_content(tmp_path, monkeypatch):
+    """A same-size rewrite inside one timestamp tick is invisible to stat ("racy"): an entry built
+    from a source written moments ago records the source's digest and checks it until the source
+    is old enough for stat to tell."""
+    from ortmem import convert
+
+    path = _model(tmp_path / "m")
+    cache = tmp_path / "cache"
+    entry = _entry_dir(ortmem.InferenceSession(path, cache=cache))
+    assert "source_digests" in json.loads((entry / "manifest.json").read_text())
+    file, offset, length = _dq_weight(path)
+    _flip(file, offset + length // 2)
+    monkeypatch.setattr(convert, "same_source", lambda recorded, current: True)  # stat sees nothing
+    again = ortmem.InferenceSession(path, cache=cache)
+    assert not again.ortmem_cache_hit and again.ortmem_report is not None
+    _assert_same(again.run(None, FEEDS), _ort(path))
+    monkeypatch.setattr(convert, "RACY_SECONDS", 0.0)  # the source is now "old": one last check, then stat
+    assert ortmem.InferenceSession(path, cache=cache).ortmem_cache_hit
+    entry = next(Cache(cache).entries()).path
+    assert "source_digests" not in json.loads((entry / "manifest.json").read_text())
+
+
+def test_a_writer_killed_mid_conversion_leaves_a_folder_the_next_writer_removes(tmp_path, monkeypatch):
+    """Finding 8 with a real crash: kill -9 while the entry is being written."""
+    import signal
+
+    from ortmem import cache as cache_module
+
+    path = _model(tmp_path / "m")
+    cache_dir = tmp_path / "cache"
+    marker = tmp_path / "converting"
+    child = subprocess.Popen([sys.executable, "-c", r"""
+import sys, time
+import ortmem
+def progress(done, total, name):
+    open(sys.argv[3], "w").close()
+    time.sleep(120)
+ortmem.InferenceSession(sys.argv[1], cache=sys.argv[2], progress=progress)
+""", str(path), str(cache_dir), str(marker)])
+    try:
+        deadline = time.time() + 60
+        while not marker.exists() and child.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the child never started converting"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    leftovers = [p for p in cache_dir.iterdir() if p.name.startswith(f".tmp-{child.pid}-")]
+    assert leftovers and any(f.stat().st_size for f in leftovers[0].iterdir())
+    monkeypatch.setattr(cache_module, "STALE_IDLE_SECONDS", 0.0)  # instead of waiting 10 minutes
+    sess = ortmem.InferenceSession(path, cache=cache_dir)  # the next writer
+    assert not any(p.exists() for p in leftovers)
+    assert sess.ortmem_report is not None
+    _assert_same(sess.run(None, FEEDS), _ort(path))
