@@ -237,8 +237,9 @@ def _create(args: tuple, kwargs: dict) -> Any:
     except Exception as exc:  # noqa: BLE001 - any failure of ortmem's falls back to ORT
         if opts.strict:
             raise
+        reason = f"fallback: {_one_line(exc)}"
         log.warning("ortmem hook: %s on %s; creating the session with plain onnxruntime", _one_line(exc), _name(model))
-        return _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: f"fallback: {_one_line(exc)}")
+        return _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: reason)
 
 
 def _untouched_reason(model: Any, args: tuple, kwargs: dict) -> Optional[str]:
