@@ -21,3 +21,4 @@ def rng() -> np.random.Generator:
 def _private_cache(tmp_path_factory, monkeypatch):
     """Every test gets its own conversion cache: no test reads another's entries or the user's."""
     monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path_factory.mktemp("ortmem-cache")))
+

@@ -198,9 +198,12 @@ def main() -> int:
     # Shift the heap layout by a chosen amount before anything else allocates (see
     # ``probe(heap_jitter=...)``): kept alive for the whole process, so it is part of the baseline.
     heap_pad = bytearray(int(spec.get("heap_jitter", 0)))  # noqa: F841
-    for p in reversed(spec.get("sys_path") or []):
+    # The parent's extra import paths (user strategies, test folders) go *after* the child's own, so a
+    # package that rewrote the parent's path (Ray prepends its vendored psutil) cannot change what the
+    # measured process imports.
+    for p in spec.get("sys_path") or []:
         if p not in sys.path:
-            sys.path.insert(0, p)
+            sys.path.append(p)
     try:
         result = run_prepare(spec) if spec.get("mode") == "prepare" else run_probe(spec)
     except BaseException:  # report everything, including SystemExit from a strategy
