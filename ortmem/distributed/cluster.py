@@ -139,19 +139,21 @@ def local_cluster(nodes: Mapping[str, int], *, object_store_bytes: int = 100 << 
     from ray.cluster_utils import Cluster
     from ray._private import ray_constants
 
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False  # read at import; this process may have imported ray already
     items = list(nodes.items())
     if not items:
         raise PlanError("local_cluster needs at least one node")
+    environ = dict(os.environ)  # Ray's driver sets PYTHONBREAKPOINT and RAY_* variables: put back on exit
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read at import; this process may have imported ray already
 
     def args(name: str, mem: int) -> dict[str, Any]:
         return dict(num_cpus=num_cpus, memory=int(mem), object_store_memory=int(object_store_bytes),
                     labels={NODE_LABEL: name})
 
-    cluster = Cluster(initialize_head=True, head_node_args={**args(*items[0]), "include_dashboard": False,
-                                                            **head_args})
+    cluster = None
     try:
+        cluster = Cluster(initialize_head=True, head_node_args={**args(*items[0]), "include_dashboard": False,
+                                                                **head_args})
         for name, mem in items[1:]:
             cluster.add_node(**args(name, mem))
         ray.init(address=cluster.address, log_to_driver=False)
@@ -159,4 +161,7 @@ def local_cluster(nodes: Mapping[str, int], *, object_store_bytes: int = 100 << 
         yield cluster
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        os.environ.clear()
+        os.environ.update(environ)  # fresh processes started later must not inherit the driver's settings
