@@ -36,13 +36,13 @@ def _add_inspect(sub) -> None:
     p.add_argument("model", nargs="?", help="path to an .onnx file")
     p.add_argument("--demo", action="store_true", help="inspect the built-in synthetic int4 QDQ model (generated once)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--dim", action="append", default=[], type=_dim, metavar="NAME=VALUE",
+    p.add_argument("--dim", action="append", default=[], type=parse_dim, metavar="NAME=VALUE",
                    help="size of a symbolic input dimension for the estimate")
     p.set_defaults(func=_cmd_inspect)
 
 
-def _dim(text: str) -> tuple[str, int]:
-    from .plan.estimate_cli import _dim as parse
+def parse_dim(text: str) -> tuple[str, int]:
+    from .plan.estimate_cli import parse_dim as parse
 
     return parse(text)
 

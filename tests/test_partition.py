@@ -104,24 +104,24 @@ def test_cut_post_pass_finds_the_fewest_crossing_tensors(tiny):
     """A cut inside an MLP (hidden, normed input, gate, mask alive across it) moves to the module
     boundary with the fewest live tensors among those the budgets and the slack allow."""
     with ortmem.load(tiny) as model:
-        G = P._Graph(model)
-        act_b, ws_b, _ = P._node_costs(G, model, DIMS, None)
-        tree = P.group_modules(G.planned_graph, G.set_costs(act_b, ws_b), by=P._module_names(G.labels, "scope"))
-    costs = P._Costs(G, [0, 0])
-    bounds = P._module_boundaries(G, tree)
+        G = P.PartitionGraph(model)
+        act_b, ws_b, _ = P.node_costs(G, model, DIMS, None)
+        tree = P.group_modules(G.planned_graph, G.set_costs(act_b, ws_b), by=P.module_names(G.labels, "scope"))
+    costs = P.StageCosts(G, [0, 0])
+    bounds = P.module_boundaries(G, tree)
     count, _ = stages._live_across(G)
     n = len(G.order)
     start = G.labels.index("model.layers.0.mlp.up_proj.matmul")
     assert count[start] >= 4
-    limits = [costs.device_totals([stages._Stage(0, n, 0)], 2)[0][0] * 3 // 4, 10**9]  # dev0 cannot take everything
+    limits = [costs.device_totals([stages.CandidateStage(0, n, 0)], 2)[0][0] * 3 // 4, 10**9]  # dev0 cannot take everything
     budgets = [limits[0], 10**9]
     slack = 0.3
-    got = stages._improve_cuts([stages._Stage(0, start, 0), stages._Stage(start, n, 1)], G, costs, bounds, limits, budgets, slack)
+    got = stages._improve_cuts([stages.CandidateStage(0, start, 0), stages.CandidateStage(start, n, 1)], G, costs, bounds, limits, budgets, slack)
     assert len(got) == 2
     cut = got[0].hi
-    base = costs.device_totals([stages._Stage(0, start, 0), stages._Stage(start, n, 1)], 2)[0][0]
-    allowed = [x for x in bounds if costs.device_totals([stages._Stage(0, x, 0)], 2)[0][0] <= limits[0]
-               and base - costs.device_totals([stages._Stage(0, x, 0)], 2)[0][0] <= slack * budgets[0]]
+    base = costs.device_totals([stages.CandidateStage(0, start, 0), stages.CandidateStage(start, n, 1)], 2)[0][0]
+    allowed = [x for x in bounds if costs.device_totals([stages.CandidateStage(0, x, 0)], 2)[0][0] <= limits[0]
+               and base - costs.device_totals([stages.CandidateStage(0, x, 0)], 2)[0][0] <= slack * budgets[0]]
     assert count[cut] == min(count[x] for x in allowed) < count[start]
     # the whole partitioner with no slack never gives up bytes on the first device for a better cut
     strict = partition(tiny, {"cpu:0": 520_000, "cpu": 10**8}, dims=DIMS, stage_overhead=0, verify=False, cut_slack=0.0)
@@ -136,36 +136,36 @@ def test_cut_between_nodes_moves_the_fewest_bytes(tiny):
     """Between two nodes (issue 16) the post-pass ranks cuts by the bytes alive across them (what the
     network carries) before the tensor count; on one node it keeps ranking by count first."""
     with ortmem.load(tiny) as model:
-        G = P._Graph(model)
-        act_b, ws_b, _ = P._node_costs(G, model, DIMS, None)
-        tree = P.group_modules(G.planned_graph, G.set_costs(act_b, ws_b), by=P._module_names(G.labels, "scope"))
-    bounds = P._module_boundaries(G, tree)
+        G = P.PartitionGraph(model)
+        act_b, ws_b, _ = P.node_costs(G, model, DIMS, None)
+        tree = P.group_modules(G.planned_graph, G.set_costs(act_b, ws_b), by=P.module_names(G.labels, "scope"))
+    bounds = P.module_boundaries(G, tree)
     count, nbytes = stages._live_across(G)
     n = len(G.order)
     start = G.labels.index("model.layers.0.mlp.up_proj.matmul")
     cuts = {}
     for nodes in ([None, None], ["a", "b"]):
-        costs = P._Costs(G, [0, 0], nodes=nodes)
-        limits = [costs.device_totals([stages._Stage(0, n, 0)], 2)[0][0] * 3 // 4, 10**9]
-        got = stages._improve_cuts([stages._Stage(0, start, 0), stages._Stage(start, n, 1)], G, costs, bounds, limits,
+        costs = P.StageCosts(G, [0, 0], nodes=nodes)
+        limits = [costs.device_totals([stages.CandidateStage(0, n, 0)], 2)[0][0] * 3 // 4, 10**9]
+        got = stages._improve_cuts([stages.CandidateStage(0, start, 0), stages.CandidateStage(start, n, 1)], G, costs, bounds, limits,
                                    [limits[0], 10**9], 0.3)
         assert len(got) == 2
         cuts[tuple(nodes)] = got[0].hi
-        base = costs.device_totals([stages._Stage(0, start, 0)], 2)[0][0]
-        allowed = [x for x in bounds if costs.device_totals([stages._Stage(0, x, 0)], 2)[0][0] <= limits[0]
-                   and base - costs.device_totals([stages._Stage(0, x, 0)], 2)[0][0] <= 0.3 * limits[0]]
+        base = costs.device_totals([stages.CandidateStage(0, start, 0)], 2)[0][0]
+        allowed = [x for x in bounds if costs.device_totals([stages.CandidateStage(0, x, 0)], 2)[0][0] <= limits[0]
+                   and base - costs.device_totals([stages.CandidateStage(0, x, 0)], 2)[0][0] <= 0.3 * limits[0]]
     local, remote = cuts[(None, None)], cuts[("a", "b")]
     assert count[local] == min(count[x] for x in allowed)
     assert nbytes[remote] == min(nbytes[x] for x in allowed)
     assert nbytes[remote] <= nbytes[local]
 
 def test_modules_by_dotted_scope_stay_whole_and_by_node_can_split_them(tiny):
-    names = P._module_names(["model.layers.0.mlp.gate_proj.matmul", "mask.shape", "model.layers.0.mlp.up_proj.matmul",
+    names = P.module_names(["model.layers.0.mlp.gate_proj.matmul", "mask.shape", "model.layers.0.mlp.up_proj.matmul",
                              "logits"], "scope")
     # the mask interrupts model.*: the later run is renamed, so every module is contiguous
     assert names == {"model.layers.0.mlp.gate_proj.matmul": "model.layers.0.mlp.gate_proj", "mask.shape": "mask",
                      "model.layers.0.mlp.up_proj.matmul": "model~2.layers.0.mlp.up_proj", "logits": "logits"}
-    assert len(set(P._module_names(["a.b.c", "a.b.d"], "node").values())) == 2
+    assert len(set(P.module_names(["a.b.c", "a.b.d"], "node").values())) == 2
 
 
 # ------------------------------------------------------------------------------------------- weights on disk
@@ -243,10 +243,10 @@ def test_shared_weight_charged_once_per_device(tmp_path):
     assert plan.devices[0].weight_bytes == 2 * wbytes
     # two stages on one device reading W: the device counts W once (the credit)
     with ortmem.load(path) as model:
-        G = P._Graph(model)
+        G = P.PartitionGraph(model)
         G.set_costs({}, {})
-        costs = P._Costs(G, [0, 0])
-        totals, credit = costs.device_totals([stages._Stage(0, 1, 0), stages._Stage(1, 2, 1), stages._Stage(2, 3, 0)], 2)
+        costs = P.StageCosts(G, [0, 0])
+        totals, credit = costs.device_totals([stages.CandidateStage(0, 1, 0), stages.CandidateStage(1, 2, 1), stages.CandidateStage(2, 3, 0)], 2)
     assert credit == [wbytes, 0]
     assert totals == [wbytes, wbytes]  # W once on device 0 (no activations were given)
 

@@ -31,7 +31,7 @@ ONNX Gather fails the run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 from onnx import TensorProto, helper
@@ -43,9 +43,7 @@ from ..ortmodel.variants import onnx_type_name
 from ..ortmodel.release import Capabilities
 from . import nbits_layout as nb
 from .dq_matmul_match import GatherCandidate, OrtSettings, dq_gather_match
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .dq_matmul import OutTensor
+from .sources import OutTensor, find_initializer, source_bytes
 
 MS_DOMAIN = "com.microsoft"
 #: ortmem's own policy, not ORT's (ORT never does this rewrite): rewrite only when the user lets ORT
@@ -80,14 +78,14 @@ class GatherRewrite:
     scales: str
     zero_points: Optional[str]
     aliases: list[Alias] = field(default_factory=list)
-    made: list[tuple[str, "OutTensor"]] = field(default_factory=list)  # ("scales"|"zero_points", tensor)
+    made: list[tuple[str, OutTensor]] = field(default_factory=list)  # ("scales"|"zero_points", tensor)
     reads: list[str] = field(default_factory=list)
 
     @property
     def made_bytes(self) -> int:
         return sum(t.nbytes for _, t in self.made)
 
-    def out_tensors(self) -> list["OutTensor"]:
+    def out_tensors(self) -> list[OutTensor]:
         return [t for _, t in self.made]
 
 
@@ -106,7 +104,6 @@ def plan_gathers(model: Model, settings: OrtSettings, fresh: Callable[[str], str
     cannot be read) are appended to ``skipped`` as ``(node, reason)``.
     """
     from ..onnx_walk import iter_graphs
-    from .dq_matmul import _source
 
     if not gathers_enabled(settings):
         return []
@@ -125,7 +122,7 @@ def plan_gathers(model: Model, settings: OrtSettings, fresh: Callable[[str], str
         try:
             for name in (c.weight, c.scale, c.zero_point):
                 if name:
-                    _source(model, c.graph_path, name)  # every input must be readable (external or raw)
+                    source_bytes(model, c.graph_path, name)  # every input must be readable (external or raw)
             rewrites.append(_plan_one(model, c, fresh, shared))
         except ConversionError as e:
             skipped.append((f"{c.dq_node} -> {c.node}", f"not GatherBlockQuantized: {e}"))
@@ -133,7 +130,6 @@ def plan_gathers(model: Model, settings: OrtSettings, fresh: Callable[[str], str
 
 
 def _plan_one(model: Model, c: GatherCandidate, fresh: Callable[[str], str], shared: dict[tuple, str]) -> GatherRewrite:
-    from .dq_matmul import OutTensor, _find_initializer  # (imported here: dq_matmul imports this module)
 
     r = GatherRewrite(c, c.weight, c.scale, c.zero_point)
 
@@ -152,7 +148,7 @@ def _plan_one(model: Model, c: GatherCandidate, fresh: Callable[[str], str], sha
             r.made.append((role, OutTensor(shared[key], data_type, shape, nbytes)))
         return shared[key]
 
-    V, D = (int(d) for d in _find_initializer(model, c.graph_path, c.weight)[1].dims)
+    V, D = (int(d) for d in find_initializer(model, c.graph_path, c.weight)[1].dims)
     # data: the DQ weight itself; uint2 travels as uint8 bits=2 over the same bytes, [V, D/4]
     if c.data_dtype == c.weight_dtype:
         r.reads.append(c.weight)
@@ -205,7 +201,6 @@ def _zp_layout(c: GatherCandidate) -> tuple[int, tuple[int, ...], int]:
 
 def convert_gather(model: Model, r: GatherRewrite, sink) -> None:
     """Materialize ``r.made`` (expanded scales, explicit or repacked zero points) through ``sink``."""
-    from .dq_matmul import _source
 
     if not r.made:
         return
@@ -217,10 +212,10 @@ def convert_gather(model: Model, r: GatherRewrite, sink) -> None:
         for (role, t), view in zip(r.made, views):
             flat = view.reshape(-1)
             if role == "scales":
-                s = _source(model, c.graph_path, c.scale).view(dtype_info(c.scale_dtype).numpy)
+                s = source_bytes(model, c.graph_path, c.scale).view(dtype_info(c.scale_dtype).numpy)
                 flat[:] = s[0]
             else:
-                flat[:] = _zero_point_bytes(c, _source(model, c.graph_path, c.zero_point) if c.zero_point else None)
+                flat[:] = _zero_point_bytes(c, source_bytes(model, c.graph_path, c.zero_point) if c.zero_point else None)
         sink.commit(outs, views)
 
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import threading
 import time
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,24 +34,13 @@ from ..weights import WeightRef, page_align
 from . import dq_gather
 from . import nbits_layout as nb
 from .dq_gather import GatherRewrite
+from .sources import OutTensor, skeleton_index, source_bytes, source_ref
 from .dq_matmul_match import Candidate, MatchResult, OrtSettings, dq_matmul_match
 
 MS_DOMAIN = "com.microsoft"
 WEIGHTS_FILE = "weights.bin"
 
 Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, tensor name)
-
-
-@dataclass
-class OutTensor:
-    """A tensor of the output model: where its bytes go in weights.bin."""
-
-    name: str
-    data_type: int
-    shape: tuple[int, ...]
-    nbytes: int
-    offset: int = 0
-    location: Optional[str] = None  # None: weights.bin; else a file beside it (a linked source)
 
 
 @dataclass
@@ -158,7 +145,7 @@ def plan_conversion(model: Model, settings: Optional[OrtSettings] = None, *, car
             skipped.append((c.node, f"left to ORT: {refusal}"))
             continue
         try:
-            _source(model, c.graph_path, c.weight)
+            source_bytes(model, c.graph_path, c.weight)
         except ConversionError as e:
             skipped.append((c.node, str(e)))
             continue
@@ -411,73 +398,6 @@ def _fresh(taken: set[str], base: str) -> str:
     return name
 
 
-# ----------------------------------------------------------------------------- reading sources
-
-
-@dataclass
-class SkeletonIndex:
-    """Every graph of a skeleton by path and every initializer by (graph path, name), built once per
-    skeleton: looking a tensor up per pattern by rescanning the graphs made conversion quadratic
-    (800 patterns took 30x the time of 100). The first initializer of a name wins, as a scan would."""
-
-    skeleton: onnx.ModelProto
-    graphs: dict[str, onnx.GraphProto]
-    initializers: dict[str, dict[str, TensorProto]]
-
-
-_INDEXES: "weakref.WeakKeyDictionary[Model, SkeletonIndex]" = weakref.WeakKeyDictionary()
-_INDEX_LOCK = threading.Lock()  # conversion workers look tensors up concurrently
-
-
-def skeleton_index(model: Model) -> SkeletonIndex:
-    """The :class:`SkeletonIndex` of ``model.skeleton`` (rebuilt if the skeleton was replaced; a
-    loaded model's skeleton is never edited in place: rewrites work on a copy)."""
-    with _INDEX_LOCK:
-        idx = _INDEXES.get(model)
-        if idx is None or idx.skeleton is not model.skeleton:
-            graphs = dict(iter_graphs(model.skeleton.graph))
-            inits: dict[str, dict[str, TensorProto]] = {}
-            for path, g in graphs.items():
-                by_name = inits.setdefault(path, {})
-                for t in g.initializer:
-                    by_name.setdefault(t.name, t)
-            idx = SkeletonIndex(model.skeleton, graphs, inits)
-            _INDEXES[model] = idx
-        return idx
-
-
-def _find_initializer(model: Model, graph_path: str, name: str) -> tuple[str, TensorProto]:
-    """The initializer ``name`` as seen from ``graph_path`` (outer scopes included, as ORT looks it up)."""
-    index = skeleton_index(model)
-    path = graph_path
-    while True:
-        t = index.initializers.get(path, {}).get(name)
-        if t is not None:
-            return path, t
-        if not path:
-            break
-        path = path.rsplit("/", 2)[0] if path.count("/") >= 2 else ""
-    raise ConversionError("initializer not found (a Constant node or graph input?)", tensor=name, file=str(model.path))
-
-
-def _source(model: Model, graph_path: str, name: str) -> np.ndarray:
-    """The raw bytes of an initializer: a zero-copy view of its mapped span, or the inline bytes."""
-    path, t = _find_initializer(model, graph_path, name)
-    if is_external(t):
-        return model.store.get(name, path).raw()
-    if t.raw_data:
-        return np.frombuffer(t.raw_data, dtype=np.uint8)
-    arr = numpy_helper.to_array(t)  # typed fields: small tensors only (scales, zero points)
-    if dtype_info(t.data_type).packed:
-        raise ConversionError("packed sub-byte tensor stored in typed fields is not supported", tensor=name, file=str(model.path))
-    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-
-
-def _source_ref(model: Model, graph_path: str, name: str) -> Optional[WeightRef]:
-    path, t = _find_initializer(model, graph_path, name)
-    return model.store.get(name, path) if is_external(t) else None
-
-
 # ----------------------------------------------------------------------------- writing
 
 
@@ -615,9 +535,9 @@ class _MemorySink:
 
 def _convert_one(model: Model, r: Rewrite, sink) -> None:
     c = r.candidate
-    w = _source(model, c.graph_path, c.weight)
-    scales = _source(model, c.graph_path, c.scale).view(dtype_info(c.scale_dtype).numpy)
-    zp = _source(model, c.graph_path, c.zero_point) if c.zero_point else None
+    w = source_bytes(model, c.graph_path, c.weight)
+    scales = source_bytes(model, c.graph_path, c.scale).view(dtype_info(c.scale_dtype).numpy)
+    zp = source_bytes(model, c.graph_path, c.zero_point) if c.zero_point else None
     if c.kind != "blockwise":
         # per-tensor / per-channel: expand to blocks as ORT does (scales are [N] or scalar: small)
         scales, zp = nb.expand_to_blocks(scales, zp, c.K, c.N, c.bits, c.block_size)
@@ -637,7 +557,7 @@ def _convert_one(model: Model, r: Rewrite, sink) -> None:
                               out_zero_points=views[2] if r.zero_points is not None else None)
         sink.commit(outs, views)
     del views, w, scales, zp
-    ref = _source_ref(model, c.graph_path, c.weight)
+    ref = source_ref(model, c.graph_path, c.weight)
     if ref is not None:
         model.store.release(ref)
 

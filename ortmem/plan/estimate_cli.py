@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 
-def _dim(text: str) -> tuple[str, int]:
+def parse_dim(text: str) -> tuple[str, int]:
     name, sep, value = text.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
@@ -36,7 +36,7 @@ def _input(text: str) -> tuple[str, str]:
 
 def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="path to an .onnx file (no weight byte is read)")
-    parser.add_argument("--dim", type=_dim, action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--dim", type=parse_dim, action="append", default=[], metavar="NAME=VALUE",
                         help="value of a symbolic input dimension (repeatable), e.g. --dim batch=1 --dim seq=512")
     parser.add_argument("--accuracy-level", type=int, choices=range(5), default=None, metavar="N",
                         help="session.qdq_matmulnbits_accuracy_level ORT will use (0-4; ORT's default is 4)")
@@ -66,7 +66,7 @@ def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="path to an .onnx file")
     parser.add_argument("--input", type=_input, action="append", default=[], metavar="NAME=FILE.npy",
                         help="an input array (repeatable); inputs not given are generated")
-    parser.add_argument("--dim", type=_dim, action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--dim", type=parse_dim, action="append", default=[], metavar="NAME=VALUE",
                         help="symbolic dimension for generated inputs")
     parser.add_argument("--runs", type=int, default=1, help="runs to take the maximum over (default 1)")
     parser.add_argument("--out", help="node memory statistics CSV (ORT's format, initializer column filled in)")

@@ -70,13 +70,13 @@ from . import ort_graph as og
 from .device_map import PlanError
 from .graph_modules import ModuleTree, group_modules
 from .partition_devices import default_overhead, default_provider, is_cpu, resolve_provider, split_node
-from .partition_graph import _Graph, _module_names, _node_costs
-from .partition_ort import ANNOTATED_FILE, _annotated_model, ort_settings
+from .partition_graph import PartitionGraph, module_names, node_costs
+from .partition_ort import ANNOTATED_FILE, annotated_model, ort_settings
 from .partition_plan import PLAN_FILE, Crossing, DeviceReport, PartitionPlan, StageInfo
-from .partition_stages import CUT_WINDOW, _choose, _Costs, _module_boundaries
-from .partition_submodels import _crossings, _stage_models, _StageGraph
-from .partition_verify import ARENA_STEADY, _estimate_stage
-from .partition_weights import WEIGHTS_FILE, _Layout, _layout, _write_weights
+from .partition_stages import CUT_WINDOW, choose_stages, StageCosts, module_boundaries
+from .partition_submodels import find_crossings, build_stage_models, StageGraph
+from .partition_verify import ARENA_STEADY, estimate_stage
+from .partition_weights import WEIGHTS_FILE, WeightsLayout, plan_layout, write_stage_weights
 
 
 log = logging.getLogger(__name__)
@@ -162,24 +162,24 @@ def partition(model_path: str | os.PathLike, devices: Mapping[str, int], *, stat
 def _partition(model: Model, names: list[str], budgets: list[int], providers: list[tuple[str, dict]],
                overhead: list[int], stats_csv, dims: dict[str, int], by: str, out_dir, cut_slack: float,
                verify: bool, weights_mode: str) -> PartitionPlan:
-    G = _Graph(model)
+    G = PartitionGraph(model)
     if not G.order:
         raise PlanError("the model has no node to place")
-    act_b, ws_b, notes = _node_costs(G, model, dims, stats_csv)
+    act_b, ws_b, notes = node_costs(G, model, dims, stats_csv)
     costs_list = G.set_costs(act_b, ws_b)
-    tree = group_modules(G.planned_graph, costs_list, by=_module_names(G.labels, by))
+    tree = group_modules(G.planned_graph, costs_list, by=module_names(G.labels, by))
     if list(tree.order) != G.labels:
         raise PlanError("internal: module order and node order disagree")
     root = og.build(model.skeleton.graph)
     shapes_sym = act.infer_shapes(model.skeleton, root, {})
     shapes_dims = act.infer_shapes(model.skeleton, root, dims) if dims else shapes_sym
-    layout = _layout(model, weights_mode)
-    boundaries = _module_boundaries(G, tree)
+    layout = plan_layout(model, weights_mode)
+    boundaries = module_boundaries(G, tree)
     n = len(names)
     # What the planner places: weights (additive but for shared ones). Activations are transient:
     # each device keeps ``reserve`` bytes for them (at first a typical module's, then what its stages
     # needed in the last round; a stage that needs more than its device's reserve is caught by the
-    # first-order check in _choose, which shrinks that device's weight budget and plans again). On
+    # first-order check in choose_stages, which shrinks that device's weight budget and plans again). On
     # verified CPU devices activations count ARENA_STEADY times (what ORT's arena holds in steady
     # state), and ``ratio`` is what the estimator says a first-order byte costs there (pre-packed
     # MatMulNBits hold 1.2-1.5x their codes...): the device's first-order costs are held to
@@ -189,7 +189,7 @@ def _partition(model: Model, names: list[str], budgets: list[int], providers: li
     verify_dev = [verify and is_cpu(p) for p, _ in providers]
     act_mult = [float(ARENA_STEADY) if v else 1.0 for v in verify_dev]
     nodes = [split_node(d)[0] for d in names]
-    costs = _Costs(G, overhead, act_mult, nodes)
+    costs = StageCosts(G, overhead, act_mult, nodes)
     module_act = sorted(tree.activation_bytes[m] for m in tree.nodes)
     typical_act = module_act[(3 * len(module_act)) // 4] if module_act else 0
     sizes = tree.weight_bytes
@@ -204,7 +204,7 @@ def _partition(model: Model, names: list[str], budgets: list[int], providers: li
         caps = [max(0, lim - o - res) for lim, o, res in zip(limits, overhead, reserve)]
         seen_caps.add(tuple(caps))
         try:
-            placement, leaf_dev, stages = _choose(tree, sizes, G, costs, boundaries, names, caps, limits, budgets,
+            placement, leaf_dev, stages = choose_stages(tree, sizes, G, costs, boundaries, names, caps, limits, budgets,
                                                   cut_slack)
         except PlanError as e:
             if best is not None:
@@ -217,13 +217,13 @@ def _partition(model: Model, names: list[str], budgets: list[int], providers: li
                             f" in the caller's terms each device alone would need "
                             + "{" + ", ".join(f"{d}: {'-' if v is None else f'{v:,}'}" for d, v in needed.items()) + "}",
                             needed=needed) from None
-        models = _stage_models(G, stages, shapes_sym, layout, WEIGHTS_FILE)
+        models = build_stage_models(G, stages, shapes_sym, layout, WEIGHTS_FILE)
         est: list[int | None] = [None] * len(stages)
         for k, s in enumerate(stages):
             if verify_dev[s.device]:
                 out_b = sum((shapes_dims.types.get("", {}).get(o) or act.TensorShape(0, None)).nbytes() or 0
                             for o in models[k].outputs)
-                est[k] = _estimate_stage(models[k].proto, stage_dir / _stage_file(k, names[s.device]), dims, out_b)
+                est[k] = estimate_stage(models[k].proto, stage_dir / _stage_file(k, names[s.device]), dims, out_b)
         first, credit = costs.device_totals(stages, n)
         device_cost = list(first)
         for j in range(n):
@@ -308,7 +308,7 @@ def _partition(model: Model, names: list[str], budgets: list[int], providers: li
         device_map[m] = names[d]
     plan = PartitionPlan(
         model=str(model.path), inputs=list(G.inputs), outputs=list(G.outputs), devices=reports, stages=stage_infos,
-        crossings=_crossings(G, stages, shapes_dims), device_map=device_map,
+        crossings=find_crossings(G, stages, shapes_dims), device_map=device_map,
         settings={"by": by, "dims": dims, "cut_slack": cut_slack, "verify": verify, "rounds": rounds,
                   "costs": "stats" if stats_csv is not None else "estimate", "exact": placement.exact,
                   "modules": len(tree.nodes), "nodes": len(G.order), "replicated_constant_nodes": len(G.const_nodes)},
@@ -341,15 +341,15 @@ def _stage_file(k: int, device: str) -> str:
     return f"stage{k}_{''.join(ch if ch.isalnum() else '_' for ch in device)}.onnx"
 
 
-def _write(plan: PartitionPlan, G: _Graph, models: Sequence[_StageGraph], layout: _Layout, out: Path,
+def _write(plan: PartitionPlan, G: PartitionGraph, models: Sequence[StageGraph], layout: WeightsLayout, out: Path,
            stats_csv, stats_name: str | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     _remove_previous(out)
-    _write_weights(layout, out / WEIGHTS_FILE)
+    write_stage_weights(layout, out / WEIGHTS_FILE)
     for st, sg in zip(plan.stages, models):
         (out / st.file).write_bytes(sg.proto.SerializeToString())
     if plan.ort is not None:
-        (out / ANNOTATED_FILE).write_bytes(_annotated_model(G, models, plan, layout, WEIGHTS_FILE).SerializeToString())
+        (out / ANNOTATED_FILE).write_bytes(annotated_model(G, models, plan, layout, WEIGHTS_FILE).SerializeToString())
         if stats_name is not None:
             shutil.copyfile(stats_csv, out / stats_name)
     plan.out_dir = str(out.resolve())

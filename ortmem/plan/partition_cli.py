@@ -34,7 +34,7 @@ def _provider(text: str) -> tuple[str, str]:
 
 
 def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
-    from .estimate_cli import _dim
+    from .estimate_cli import parse_dim
 
     parser.add_argument("model", help="path to an .onnx file")
     parser.add_argument("--device", type=_device, action="append", default=[], metavar="NAME=BYTES",
@@ -48,7 +48,7 @@ def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray-fraction", type=float, default=1.0, metavar="F",
                         help="with --ray and no --device: plan for this share of each node's Ray memory (1.0)")
     parser.add_argument("--stats", metavar="CSV", help="measured per-node memory (ortmem stats / ORT's node stats CSV)")
-    parser.add_argument("--dim", type=_dim, action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--dim", type=parse_dim, action="append", default=[], metavar="NAME=VALUE",
                         help="value of a symbolic input dimension (repeatable), e.g. --dim batch=1 --dim seq=512")
     parser.add_argument("--by", choices=("scope", "node"), default="scope",
                         help="modules from name scopes (default) or one node each")

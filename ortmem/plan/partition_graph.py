@@ -24,7 +24,7 @@ from .graph_modules import NodeCost, execution_order, leaf_modules, node_inputs
 _RANDOM_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
-def _tensor_nbytes(t: TensorProto) -> int:
+def tensor_nbytes(t: TensorProto) -> int:
     if t.data_location == TensorProto.EXTERNAL:
         info = external_data_dict(t)
         if "length" in info:
@@ -41,15 +41,15 @@ def _attribute_tensor_bytes(node: onnx.NodeProto) -> int:
     total = 0
     for attr in node.attribute:
         if attr.type == AttributeProto.TENSOR:
-            total += _tensor_nbytes(attr.t)
+            total += tensor_nbytes(attr.t)
         elif attr.type == AttributeProto.TENSORS:
-            total += sum(_tensor_nbytes(t) for t in attr.tensors)
+            total += sum(tensor_nbytes(t) for t in attr.tensors)
         elif attr.type == AttributeProto.SPARSE_TENSOR:
-            total += _tensor_nbytes(attr.sparse_tensor.values) + _tensor_nbytes(attr.sparse_tensor.indices)
+            total += tensor_nbytes(attr.sparse_tensor.values) + tensor_nbytes(attr.sparse_tensor.indices)
     return total
 
 
-def _module_names(labels: Sequence[str], by: str) -> dict[str, str]:
+def module_names(labels: Sequence[str], by: str) -> dict[str, str]:
     """Each node's leaf module (labels in execution order), every module contiguous.
 
     ``by="scope"`` uses name scopes (``/model/layers.3/...``); for exporters that write dotted names
@@ -98,7 +98,7 @@ def _contiguous(leaves: Sequence[str]) -> list[str]:
     return out
 
 
-class _Graph:
+class PartitionGraph:
     """The main graph as the partitioner sees it: planned nodes in execution order (constant chains
     left out), the values between them, and every node's costs."""
 
@@ -196,11 +196,11 @@ class _Graph:
     def _value_weights(self, x: str, out: dict[str, int]) -> None:
         t = self.init.get(x)
         if t is not None:
-            out[x] = _tensor_nbytes(t)
+            out[x] = tensor_nbytes(t)
             return
         s = self.sparse.get(x)
         if s is not None:
-            out[x] = _tensor_nbytes(s.values) + _tensor_nbytes(s.indices)
+            out[x] = tensor_nbytes(s.values) + tensor_nbytes(s.indices)
             return
         c = self.producer.get(x)
         if c is not None and c in self.const_nodes:
@@ -227,7 +227,7 @@ class _Graph:
         for attr_name, sg in node_subgraphs(node):
             for path, graph in iter_graphs(sg, f"{label}/{attr_name}"):
                 for t in graph.initializer:
-                    out[f"{path}:{t.name}"] = _tensor_nbytes(t)
+                    out[f"{path}:{t.name}"] = tensor_nbytes(t)
                 for k, sub in enumerate(graph.node):
                     b = _attribute_tensor_bytes(sub)
                     if b:
@@ -251,7 +251,7 @@ class _Graph:
         return og.unique_node_name(node.name, node.op_type, list(node.input), list(node.output))
 
 
-def _node_costs(G: _Graph, model: Model, dims: Mapping[str, int], stats_csv: str | os.PathLike | None
+def node_costs(G: PartitionGraph, model: Model, dims: Mapping[str, int], stats_csv: str | os.PathLike | None
                 ) -> tuple[dict[str, int], dict[str, int], list[str]]:
     """Activation and workspace bytes per planned node label; notes on where they came from."""
     from .estimate import estimate

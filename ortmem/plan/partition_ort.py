@@ -12,10 +12,10 @@ from typing import Any, Mapping, Sequence
 from onnx import ModelProto
 
 from .partition_devices import is_cpu
-from .partition_graph import _Graph
+from .partition_graph import PartitionGraph
 from .partition_plan import PartitionPlan
-from .partition_submodels import _StageGraph
-from .partition_weights import _Layout, _relocate_graph
+from .partition_submodels import StageGraph
+from .partition_weights import WeightsLayout, relocate_graph
 
 ANNOTATED_FILE = "model_annotated.onnx"
 LAYER_ANN = "layer_ann"  # ORT's node metadata key for session.layer_assignment_settings
@@ -76,7 +76,7 @@ def ort_settings(plan: PartitionPlan, *, stats_file: str | None = None) -> dict[
     }
 
 
-def _annotated_model(G: _Graph, stage_models: Sequence[_StageGraph], plan: PartitionPlan, layout: _Layout,
+def annotated_model(G: PartitionGraph, stage_models: Sequence[StageGraph], plan: PartitionPlan, layout: WeightsLayout,
                      location: str) -> ModelProto:
     m = ModelProto()
     m.CopyFrom(G.model.skeleton)
@@ -95,5 +95,5 @@ def _annotated_model(G: _Graph, stage_models: Sequence[_StageGraph], plan: Parti
                 node.metadata_props.remove(prop)
         e = node.metadata_props.add()
         e.key, e.value = LAYER_ANN, ann
-    _relocate_graph(m.graph, G.model.path.parent.resolve(), layout, location)
+    relocate_graph(m.graph, G.model.path.parent.resolve(), layout, location)
     return m

@@ -13,14 +13,14 @@ from typing import Mapping, Sequence
 
 from .device_map import PlanError, Placement, plan_placement
 from .graph_modules import ModuleTree, activation_peak
-from .partition_graph import _Graph
+from .partition_graph import PartitionGraph
 
 #: How many module boundaries either side of a cut the post-pass looks at.
 CUT_WINDOW = 32
 
 
 @dataclass
-class _Stage:
+class CandidateStage:
     lo: int  # first position (execution order)
     hi: int  # one past the last
     device: int
@@ -38,7 +38,7 @@ class _Cost:
         return self.weight_bytes + self.activation_bytes + self.workspace_bytes
 
 
-class _Costs:
+class StageCosts:
     """First-order stage costs, memoised by span (the cut post-pass asks for many spans).
 
     A device's stages cost their weights, ``act_mult[device]`` times their activation peak (workspace
@@ -47,7 +47,7 @@ class _Costs:
     one); a cut between devices of different nodes sends its tensors over the network.
     """
 
-    def __init__(self, G: _Graph, overhead: Sequence[int], act_mult: Sequence[float] | None = None,
+    def __init__(self, G: PartitionGraph, overhead: Sequence[int], act_mult: Sequence[float] | None = None,
                  nodes: Sequence[str | None] | None = None):
         self.G = G
         self.overhead = list(overhead)
@@ -71,7 +71,7 @@ class _Costs:
             self._memo[key] = hit
         return hit
 
-    def activations(self, stages: Sequence[_Stage], n_devices: int) -> list[int]:
+    def activations(self, stages: Sequence[CandidateStage], n_devices: int) -> list[int]:
         """First-order activation bytes per device (with ``act_mult``)."""
         out = [0] * n_devices
         for s in stages:
@@ -79,7 +79,7 @@ class _Costs:
             out[s.device] += int(self.act_mult[s.device] * (c.activation_bytes + c.workspace_bytes))
         return out
 
-    def device_totals(self, stages: Sequence[_Stage], n_devices: int) -> tuple[list[int], list[int]]:
+    def device_totals(self, stages: Sequence[CandidateStage], n_devices: int) -> tuple[list[int], list[int]]:
         """(first-order bytes per device, shared-weight credit per device)."""
         totals = [0] * n_devices
         credit = [0] * n_devices
@@ -96,13 +96,13 @@ class _Costs:
         return [t - c for t, c in zip(totals, credit)], credit
 
 
-def _runs(devs: Sequence[int]) -> list[_Stage]:
-    out: list[_Stage] = []
+def _runs(devs: Sequence[int]) -> list[CandidateStage]:
+    out: list[CandidateStage] = []
     for p, d in enumerate(devs):
         if out and out[-1].device == d:
             out[-1].hi = p + 1
         else:
-            out.append(_Stage(p, p + 1, d))
+            out.append(CandidateStage(p, p + 1, d))
     return out
 
 
@@ -119,7 +119,7 @@ def _leaf_devices(tree: ModuleTree, placement: Placement) -> dict[str, int]:
     return out
 
 
-def _live_across(G: _Graph) -> tuple[list[int], list[int]]:
+def _live_across(G: PartitionGraph) -> tuple[list[int], list[int]]:
     """For each cut position c (between positions c-1 and c): how many planned tensors, and how many
     bytes, are made before c and read at or after c."""
     n = len(G.order)
@@ -140,26 +140,26 @@ def _live_across(G: _Graph) -> tuple[list[int], list[int]]:
     return count, nbytes
 
 
-def _module_boundaries(G: _Graph, tree: ModuleTree) -> list[int]:
+def module_boundaries(G: PartitionGraph, tree: ModuleTree) -> list[int]:
     mods = [tree.module_of[label] for label in G.labels]
     return [c for c in range(1, len(mods)) if mods[c] != mods[c - 1]]
 
 
-def _normalise(stages: Sequence[_Stage]) -> list[_Stage]:
+def _normalise(stages: Sequence[CandidateStage]) -> list[CandidateStage]:
     """Drop empty stages and merge neighbours on one device."""
-    out: list[_Stage] = []
+    out: list[CandidateStage] = []
     for s in stages:
         if s.hi <= s.lo:
             continue
         if out and out[-1].device == s.device:
-            out[-1] = _Stage(out[-1].lo, s.hi, s.device)
+            out[-1] = CandidateStage(out[-1].lo, s.hi, s.device)
         else:
-            out.append(_Stage(s.lo, s.hi, s.device))
+            out.append(CandidateStage(s.lo, s.hi, s.device))
     return out
 
 
-def _improve_cuts(stages: list[_Stage], G: _Graph, costs: _Costs, boundaries: list[int], caps: Sequence[int],
-                  budgets: Sequence[int], slack: float) -> list[_Stage]:
+def _improve_cuts(stages: list[CandidateStage], G: PartitionGraph, costs: StageCosts, boundaries: list[int], caps: Sequence[int],
+                  budgets: Sequence[int], slack: float) -> list[CandidateStage]:
     """Move each cut to the nearby module boundary that leaves the fewest bytes alive across cuts
     between *nodes* (network transfers; 0 when every device is on one machine), then the fewest
     tensors alive across all cuts, then the fewest bytes; moving a cut onto its neighbour removes a
@@ -170,7 +170,7 @@ def _improve_cuts(stages: list[_Stage], G: _Graph, costs: _Costs, boundaries: li
     n_dev = len(caps)
     nodes = costs.nodes
 
-    def score(st: Sequence[_Stage]) -> tuple[int, int, int]:
+    def score(st: Sequence[CandidateStage]) -> tuple[int, int, int]:
         remote = sum(nbytes[s.lo] for prev, s in zip(st, st[1:]) if nodes[prev.device] != nodes[s.device])
         return remote, sum(count[s.lo] for s in st[1:]), sum(nbytes[s.lo] for s in st[1:])
 
@@ -187,7 +187,7 @@ def _improve_cuts(stages: list[_Stage], G: _Graph, costs: _Costs, boundaries: li
         best_key = (*score(stages), 0, 0)
         best = stages
         for x in cands:
-            trial = _normalise([*stages[:k], _Stage(a, x, left.device), _Stage(x, c, right.device), *stages[k + 2:]])
+            trial = _normalise([*stages[:k], CandidateStage(a, x, left.device), CandidateStage(x, c, right.device), *stages[k + 2:]])
             new, _ = costs.device_totals(trial, n_dev)
             if new[left.device] > caps[left.device] or new[right.device] > caps[right.device]:
                 continue
@@ -205,13 +205,13 @@ def _improve_cuts(stages: list[_Stage], G: _Graph, costs: _Costs, boundaries: li
     return stages
 
 
-#: Device changes ``_choose`` allows beyond one stage per device (each extra one is another session).
+#: Device changes ``choose_stages`` allows beyond one stage per device (each extra one is another session).
 EXTRA_SWITCHES = 2
 
 
-def _choose(tree: ModuleTree, sizes: Mapping[str, int], G: _Graph, costs: _Costs, boundaries: list[int],
+def choose_stages(tree: ModuleTree, sizes: Mapping[str, int], G: PartitionGraph, costs: StageCosts, boundaries: list[int],
             names: Sequence[str], caps: Sequence[int], limits: Sequence[int], budgets: Sequence[int], slack: float
-            ) -> tuple[Placement, dict[str, int], list[_Stage]]:
+            ) -> tuple[Placement, dict[str, int], list[CandidateStage]]:
     """The placement to use, its leaf devices and its stages (after the cut post-pass).
 
     The planner alone would scatter small modules over every device that has a few bytes left (dozens
@@ -236,14 +236,14 @@ def _choose(tree: ModuleTree, sizes: Mapping[str, int], G: _Graph, costs: _Costs
     return got[0], got[1], got[2]
 
 
-#: Rounds of "shrink the weight budget of what was over" inside ``_choose``.
+#: Rounds of "shrink the weight budget of what was over" inside ``choose_stages``.
 _REPAIRS = 3
 
 
-def _choose_once(tree: ModuleTree, sizes: Mapping[str, int], G: _Graph, costs: _Costs, boundaries: list[int],
+def _choose_once(tree: ModuleTree, sizes: Mapping[str, int], G: PartitionGraph, costs: StageCosts, boundaries: list[int],
                  names: Sequence[str], caps: Sequence[int], limits: Sequence[int], budgets: Sequence[int],
-                 slack: float) -> tuple[Placement, dict[str, int], list[_Stage], list[int] | None]:
-    """One pass of :func:`_choose`; the last value is None when the plan fits, else the bytes each
+                 slack: float) -> tuple[Placement, dict[str, int], list[CandidateStage], list[int] | None]:
+    """One pass of :func:`choose_stages`; the last value is None when the plan fits, else the bytes each
     device is over in the plan with the most bytes on the earlier devices.
 
     Candidates: the planner with ``devices - 1`` .. ``devices - 1 + EXTRA_SWITCHES`` device changes,
@@ -254,7 +254,7 @@ def _choose_once(tree: ModuleTree, sizes: Mapping[str, int], G: _Graph, costs: _
     n = len(names)
     max_memory = dict(zip(names, caps))
 
-    def finish(stages: list[_Stage]) -> tuple[list[_Stage], bool, list[int], tuple[int, ...]]:
+    def finish(stages: list[CandidateStage]) -> tuple[list[CandidateStage], bool, list[int], tuple[int, ...]]:
         st = _improve_cuts(stages, G, costs, boundaries, limits, budgets, slack)
         totals, _ = costs.device_totals(st, n)
         over = [max(0, t - lim) for t, lim in zip(totals, limits)]
@@ -311,7 +311,7 @@ def _choose_once(tree: ModuleTree, sizes: Mapping[str, int], G: _Graph, costs: _
     return best[0], best[1], best[2], None
 
 
-def _fill(G: _Graph, costs: _Costs, boundaries: list[int], limits: Sequence[int]) -> list[_Stage] | None:
+def _fill(G: PartitionGraph, costs: StageCosts, boundaries: list[int], limits: Sequence[int]) -> list[CandidateStage] | None:
     """Contiguous fill in device preference order: each device but the last takes the longest run of
     whole modules from where the previous one stopped that fits its first-order limit; a module no
     remaining device can hold alone goes to the last device, and the last takes the rest."""
@@ -319,22 +319,22 @@ def _fill(G: _Graph, costs: _Costs, boundaries: list[int], limits: Sequence[int]
     total = len(G.order)
     cuts = [0, *boundaries, total]
     last = n - 1
-    out: list[_Stage] = []
+    out: list[CandidateStage] = []
 
     def fits(j: int, lo: int, hi: int) -> bool:
-        return costs.device_totals([_Stage(lo, hi, j)], n)[0][j] <= limits[j]
+        return costs.device_totals([CandidateStage(lo, hi, j)], n)[0][j] <= limits[j]
 
     i, j = 0, 0
     while cuts[i] < total:
         if j >= last:
-            out.append(_Stage(cuts[i], total, last))
+            out.append(CandidateStage(cuts[i], total, last))
             break
         lo = cuts[i]
         if not fits(j, lo, cuts[i + 1]):
             if any(fits(k, lo, cuts[i + 1]) for k in range(j + 1, last)):
                 j += 1  # a later fast device can hold it: this one is done
             else:
-                out.append(_Stage(lo, cuts[i + 1], last))
+                out.append(CandidateStage(lo, cuts[i + 1], last))
                 i += 1
             continue
         good, step = i + 1, 1  # gallop, then bisect (costs grow with the run, near enough)
@@ -348,6 +348,6 @@ def _fill(G: _Graph, costs: _Costs, boundaries: list[int], limits: Sequence[int]
                 good = mid
             else:
                 hi_bad = mid
-        out.append(_Stage(lo, cuts[good], j))
+        out.append(CandidateStage(lo, cuts[good], j))
         i, j = good, j + 1
     return _normalise(out) if out else None

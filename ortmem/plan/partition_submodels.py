@@ -14,13 +14,13 @@ from onnx import GraphProto, ModelProto, helper
 
 from . import activations as act
 from .device_map import PlanError
-from .partition_graph import _Graph
+from .partition_graph import PartitionGraph
 from .partition_plan import Crossing
-from .partition_stages import _Stage
-from .partition_weights import _Layout, _relocate_graph
+from .partition_stages import CandidateStage
+from .partition_weights import WeightsLayout, relocate_graph
 
 
-def _value_type(name: str, G: _Graph, shapes: act.Shapes) -> onnx.ValueInfoProto:
+def _value_type(name: str, G: PartitionGraph, shapes: act.Shapes) -> onnx.ValueInfoProto:
     """A typed ValueInfo for a tensor crossing a cut: the graph's own declaration, else inferred
     (symbolic dims kept, so a stage accepts what the whole model accepts)."""
     for table in (G.output_vi, G.input_vi, G.value_info):
@@ -36,7 +36,7 @@ def _value_type(name: str, G: _Graph, shapes: act.Shapes) -> onnx.ValueInfoProto
 
 
 @dataclass
-class _StageGraph:
+class StageGraph:
     proto: ModelProto
     inputs: list[str]
     outputs: list[str]
@@ -44,8 +44,8 @@ class _StageGraph:
     replicated: list[str]
 
 
-def _stage_models(G: _Graph, stages: Sequence[_Stage], shapes_sym: act.Shapes, layout: _Layout | None,
-                  location: str) -> list[_StageGraph]:
+def build_stage_models(G: PartitionGraph, stages: Sequence[CandidateStage], shapes_sym: act.Shapes, layout: WeightsLayout | None,
+                  location: str) -> list[StageGraph]:
     """One ModelProto per stage (weights relocated into ``location`` when ``layout`` is given)."""
     g = G.g
     skeleton = G.model.skeleton
@@ -59,7 +59,7 @@ def _stage_models(G: _Graph, stages: Sequence[_Stage], shapes_sym: act.Shapes, l
     for x, ps in G.readers.items():
         read_by[x] = {stage_of[p] for p in ps}
     graph_outputs = set(G.outputs)
-    out: list[_StageGraph] = []
+    out: list[StageGraph] = []
     for k, s in enumerate(stages):
         idx = [G.order[p] for p in range(s.lo, s.hi)]
         produced: set[str] = set()
@@ -122,13 +122,13 @@ def _stage_models(G: _Graph, stages: Sequence[_Stage], shapes_sym: act.Shapes, l
         e = m.metadata_props.add()
         e.key, e.value = "ortmem.partition.stage", str(k)
         if layout is not None:
-            _relocate_graph(m.graph, base, layout, location)
-        out.append(_StageGraph(m, inputs, outputs, [G.labels_all[i] for i in idx],
+            relocate_graph(m.graph, base, layout, location)
+        out.append(StageGraph(m, inputs, outputs, [G.labels_all[i] for i in idx],
                                [G.labels_all[c] for c in consts]))
     return out
 
 
-def _crossings(G: _Graph, stages: Sequence[_Stage], shapes_dims: act.Shapes) -> list[Crossing]:
+def find_crossings(G: PartitionGraph, stages: Sequence[CandidateStage], shapes_dims: act.Shapes) -> list[Crossing]:
     stage_of = {}
     for k, s in enumerate(stages):
         for p in range(s.lo, s.hi):

@@ -15,7 +15,7 @@ from onnx import ModelProto, TensorProto
 
 from ..model import Model
 from ..weights import WeightStore
-from .partition_graph import _tensor_nbytes
+from .partition_graph import tensor_nbytes
 
 
 #: Steady-state arena bytes per byte of a stage's internal activations (the estimator's liveness,
@@ -30,7 +30,7 @@ OUTPUT_COPIES = 2
 CREATE_MARGIN = 1 << 20
 
 
-def _estimate_stage(proto: ModelProto, path: Path, dims: Mapping[str, int], output_bytes: int) -> int:
+def estimate_stage(proto: ModelProto, path: Path, dims: Mapping[str, int], output_bytes: int) -> int:
     """Bytes a stage's ``ortmem.InferenceSession`` holds at its worst over creation and repeated runs,
     above the process baseline.
 
@@ -79,7 +79,7 @@ def _gather_tables_extra(proto: ModelProto, e) -> int:
         if t.data_location != TensorProto.EXTERNAL or not all(u.op_type == "Gather" and u.input[0] == name
                                                                  for u in users):
             continue
-        table = _tensor_nbytes(t)
+        table = tensor_nbytes(t)
         rows_n = int(t.dims[0]) if len(t.dims) else 1
         row = -(-(table // max(rows_n, 1)) // 4096) * 4096
         counted = 0

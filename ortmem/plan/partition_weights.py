@@ -19,7 +19,7 @@ from onnx import AttributeProto, GraphProto, TensorProto
 from ..model import Model
 from ..onnx_walk import external_data_dict
 from .device_map import PlanError
-from .partition_graph import _tensor_nbytes
+from .partition_graph import tensor_nbytes
 
 #: The partitioner's messages keep the logger name users configure, whichever module logs them.
 log = logging.getLogger("ortmem.plan.partition")
@@ -29,7 +29,7 @@ ALIGN = 4096
 
 
 @dataclass
-class _Layout:
+class WeightsLayout:
     """Where each source span lands in the shared weights file."""
 
     mode: str  # "link" | "copy"
@@ -39,7 +39,7 @@ class _Layout:
     weight_bytes: int  # distinct bytes
 
 
-def _layout(model: Model, mode: str) -> _Layout:
+def plan_layout(model: Model, mode: str) -> WeightsLayout:
     refs = list(model.store)
     files = {r.file.resolve() for r in refs}
     embedded = any(r.embedded for r in refs)
@@ -55,17 +55,17 @@ def _layout(model: Model, mode: str) -> _Layout:
                         f"{len(files)} file(s){', some embedded' if embedded else ''})")
     if (mode in ("auto", "link")) and can_link:
         src = next(iter(files))
-        return _Layout("link", src, {k: k[1] for k in distinct}, src.stat().st_size, total)
+        return WeightsLayout("link", src, {k: k[1] for k in distinct}, src.stat().st_size, total)
     spans: dict[tuple[str, int, int], int] = {}
     pos = 0
     for key in sorted(distinct):
         pos = -(-pos // ALIGN) * ALIGN
         spans[key] = pos
         pos += key[2]
-    return _Layout("copy", None, spans, pos, total)
+    return WeightsLayout("copy", None, spans, pos, total)
 
 
-def _write_weights(layout: _Layout, out: Path) -> None:
+def write_stage_weights(layout: WeightsLayout, out: Path) -> None:
     """Write (or link) the shared weights file; a copy streams each span once, never holding more
     than a chunk in memory."""
     if out.exists() or out.is_symlink():
@@ -106,13 +106,13 @@ def _write_weights(layout: _Layout, out: Path) -> None:
                         done += copied
 
 
-def _relocate_tensor(t: TensorProto, base: Path, layout: _Layout, location: str) -> None:
+def _relocate_tensor(t: TensorProto, base: Path, layout: WeightsLayout, location: str) -> None:
     if t.data_location != TensorProto.EXTERNAL:
         return
     info = external_data_dict(t)
     src = (base / info.get("location", "")).resolve()
     off = int(info.get("offset", 0))
-    length = int(info["length"]) if "length" in info else _tensor_nbytes(t)
+    length = int(info["length"]) if "length" in info else tensor_nbytes(t)
     new = layout.spans.get((str(src), off, length))
     if new is None:
         raise PlanError(f"internal: tensor {t.name!r} ({src}, {off}, {length}) is not in the weights layout")
@@ -122,7 +122,7 @@ def _relocate_tensor(t: TensorProto, base: Path, layout: _Layout, location: str)
         e.key, e.value = k, v
 
 
-def _relocate_node(node: onnx.NodeProto, base: Path, layout: _Layout, location: str) -> None:
+def _relocate_node(node: onnx.NodeProto, base: Path, layout: WeightsLayout, location: str) -> None:
     for attr in node.attribute:
         if attr.type == AttributeProto.TENSOR:
             _relocate_tensor(attr.t, base, layout, location)
@@ -134,10 +134,10 @@ def _relocate_node(node: onnx.NodeProto, base: Path, layout: _Layout, location: 
             _relocate_tensor(attr.sparse_tensor.indices, base, layout, location)
         elif attr.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS):
             for g in ([attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs)):
-                _relocate_graph(g, base, layout, location)
+                relocate_graph(g, base, layout, location)
 
 
-def _relocate_graph(g: GraphProto, base: Path, layout: _Layout, location: str) -> None:
+def relocate_graph(g: GraphProto, base: Path, layout: WeightsLayout, location: str) -> None:
     for t in g.initializer:
         _relocate_tensor(t, base, layout, location)
     for s in g.sparse_initializer:

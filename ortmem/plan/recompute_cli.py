@@ -29,12 +29,12 @@ import sys
 from pathlib import Path
 
 from ..units import bytes_arg
-from .estimate_cli import _dim
+from .estimate_cli import parse_dim
 
 
 def add_recompute_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="path to an .onnx file")
-    parser.add_argument("--dim", type=_dim, action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--dim", type=parse_dim, action="append", default=[], metavar="NAME=VALUE",
                         help="value of a symbolic input dimension (repeatable): tensor sizes, hence the plan, depend on it")
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--budget", type=bytes_arg, metavar="BYTES",
