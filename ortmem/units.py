@@ -1,4 +1,4 @@
-"""Byte counts as people write them on command lines and in environment variables."""
+"""Byte counts and dimension sizes as people write them on command lines and in environment variables."""
 from __future__ import annotations
 
 import argparse
@@ -31,3 +31,17 @@ def bytes_arg(text: str) -> int:
         return parse_bytes(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_dim(text: str) -> tuple[str, int]:
+    """``"seq=512"`` -> ``("seq", 512)`` for ``argparse`` (``type=parse_dim``): a usage error, not a traceback."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        v = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"dimension {name!r} needs an integer value, got {value!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"dimension {name!r} must be >= 0")
+    return name, v

@@ -1,4 +1,4 @@
-"""``ortmem estimate`` and ``ortmem stats``: argument parsing and output, for ``ortmem/cli.py`` to wire in::
+"""``ortmem estimate`` and ``ortmem stats``: argument parsing and output, for ``ortmem/cli/`` to wire in::
 
     p = sub.add_parser("estimate", help=...); add_estimate_arguments(p); p.set_defaults(func=main_estimate)
     p = sub.add_parser("stats", help=...);    add_stats_arguments(p);    p.set_defaults(func=main_stats)
@@ -13,18 +13,7 @@ import sys
 
 import numpy as np
 
-
-def parse_dim(text: str) -> tuple[str, int]:
-    name, sep, value = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    try:
-        v = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"dimension {name!r} needs an integer value, got {value!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"dimension {name!r} must be >= 0")
-    return name, v
+from ..units import parse_dim
 
 
 def _input(text: str) -> tuple[str, str]:

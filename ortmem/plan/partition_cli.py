@@ -1,4 +1,4 @@
-"""``ortmem partition``: argument parsing and output, for ``ortmem/cli.py`` to wire in::
+"""``ortmem partition``: argument parsing and output, for ``ortmem/cli/`` to wire in::
 
     p = sub.add_parser("partition", help=...); add_partition_arguments(p); p.set_defaults(func=main_partition)
 
@@ -34,7 +34,7 @@ def _provider(text: str) -> tuple[str, str]:
 
 
 def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
-    from .estimate_cli import parse_dim
+    from ..units import parse_dim
 
     parser.add_argument("model", help="path to an .onnx file")
     parser.add_argument("--device", type=_device, action="append", default=[], metavar="NAME=BYTES",

@@ -1,4 +1,4 @@
-"""``ortmem recompute``: argument parsing and output, for ``ortmem/cli.py`` to wire in::
+"""``ortmem recompute``: argument parsing and output, for ``ortmem/cli/`` to wire in::
 
     p = sub.add_parser("recompute", help=...); add_recompute_arguments(p); p.set_defaults(func=main_recompute)
 
@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from ..units import bytes_arg
-from .estimate_cli import parse_dim
+from ..units import parse_dim
 
 
 def add_recompute_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,7 +154,7 @@ def _remove(out: Path, *, optimized: bool) -> None:
             pass
 
 
-if __name__ == "__main__":  # pragma: no cover - the lead wires this into ortmem/cli.py
+if __name__ == "__main__":  # pragma: no cover - ortmem/cli/recompute.py wires this in
     ap = argparse.ArgumentParser(prog="ortmem recompute", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_recompute_arguments(ap)

@@ -1,0 +1,73 @@
+"""The ``ortmem`` command (also ``python -m ortmem``): one module per subcommand in this package.
+
+The protocol, after memray's ``commands/``: each module defines ``NAME``, ``HELP``,
+``add_arguments(parser)`` and ``run(args) -> int``, and imports what the command needs only inside
+``run`` (``ortmem --help`` loads no planner, ORT session code or plotting). A subcommand whose work
+belongs to another stage (``bench`` to ``ortmem.measure``, ``estimate`` to ``ortmem.plan``...) is a
+thin module that hands its arguments to that stage's own parser and main.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from types import ModuleType
+from typing import Optional, Sequence
+
+from ..errors import OrtmemError
+
+#: Subcommand modules of this package, in the order ``--help`` lists them.
+COMMANDS = ("inspect", "convert", "cache", "doctor", "bench", "estimate", "stats", "partition", "recompute", "run")
+
+
+def command(name: str) -> ModuleType:
+    """The module that implements subcommand ``name``."""
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def _version_line() -> str:
+    import onnxruntime as ort
+
+    from .. import __version__
+    from ..ortmodel.release import SUPPORTED, TESTED_RELEASES, installed
+
+    lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
+    state = "in range" if installed().supported else "OUT OF RANGE: zero-copy loading only"
+    return (f"ortmem {__version__}; onnxruntime {ort.__version__} ({state}; supported {lo}-{hi}.x, "
+            f"tested {', '.join(TESTED_RELEASES)})")
+
+
+class _Version(argparse.Action):
+    """``--version``: computed only when asked (it imports onnxruntime)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="the ortmem and onnxruntime releases, and the supported range")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(_version_line())
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ortmem",
+        description="Own the memory of ONNX model weights around ONNX Runtime: load without copies, "
+        "fuse QDQ models into MatMulNBits, measure and plan memory.",
+    )
+    parser.add_argument("--version", action=_Version)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        module = command(name)
+        p = sub.add_parser(module.NAME, help=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except OrtmemError as e:
+        print(f"ortmem: error: {e}", file=sys.stderr)
+        return 1

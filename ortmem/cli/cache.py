@@ -1,0 +1,69 @@
+"""``ortmem cache``: list, prune, clear or verify (in full) the converted models in the cache."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..units import bytes_arg
+
+NAME = "cache"
+HELP = "list, prune, clear or verify (in full) converted models in the cache ($ORTMEM_CACHE_DIR)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["list", "prune", "clear", "verify"])
+    p.add_argument("--max-size", type=bytes_arg, default=None, metavar="BYTES",
+                   help="prune: remove least recently used entries until the rest fit (e.g. 20GiB); "
+                        "$ORTMEM_CACHE_MAX_SIZE applies the same limit after every new entry")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cache import Cache
+    from ..prepacked import PREPACKED_MANIFEST
+
+    cache = Cache()
+    if args.action == "clear":
+        freed = cache.clear()
+        print(f"cleared {cache.root} ({freed / 2**20:.1f} MiB)")
+        return 0
+    if args.action == "prune":
+        if args.max_size is None:
+            print("ortmem cache prune: give --max-size (e.g. 20GiB)", file=sys.stderr)
+            return 2
+        freed = cache.prune(args.max_size)
+        print(f"pruned {cache.root} to {args.max_size / 2**20:.1f} MiB ({freed / 2**20:.1f} MiB freed)")
+        return 0
+    if args.action == "verify":
+        return _verify_cache(cache)
+    rows = list(cache.entries())
+    print(f"{cache.root}: {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}")
+    for e in rows:
+        try:
+            source = e.manifest().get("source", "?")
+        except (OSError, ValueError):
+            source = "(unreadable manifest)"
+        packed = "  (+ pre-packed weights)" if (e.path / PREPACKED_MANIFEST).exists() else ""
+        print(f"  {e.key}  {e.size_bytes() / 2**20:9.1f} MiB  {source}{packed}")
+    return 0
+
+
+def _verify_cache(cache) -> int:
+    """``ortmem cache verify``: every entry (and its pre-packed weights) digested in full; damaged
+    ones are removed so the next session rebuilds them. Exit status 1 when any was damaged."""
+    from ..prepacked import PREPACKED_MANIFEST, discard_prepacked, verify_prepacked
+
+    rows = list(cache.entries())
+    damaged = 0
+    for e in rows:
+        problem = cache.verify(e, mode="full")
+        if problem is not None:
+            cache.discard(e)
+        elif (e.path / PREPACKED_MANIFEST).exists():
+            packed = verify_prepacked(e.path, "full")
+            if packed is not None:
+                problem = f"pre-packed weights: {packed}"
+                discard_prepacked(e.path)
+        damaged += problem is not None
+        print(f"  {e.key}  {'ok' if problem is None else 'DAMAGED, removed: ' + problem}")
+    print(f"{cache.root}: {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}, {damaged} damaged")
+    return 1 if damaged else 0

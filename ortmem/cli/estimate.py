@@ -1,0 +1,6 @@
+"""``ortmem estimate``: predict session-creation and activation memory from metadata alone (owned by ``ortmem.plan.estimate_cli``)."""
+from .delegation import delegate
+
+NAME = "estimate"
+HELP = "predict session-creation and activation memory from metadata alone"
+add_arguments, run = delegate("ortmem.plan.estimate_cli", "add_estimate_arguments", "main_estimate")

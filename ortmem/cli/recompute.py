@@ -1,0 +1,6 @@
+"""``ortmem recompute``: lower the activation peak: recompute cheap tensors, reorder nodes (owned by ``ortmem.plan.recompute_cli``)."""
+from .delegation import delegate
+
+NAME = "recompute"
+HELP = "lower the activation peak: recompute cheap tensors, reorder nodes"
+add_arguments, run = delegate("ortmem.plan.recompute_cli", "add_recompute_arguments", "main_recompute")
