@@ -6,6 +6,7 @@ has a multi-GB model and needs to know exactly which initializer in which file i
 from __future__ import annotations
 
 import os
+from typing import Hashable, Mapping, Optional
 
 
 class OrtmemError(Exception):
@@ -62,3 +63,15 @@ class StageFailedError(OrtmemError):
         self.stage = stage
         self.node = node
         super().__init__(f"stage {stage} on node {node or 'of the driver'}: {message}", file=file)
+
+
+class PlanError(OrtmemError):
+    """No placement fits the budgets.
+
+    ``needed`` maps each device to the smallest budget it alone would need (the others unchanged) for
+    a placement to exist, or ``None`` when raising that device's budget alone never helps.
+    """
+
+    def __init__(self, message: str, *, needed: Mapping[Hashable, Optional[int]] | None = None):
+        super().__init__(message)
+        self.needed = dict(needed or {})

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from .plan.device_map import PlanError
+from .errors import PlanError
 from .plan.partition import PartitionPlan, StageInfo, is_cpu
 from .plan.partition_devices import stage_providers
 from .session import InferenceSession

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from model_builders import make_model
-from ortmem.plan.device_map import PlanError, infer_device_map
+from ortmem.errors import PlanError
+from ortmem.plan.device_map import infer_device_map
 from ortmem.plan.graph_modules import NodeCost, execution_order, group_modules, scope_of
 
 mk = helper.make_node

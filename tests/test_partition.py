@@ -19,7 +19,7 @@ from ortmem.onnx_walk import external_data_dict, iter_tensor_sites
 from ortmem.plan import partition as P
 from ortmem.plan import partition_stages as stages
 from ortmem.plan import partition_weights
-from ortmem.plan.device_map import PlanError
+from ortmem.errors import PlanError
 from ortmem.plan.partition import PartitionPlan, default_provider, partition
 from ortmem.plan.partition_cli import add_partition_arguments, main_partition
 from ortmem.units import parse_bytes

@@ -10,7 +10,7 @@ import pytest
 
 from model_builders import save, subgraph_model
 from ortmem.pipeline import PipelineSession
-from ortmem.plan.device_map import PlanError
+from ortmem.errors import PlanError
 from ortmem.plan.partition import partition
 from ortmem.synth import SynthConfig, write_model
 from compare import assert_same_outputs

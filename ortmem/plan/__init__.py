@@ -1,5 +1,6 @@
 """Planning: memory estimates, per-node stats, device maps and partitioning, recompute."""
-from .device_map import PlanError, infer_device_map
+from ..errors import PlanError
+from .device_map import infer_device_map
 from .graph_modules import NodeCost, group_modules
 from .partition import PartitionPlan
 

@@ -96,12 +96,11 @@ from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Mapping, Sequence
 
-from ..errors import OrtmemError
+from ..errors import PlanError
 
 __all__ = [
     "EXACT_MAX_MODULES",
     "OFFLOAD_DEVICES",
-    "PlanError",
     "Placement",
     "infer_device_map",
     "plan_placement",
@@ -124,18 +123,6 @@ _BEAM_WORK = 20_000
 _MIRROR_MAX_POSITIONS = 2_000
 
 _INF = float("inf")
-
-
-class PlanError(OrtmemError):
-    """No placement fits the budgets.
-
-    ``needed`` maps each device to the smallest budget it alone would need (the others unchanged) for
-    a placement to exist, or ``None`` when raising that device's budget alone never helps.
-    """
-
-    def __init__(self, message: str, *, needed: Mapping[Hashable, int | None] | None = None):
-        super().__init__(message)
-        self.needed = dict(needed or {})
 
 
 # --------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ import onnx
 from onnx import AttributeProto, GraphProto, ModelProto
 
 from ..onnx_walk import node_label
-from .device_map import PlanError
+from ..errors import PlanError
 
 __all__ = ["ModuleTree", "NodeCost", "execution_order", "activation_peak", "group_modules", "leaf_modules",
            "node_inputs", "scope_of"]

@@ -67,7 +67,7 @@ from ..loader import load
 from ..model import Model
 from . import activations as act
 from . import ort_graph as og
-from .device_map import PlanError
+from ..errors import PlanError
 from .graph_modules import ModuleTree, group_modules
 from .partition_devices import default_overhead, default_provider, is_cpu, resolve_provider, split_node
 from .partition_graph import PartitionGraph, module_names, node_costs

@@ -67,7 +67,7 @@ def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main_partition(args: argparse.Namespace) -> int:
-    from .device_map import PlanError
+    from ..errors import PlanError
     from .partition import partition
 
     devices: dict[str, int] = {}

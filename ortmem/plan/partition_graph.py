@@ -17,7 +17,7 @@ from ..dtypes import byte_size
 from ..model import Model
 from ..onnx_walk import external_data_dict, iter_graphs, node_label, node_subgraphs
 from . import ort_graph as og
-from .device_map import PlanError
+from ..errors import PlanError
 from .graph_modules import NodeCost, execution_order, leaf_modules, node_inputs
 
 #: Ops whose output differs from run to run: never treated as constants (never replicated).

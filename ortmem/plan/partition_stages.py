@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .device_map import PlanError, Placement, plan_placement
+from ..errors import PlanError
+from .device_map import Placement, plan_placement
 from .graph_modules import ModuleTree, activation_peak
 from .partition_graph import PartitionGraph
 

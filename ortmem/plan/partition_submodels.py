@@ -13,7 +13,7 @@ import onnx
 from onnx import GraphProto, ModelProto, helper
 
 from . import activations as act
-from .device_map import PlanError
+from ..errors import PlanError
 from .partition_graph import PartitionGraph
 from .partition_plan import Crossing
 from .partition_stages import CandidateStage

@@ -18,7 +18,7 @@ from onnx import AttributeProto, GraphProto, TensorProto
 
 from ..model import Model
 from ..onnx_walk import external_data_dict
-from .device_map import PlanError
+from ..errors import PlanError
 from .partition_graph import tensor_nbytes
 
 #: The partitioner's messages keep the logger name users configure, whichever module logs them.
