@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -108,7 +110,15 @@ def test_deep_nesting_is_bounded_and_agrees_with_ort(tmp_path, depth):
     """Finding 5: the wire walk recursed without bound (RecursionError at 170 nested Ifs)."""
     path = tmp_path / "deep.onnx"
     path.write_bytes(_nested_if(depth))
-    ort_ok = _ort_accepts(path)
+    # ORT's verdict in a child with a deadline: some releases (1.25) take minutes on deep graphs
+    code = ("import sys, onnxruntime as ort\ntry:\n    ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])\n"
+            "except Exception:\n    sys.exit(3)\n")
+    try:
+        r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"onnxruntime {ort.__version__} takes over 60 s to judge {depth} nested Ifs")
+    assert r.returncode in (0, 3), r.stderr[-500:]
+    ort_ok = r.returncode == 0
     assert ort_ok == (depth <= 31)  # protobuf's nesting limit, in ORT as in onnx
     if ort_ok:
         with ortmem.load(path) as model:
