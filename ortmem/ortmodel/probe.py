@@ -166,11 +166,30 @@ def variants() -> Iterator[tuple[str, onnx.ModelProto, int, str, bool]]:
                        "GatherBlockQuantized", True)
 
 
+def import_baseline_bytes() -> int:
+    """Resident memory of a fresh interpreter once numpy, onnxruntime and ortmem's session path are
+    imported: the baseline every fresh-process measurement starts from, which differs per release
+    (the estimator's calibrated constant was measured on one)."""
+    import onnxruntime  # noqa: F401
+
+    import ortmem.session  # noqa: F401
+
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def run_all() -> dict[str, Any]:
     import onnxruntime as ort
 
+    try:
+        baseline = import_baseline_bytes()  # first, before any session grows the heap
+    except OSError:
+        baseline = 0
     ort.set_default_logger_severity(4)
-    results: dict[str, Any] = {"onnxruntime": ort.__version__, "variants": {}}
+    results: dict[str, Any] = {"onnxruntime": ort.__version__, "variants": {}, "import_baseline_bytes": baseline}
     with tempfile.TemporaryDirectory(prefix="ortmem-probe-") as tmp:
         for i, (key, m, acc, op, convert) in enumerate(variants()):
             try:

@@ -49,7 +49,7 @@ SUPPORTED = ((1, 25), (1, 32))
 #: Releases the suite runs against in CI (``.ci/run``) and whose probe answers make up the table.
 TESTED_RELEASES = ("1.25.1", "1.31.1", "1.32.0")
 #: Bumped whenever the probe asks new questions (old cached answers are then asked again).
-PROBE_FORMAT = 2
+PROBE_FORMAT = 3
 PROBE_TIMEOUT_S = 300
 
 # x86 / arm flags that select MLAS kernels and with them packed layouts and fused kernels.
@@ -218,6 +218,8 @@ class Capabilities:
     prepacked_validated: bool = False
     shared_initializer_guard: bool = True
     borrows_memory_buffers: bool = True
+    #: RSS of a fresh interpreter with numpy, onnxruntime and ortmem's session path imported (probed; 0: unknown)
+    import_baseline_bytes: int = 0
     #: ``table``: not probed (the probe child itself, and tests of the table); ``probe``: reconciled.
     source: str = "table"
     notes: tuple[str, ...] = ()
@@ -252,7 +254,8 @@ class Capabilities:
             "prepacked_save": self.prepacked_save,
             "prepacked_validated": self.prepacked_validated,
             "shared_initializer_guard": self.shared_initializer_guard,
-            "borrows_memory_buffers": self.borrows_memory_buffers, "notes": list(self.notes),
+            "borrows_memory_buffers": self.borrows_memory_buffers, "import_baseline_bytes": self.import_baseline_bytes,
+            "notes": list(self.notes),
             "matmul": {k: {"ok": v.ok, "why": v.why} for k, v in sorted(self.matmul.items())},
             "gather": {k: {"ok": v.ok, "why": v.why} for k, v in sorted(self.gather.items())},
         }
@@ -285,7 +288,7 @@ def table_capabilities(release: Optional[Release] = None) -> Capabilities:
     gather = {k: Verdict(k not in facts.gather_not, "" if k not in facts.gather_not else why) for k in ga_keys}
     return Capabilities(release, True, facts.fusion_block_max, facts.convert_block_max, matmul, gather,
                         facts.prepacked_save, facts.prepacked_validated, facts.shared_initializer_guard,
-                        facts.borrows_memory_buffers, "table")
+                        facts.borrows_memory_buffers, source="table")
 
 
 def unrestricted_capabilities(release: Optional[Release] = None) -> Capabilities:
@@ -294,7 +297,7 @@ def unrestricted_capabilities(release: Optional[Release] = None) -> Capabilities
     release = release or installed()
     mm_keys, ga_keys = _all_keys()
     return Capabilities(release, True, UNBOUNDED, UNBOUNDED, {k: Verdict(True) for k in mm_keys},
-                        {k: Verdict(True) for k in ga_keys}, True, False, True, True, "unrestricted")
+                        {k: Verdict(True) for k in ga_keys}, True, False, True, True, source="unrestricted")
 
 
 def reconcile(table: Capabilities, answers: Mapping[str, Any]) -> Capabilities:
@@ -345,7 +348,7 @@ def reconcile(table: Capabilities, answers: Mapping[str, Any]) -> Capabilities:
     return Capabilities(table.release, table.convert, fused_max, min(equal_max, table.convert_block_max),
                         merge(table.matmul), merge(table.gather), table.prepacked_save and prepacked_save,
                         table.prepacked_validated, table.shared_initializer_guard, table.borrows_memory_buffers,
-                        "probe", tuple(notes))
+                        int(answers.get("import_baseline_bytes") or 0), source="probe", notes=tuple(notes))
 
 
 def probed_block_max(variants: Mapping[str, Any], expected_fused: int) -> tuple[int, int]:

@@ -37,6 +37,7 @@ MatMul+Add, ...) change the activation picture and are not replayed (see docs/es
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -158,6 +159,12 @@ class Calibration:
         return cls(**{k: (float(v) if k == "retention_fraction" else int(v)) for k, v in c.items()
                       if k in cls.__dataclass_fields__ and k not in ("source", "onnxruntime")}, source=str(path),
                    onnxruntime=str(data.get("onnxruntime", "")))
+
+    def for_installed_release(self) -> "Calibration":
+        """These constants with the import baseline the release probe measured on this machine and
+        release (``ortmodel.release``), when it did: the one constant every estimate adds whole."""
+        measured = capabilities().import_baseline_bytes
+        return dataclasses.replace(self, baseline_bytes=measured) if measured else self
 
     def release_note(self) -> str | None:
         """A warning when the installed ORT is another (major, minor) than the one the constants were fitted on."""
@@ -886,7 +893,7 @@ def estimate(model_or_path: ModelLike, *, dims: Mapping[str, int] | None = None,
     """
     from ..loader import load
 
-    cal = calibration or Calibration.load()
+    cal = calibration or Calibration.load().for_installed_release()
     owned = not isinstance(model_or_path, Model)
     model = load(model_or_path) if owned else model_or_path
     try:
