@@ -14,6 +14,7 @@ pytestmark = pytest.mark.slow
 
 MARGIN = 1.10  # target 1.02; fresh-process peaks on a shared 2-core box move by a few percent
 MiB = 1 << 20
+FIXED_COST_BYTES = 6 * MiB  # what a small model may exceed ORT by whatever its weights (see below)
 
 
 def _shapes(rng):
@@ -44,11 +45,13 @@ def test_embedded_through_ortmem_costs_what_external_costs_under_ort(tmp_path, s
     print(f"{shape}: ORT embedded +{ort_emb.peak_above_baseline_bytes / MiB:.1f} MiB, "
           f"ORT external +{ort_ext.peak_above_baseline_bytes / MiB:.1f}, "
           f"ortmem embedded +{ortmem_emb.peak_above_baseline_bytes / MiB:.1f} (x{ratio:.3f})")
-    assert ratio <= MARGIN
     # A ratio hides a copy of small weights under a large fixed cost: bound the excess by the weight
     # bytes too, so an extra copy of every weight (+1.0x their bytes) always fails.
     weight_bytes = sum(len(site.tensor.raw_data) for site in iter_tensor_sites(model))
     excess = ortmem_emb.peak_above_baseline_bytes - ort_ext.peak_above_baseline_bytes
+    # ...and the ratio, where a fixed cost independent of the weights (ORT reads a skeleton file through
+    # a 4 MiB buffer: +4.7 MiB on the small subgraph model with onnxruntime 1.31.1) is not the question
+    assert ratio <= MARGIN or excess <= FIXED_COST_BYTES, f"x{ratio:.3f}, +{excess / MiB:.1f} MiB"
     assert excess <= 0.5 * weight_bytes, f"+{excess / MiB:.1f} MiB over ORT on {weight_bytes / MiB:.1f} MiB of weights"
     if shape == "huge":  # where embedded weights dominate, ORT pays for them twice and ortmem does not
         assert ortmem_emb.peak_above_baseline_bytes < 0.6 * ort_emb.peak_above_baseline_bytes
