@@ -99,13 +99,14 @@ def key_identity(path: Path) -> dict[str, Any]:
 
 
 def same_source(recorded: dict[str, Any], current: dict[str, Any]) -> Optional[bool]:
-    """True: unchanged. None: changed only by a link count change (another entry linked or dropped
-    the file, which moves ctime too): unchanged in content, the caller records the new identity.
-    False: changed."""
+    """True: unchanged. False: replaced, resized or rewritten with a new mtime. None: only ctime (and
+    maybe the link count) moved: either another entry linked or dropped the file (every cache entry
+    hard-links its sources, and a link then an unlink leaves the count where it was) or the file was
+    edited in place with its mtime set back; the caller tells the two apart by content."""
     if recorded == current:
         return True
     stable = ("path", "size", "mtime_ns", "inode", "dev")
-    if all(recorded.get(k) == current.get(k) for k in stable) and recorded.get("nlink") != current.get("nlink"):
+    if all(recorded.get(k) == current.get(k) for k in stable):
         return None
     return False
 

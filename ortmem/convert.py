@@ -147,8 +147,14 @@ def lookup_converted(cache: Cache, model_path: Path, settings: OrtSettings,
             cache.discard(entry)
             return None
     update: dict[str, Any] = {}
-    if None in verdicts:  # only another entry's hard link moved the link count: record the new identity
-        update["sources"] = current
+    if None in verdicts:  # only ctime moved: another entry's link/unlink, or an in-place edit? Ask the content.
+        content = manifest.get("source_content")
+        if not (isinstance(content, list) and len(content) == len(recorded)
+                and all(digest.matches(Path(s["path"]), d) for s, d, v in zip(recorded, content, verdicts) if v is None)):
+            log.info("ortmem: a source of cache entry %s changed in place; rebuilding", entry.path)
+            cache.discard(entry)
+            return None
+        update["sources"] = current  # same bytes: record the new identity so the next start needs no digest
     if racy is not None and not _racy(current):  # content confirmed and now stat can tell any later edit
         update["source_digests"] = None
     if update:
@@ -191,8 +197,12 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
         spans = [(t.offset, t.nbytes) for t in out_tensors(plan) if t.nbytes and t.location is None]
         sources = _source_identities(model)
         extras = {"spans": spans, "source": str(model.path), "sources": sources, "report": report.summary()}
+        # Content digests, kept for good: checked only when a source's ctime moved with everything else
+        # equal (another entry's hard link, or an edit with mtime set back). ~0.1 s/GB, read from the
+        # page cache the conversion just filled.
+        extras["source_content"] = [digest.file_digest(Path(s["path"])) for s in sources]
         if _racy(sources):  # just written: stat alone cannot vouch for it yet
-            extras["source_digests"] = [digest.file_digest(Path(s["path"])) for s in sources]
+            extras["source_digests"] = extras["source_content"]
         return extras
 
     key = cache_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32})

@@ -321,6 +321,25 @@ def test_in_place_edit_with_restored_mtime_is_a_miss(tmp_path):
     _assert_same(again.run(None, FEEDS), expected)
 
 
+def test_another_entry_linking_and_dropping_the_source_keeps_the_hit(tmp_path):
+    """Every entry hard-links its sources: another cache's entry made then cleared moves the source's
+    ctime but leaves the link count where it was. That is no edit (the content digest says so): still a
+    hit, and the identity is recorded anew so the next start needs no digest."""
+    path = _model(tmp_path / "m")
+    cache = tmp_path / "cache"
+    ortmem.InferenceSession(path, cache=cache)
+    data = next(p for p in path.parent.iterdir() if p != path)  # the external data file entries link
+    before = os.stat(data)
+    other = tmp_path / "other"
+    ortmem.InferenceSession(path, cache=other)  # links the source
+    Cache(other).clear()  # drops the link again
+    after = os.stat(data)
+    assert after.st_nlink == before.st_nlink and after.st_ctime_ns != before.st_ctime_ns
+    again = ortmem.InferenceSession(path, cache=cache)
+    assert again.ortmem_cache_hit
+    _assert_same(again.run(None, FEEDS), _ort(path))
+
+
 def _entry_with_a_flipped_weight(tmp_path: Path) -> tuple[Path, Path]:
     """(model, cache): the model's entry built, then one byte flipped mid-span in its largest tensor."""
     path = _model(tmp_path / "m")
