@@ -32,8 +32,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from .variants import (ACCURACY_LEVELS, BLOCK_SWEEP, SCALE_TYPES, WEIGHT_TYPES, dq_gather_model, dq_matmul_model,
-                       variant_key)
+from .variants import (ACCURACY_LEVELS, BLOCK_SWEEP, GATHER_WEIGHT_TYPES, SCALE_TYPES, WEIGHT_TYPES, dq_gather_model,
+                       dq_matmul_model, variant_key)
 
 
 def _feeds(m: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -159,7 +159,7 @@ def variants() -> Iterator[tuple[str, onnx.ModelProto, int, str, bool]]:
                            dq_matmul_model(wtype, stype, 32, has_zp), acc, "MatMulNBits", True)
     for block in BLOCK_SWEEP:
         yield f"block:{block}", dq_matmul_model("int4", "float", block, False), 4, "MatMulNBits", True
-    for wtype in ("uint2", "int4", "uint4", "uint8"):
+    for wtype in GATHER_WEIGHT_TYPES:
         for has_zp in (False, True):
             for stype in SCALE_TYPES:
                 yield (variant_key("gather", wtype, has_zp, stype), dq_gather_model(wtype, stype, has_zp), 4,

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from ..cache import cache_root
-from .variants import ACCURACY_LEVELS, BLOCK_SWEEP, SCALE_TYPES, WEIGHT_TYPES, variant_key
+from .variants import ACCURACY_LEVELS, BLOCK_SWEEP, GATHER_WEIGHT_TYPES, SCALE_TYPES, WEIGHT_TYPES, variant_key
 
 log = logging.getLogger(__name__)
 
@@ -86,12 +86,13 @@ class ReleaseFacts:
     prepacked_validated: bool = False
 
 
-def _keys(kind: str, wtypes: tuple[str, ...], zps=(False, True), stypes=("float", "float16"), accs=(0, 4)) -> frozenset[str]:
+def _keys(kind: str, wtypes: tuple[str, ...], zps=(False, True), stypes=tuple(SCALE_TYPES),
+          accs=ACCURACY_LEVELS) -> frozenset[str]:
     return frozenset(variant_key(kind, w, z, s, a) for w in wtypes for z in zps for s in stypes for a in accs)
 
 
-def _gather_keys(wtypes: tuple[str, ...], zps=(False, True), stypes=("float", "float16")) -> frozenset[str]:
-    return frozenset(variant_key("gather", w, z, s) for w in wtypes for z in zps for s in stypes)
+def _gather_keys(wtypes: tuple[str, ...], zps=(False, True), stypes=tuple(SCALE_TYPES)) -> frozenset[str]:
+    return _keys("gather", wtypes, zps, stypes, accs=(4,))
 
 
 #: A rule without an upper block bound.
@@ -158,13 +159,9 @@ def parse_version(text: str) -> tuple[int, ...]:
     return tuple(out + [0] * (3 - len(out)))
 
 
+@functools.lru_cache(maxsize=None)
 def cpu_flags() -> tuple[str, ...]:
     """The CPU instruction-set flags that select ORT's (MLAS) kernels; empty where /proc is absent."""
-    return _cpu_flags()
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_flags() -> tuple[str, ...]:
     flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -265,12 +262,9 @@ def _variant(kind: str, weight_type: str, has_zp: bool, scale_type: str, accurac
     return variant_key(kind, weight_type, has_zp, scale_type, accuracy if kind == "matmul" else 4)
 
 
-def _all_keys() -> tuple[list[str], list[str]]:
-    mm = [variant_key("matmul", w, z, s, a) for w in WEIGHT_TYPES for z in (False, True) for s in SCALE_TYPES
-          for a in ACCURACY_LEVELS]
-    ga = [variant_key("gather", w, z, s) for w in ("uint2", "int4", "uint4", "uint8") for z in (False, True)
-          for s in SCALE_TYPES]
-    return mm, ga
+def _all_keys() -> tuple[frozenset[str], frozenset[str]]:
+    """Every variant the probe asks about: (DQ+MatMul keys, DQ+Gather keys)."""
+    return _keys("matmul", tuple(WEIGHT_TYPES)), _gather_keys(GATHER_WEIGHT_TYPES)
 
 
 def table_capabilities(release: Optional[Release] = None) -> Capabilities:
@@ -368,6 +362,14 @@ def probed_block_max(variants: Mapping[str, Any], expected_fused: int) -> tuple[
     return (max(fused, expected_fused) if fused == BLOCK_SWEEP[-1] else fused), equal
 
 
+def well_formed(answers: Any) -> bool:
+    """Probe answers :func:`reconcile` can read: anything else (a damaged file, a child that printed
+    something else) is treated as no answer."""
+    return (isinstance(answers, dict) and isinstance(answers.get("variants"), dict)
+            and all(isinstance(v, dict) for v in answers["variants"].values())
+            and isinstance(answers.get("prepacked", {}), dict))
+
+
 def run_probe(timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
     """Run :mod:`ortmem.ortmodel.probe` in a fresh interpreter (an ORT crash costs the probe only)."""
     env = dict(os.environ, ORTMEM_PROBE_CHILD="1", OMP_NUM_THREADS="1")
@@ -377,7 +379,10 @@ def run_probe(timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
     if proc.returncode != 0:
         tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
         raise RuntimeError(f"probe exited with {proc.returncode}: {tail[0][:300]}")
-    return json.loads(proc.stdout)
+    answers = json.loads(proc.stdout)
+    if not well_formed(answers):
+        raise ValueError("probe printed no answers ortmem can read")
+    return answers
 
 
 def _probe_dir() -> Optional[Path]:
@@ -414,7 +419,7 @@ def _read_answers(path: Path) -> Optional[dict[str, Any]]:
             return None
         with os.fdopen(fd, "rb", closefd=False) as f:
             data = json.loads(f.read())
-        return data if isinstance(data, dict) and "variants" in data else None
+        return data if well_formed(data) else None
     except (OSError, ValueError):
         return None
     finally:

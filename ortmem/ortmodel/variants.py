@@ -19,6 +19,8 @@ SCALE_TYPES = {"float": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 #: Block sizes swept for the fusion bound (int4, float scales, accuracy 4). ORT's rule takes powers of two.
 BLOCK_SWEEP = (16, 32, 64, 128, 256, 512, 1024, 2048)
 ACCURACY_LEVELS = (0, 4)
+#: DQ weight types a DQ+Gather can become GatherBlockQuantized from (uint2 travels as uint8 bits=2).
+GATHER_WEIGHT_TYPES = ("uint2", "int4", "uint4", "uint8")
 N_COLS = 8  # a multiple of 4, so 2-bit rows are byte aligned (1.31.1 gets 2-bit N % 4 != 0 wrong)
 
 
