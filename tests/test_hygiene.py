@@ -281,14 +281,19 @@ print(json.dumps({"after": after, "released": released, "trimmed": procfs.read_s
 @needs_glibc
 @needs_proc
 def test_hygiene_lowers_resident_memory_after_creation(rss_model: Path) -> None:
-    """Fresh processes, one at a time. Measured here: plain 189-201 MiB resident (= its peak) vs
-    hygiene 140 MiB (peak 149); ``trim()`` brings plain down to 140. Margins are under half the gaps."""
+    """Fresh processes, one at a time. Measured on ORT 1.32.0: plain 147 MiB anonymous (peak 181) vs
+    hygiene 109 MiB (peak 153); ``trim()`` brings plain down to 109 anonymous and reports 22 MiB of
+    RSS released (statm counts file pages too, so it reports less than the anonymous drop). On ORT
+    1.31.1: plain 189-201 MiB resident vs 140. Margins are under two thirds of the gaps."""
     plain = _run_fresh(_CREATE, "plain", str(rss_model))
     clean = _run_fresh(_CREATE, "hygiene", str(rss_model))
-    assert clean["after"]["RssAnon"] <= plain["after"]["RssAnon"] - 24 * MiB, (plain, clean)
-    assert clean["after"]["VmHWM"] <= plain["after"]["VmHWM"] - 20 * MiB, (plain, clean)
+    kept = plain["after"]["RssAnon"] - clean["after"]["RssAnon"]
+    assert kept >= 24 * MiB, (plain, clean)
+    assert clean["after"]["VmHWM"] <= plain["after"]["VmHWM"] - 16 * MiB, (plain, clean)
     # What hygiene avoided keeping is exactly the kind of memory malloc_trim can give back:
-    assert plain["released"] >= 24 * MiB
+    given_back = plain["after"]["RssAnon"] - plain["trimmed"]["RssAnon"]
+    assert given_back >= kept // 2, (plain, clean)
+    assert plain["released"] >= 8 * MiB, plain
     assert clean["after"]["RssAnon"] <= plain["trimmed"]["RssAnon"] + 16 * MiB
 
 
