@@ -43,6 +43,7 @@ from .onnx_walk import is_external, iter_graphs, iter_tensor_sites
 from .passes.dq_matmul import ConversionReport, Progress, plan_conversion
 from .passes.dq_matmul_match import OrtSettings
 from .ortmodel.release import capabilities
+from .prepack_later import PrepackLater, prepack_later_for
 from .prepacked import prepacked_model, save_prepacked
 from .validity import validity_fault
 
@@ -67,8 +68,18 @@ class Handoff:
     #: ``model`` is a cache entry's pre-packed model: what to load instead if ORT refuses it.
     fallback: Optional[str] = None
     #: What ortmem did, in a word or two, for reports: "as-is", "mapped", "converted", "cache-hit",
-    #: "pre-packed", "in-memory", or "untouched: <why>".
+    #: "pre-packed" (mapped ORT's packed weights saved earlier), "packed" (a cache hit that packed
+    #: and saved them first, then mapped them), "in-memory", or "untouched: <why>".
     action: str = "as-is"
+    #: A cold start's packing of ORT's weights, to start once the session has run
+    #: (:mod:`ortmem.prepack_later`); None when the next start should not find it done.
+    prepack_later: Optional[PrepackLater] = None
+
+    def session_ran(self) -> None:
+        """The session answered its first run: start what was left for after it (once)."""
+        later, self.prepack_later = self.prepack_later, None
+        if later is not None:
+            later.start()
 
     def register(self, options) -> None:
         if self.memory is not None:
@@ -190,7 +201,7 @@ def _convert(model: Model, convert: ConvertOptions, own_folder: bool) -> Handoff
                 convert.cache_hit, convert.report = hit, report
                 if entry is None:
                     return from_model(model, own_folder=own_folder, link_root=_cache_root(convert))
-                handoff = _warm_start(entry, convert) if hit else Handoff(model=str(entry.model_path), action="converted")
+                handoff = _warm_start(entry, convert) if hit else _cold_start(entry, convert)
                 if handoff is not None:
                     _consume(model)
                     return handoff
@@ -215,6 +226,15 @@ def _cache_hit(path: Path, convert: Optional[ConvertOptions]):
     return entry
 
 
+def _cold_start(entry: Entry, convert: ConvertOptions) -> Handoff:
+    """A freshly built entry, loaded by path; with ``convert.prepacked``, ORT's packed weights are
+    saved beside it in the background after the session's first run, so the next start maps them."""
+    handoff = Handoff(model=str(entry.model_path), action="converted")
+    if convert.prepacked and convert.cache is not None and capabilities().prepacked_save:
+        handoff.prepack_later = prepack_later_for(entry, convert.cache, convert.sess_options)
+    return handoff
+
+
 def _warm_start(entry: Entry, convert: ConvertOptions) -> Optional[Handoff]:
     """A cache hit, loaded by path: the entry's pre-packed model when ``convert.prepacked`` (saved
     now if this is the first hit, or if the saved one is for another CPU or ORT), else the entry.
@@ -224,9 +244,10 @@ def _warm_start(entry: Entry, convert: ConvertOptions) -> Optional[Handoff]:
     up with ``verify="sampled"``/``"off"`` is digested whole (a byte flipped in weights.bin would
     otherwise be baked into every later session's pre-packed weights).
 
-    The packing is paid once, by the first warm start, rather than by the cold start (whose init
-    time it would double) or beside a live session (whose peak it would raise): it runs before ORT's
-    session exists, in groups of a few tensors, and peaks well under the session itself.
+    The packing is normally done by then: the cold start left it to a background process after its
+    session's first run (:mod:`ortmem.prepack_later`), whose lock this start waits on. Otherwise
+    (small weights, no run yet, a packer that failed) this start packs, once, before ORT's session
+    exists, in groups of a few tensors, peaking well under the session itself.
     """
     if convert.prepacked and capabilities().prepacked_save:
         mode = convert.cache.verify_mode if convert.cache is not None else "full"
@@ -239,13 +260,20 @@ def _warm_start(entry: Entry, convert: ConvertOptions) -> Optional[Handoff]:
                     convert.cache.discard(entry)
                     convert.cache_hit = False
                     return None
+            action = "packed"
             if convert.cache is not None:
-                with convert.cache.creating(entry.key):  # N workers on a fresh entry: one packs
-                    path = prepacked_model(entry.path, mode) or _save_prepacked(entry, convert)
+                with convert.cache.creating(entry.key):  # N workers, or the background packer: one packs
+                    path = prepacked_model(entry.path, mode)
+                    if path is None:
+                        path = _save_prepacked(entry, convert)
+                    else:
+                        action = "pre-packed"
             else:
                 path = _save_prepacked(entry, convert)
+        else:
+            action = "pre-packed"
         if path is not None:
-            return Handoff(model=str(path), fallback=str(entry.model_path), action="pre-packed")
+            return Handoff(model=str(path), fallback=str(entry.model_path), action=action)
     return Handoff(model=str(entry.model_path), action="cache-hit")
 
 

@@ -331,14 +331,21 @@ def _sub_options(entry_dir: Path, out_dir: Path, user: Optional[ort.SessionOptio
                  ("session.optimized_model_external_initializers_file_name", "sub.data"),
                  ("session.model_external_initializers_file_folder_path", str(entry_dir))):
         so.add_session_config_entry(k, v)
-    if user is not None:
-        for k in _COPIED_CONFIG:
-            v = get_config(user, k)
-            if v:
-                so.add_session_config_entry(k, v)
-        if user.intra_op_num_threads:
-            so.intra_op_num_threads = user.intra_op_num_threads
+    config, threads = packing_settings(user)
+    for k, v in config.items():
+        so.add_session_config_entry(k, v)
+    if threads:
+        so.intra_op_num_threads = threads
     return so
+
+
+def packing_settings(user: Optional[ort.SessionOptions]) -> tuple[dict[str, str], int]:
+    """What of the caller's options the packing sessions take: the config entries that may change
+    how a kernel packs, and the intra-op thread count (0: ORT's default)."""
+    if user is None:
+        return {}, 0
+    config = {k: v for k in _COPIED_CONFIG if (v := get_config(user, k))}
+    return config, int(user.intra_op_num_threads or 0)
 
 
 def _blobs_of(saved: onnx.ModelProto) -> dict[str, list[tuple[str, list[tuple[int, int]]]]]:

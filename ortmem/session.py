@@ -53,8 +53,14 @@ class InferenceSession(ort.InferenceSession):
       A cache folder that cannot be used (read-only, someone else's) gives one warning and an
       in-memory conversion.
 
-    ``self.ortmem_report`` tells what was converted (None when nothing was, or on a cache hit) and
-    ``self.ortmem_cache_hit`` whether the conversion came from the cache.
+    ``self.ortmem_report`` tells what was converted (None when nothing was, or on a cache hit),
+    ``self.ortmem_cache_hit`` whether the conversion came from the cache, and ``self.ortmem_action``
+    what ORT was given (``"converted"``: a cold start; ``"pre-packed"``: a warm start mapping ORT's
+    packed weights; ``"packed"``: a hit that packed them first; see ``ortmem.handoff.Handoff.action``).
+
+    Starts: the first (cold) converts into the cache and, after its session's first ``run``, packs
+    ORT's weights into the entry in a background process (:mod:`ortmem.prepack_later`); from the
+    second start on, sessions map them (``ortmem_action == "pre-packed"``).
     """
 
     def __init__(
@@ -98,6 +104,24 @@ class InferenceSession(ort.InferenceSession):
                     self._retry_without_prepacked(exc, sess_options, providers, provider_options, **kwargs)
             finally:
                 self._ortmem_handoff.after_create()
+
+    @property
+    def ortmem_action(self) -> str:
+        """What ortmem gave ORT: ``Handoff.action`` ("converted", "pre-packed", "packed", ...)."""
+        return self._ortmem_handoff.action
+
+    def run(self, output_names, input_feed, run_options=None):  # type: ignore[override]
+        return self._ortmem_ran(super().run(output_names, input_feed, run_options))
+
+    def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):  # type: ignore[override]
+        return self._ortmem_ran(super().run_with_ort_values(output_names, input_dict_ort_values, run_options))
+
+    def _ortmem_ran(self, result: Any) -> Any:
+        """After a successful run: what a cold start left for after its first run (one attribute
+        test on every later run)."""
+        if self._ortmem_handoff.prepack_later is not None:
+            self._ortmem_handoff.session_ran()
+        return result
 
     def _retry_without_prepacked(self, exc: Exception, *args: Any, **kwargs: Any) -> None:
         """ORT refused a cache entry's pre-packed model: drop those files and load the entry itself."""

@@ -411,3 +411,65 @@ def test_a_prepacked_model_ort_refuses_falls_back_to_the_entry(qdq, tmp_path, mo
     assert "could not load the pre-packed model" in caplog.text
     assert Path(s._ortmem_handoff.model).name == pp.MODEL_FILE and not (entry / pp.PREPACKED_MANIFEST).exists()
     assert np.array_equal(s.run(None, QDQ_FEEDS)[0], expected)
+
+
+# ---- the second start is warm: the cold start packs in the background after its first run ----
+
+#: ~50 MiB of converted weights (int4 codes + fp32 scales): above ``prepack_later.MIN_WEIGHT_BYTES``.
+BIG_QDQ = SynthConfig(hidden=1024, intermediate=2816, layers=6, vocab=4000, heads=8, storage="external", name="big")
+
+_START = r"""
+import json, sys
+import numpy as np
+import ortmem
+from ortmem import prepack_later
+from ortmem.measure import procfs
+s = ortmem.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"], cache=sys.argv[2])
+created = procfs.read_status("self")
+out = s.run(None, {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)})[0]
+print(json.dumps({"action": s.ortmem_action, "anon": created["RssAnon"], "packer": prepack_later.started_packers(),
+                  "waited": prepack_later.wait_background(300), "out": out.tolist()}))
+"""
+
+
+def _start(model: Path, cache: Path) -> dict:
+    """One start in a fresh process: what ortmem did, private memory after creation, the output."""
+    r = subprocess.run([sys.executable, "-c", _START, str(model), str(cache)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def big_qdq(tmp_path_factory) -> Path:
+    return write_model(BIG_QDQ, tmp_path_factory.mktemp("big") / "model.onnx")
+
+
+def test_the_second_start_is_warm(big_qdq, tmp_path):
+    """Start 1 converts and, after its first run, leaves a packer that saves ORT's packed weights into
+    the entry; start 2 maps them: reported as "pre-packed", with far less private memory after creation.
+    Where ORT saves no pre-packed weights (1.25) start 2 is a plain hit on the entry (the warm state
+    there) and no packer is started."""
+    from ortmem.prepack_later import MIN_WEIGHT_BYTES
+
+    cache = tmp_path / "cache"
+    expected = ort.InferenceSession(str(big_qdq), providers=["CPUExecutionProvider"]).run(None, QDQ_FEEDS)[0]
+    first = _start(big_qdq, cache)
+    entry = next(p for p in cache.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert (entry / pp.WEIGHTS_FILE).stat().st_size >= MIN_WEIGHT_BYTES
+    assert first["action"] == "converted" and first["waited"]
+    assert first["packer"] == (1 if SAVES else 0)
+    assert (entry / pp.PREPACKED_MANIFEST).exists() == SAVES
+    if SAVES:
+        assert pp.verify_prepacked(entry, "full") is None
+    second = _start(big_qdq, cache)
+    assert second["packer"] == 0
+    assert second["action"] == ("pre-packed" if SAVES else "cache-hit")
+    for s in (first, second):
+        assert np.array_equal(np.array(s["out"], dtype=expected.dtype), expected)
+    if SAVES:
+        # ORT's packed B (~1.5x the 38 MiB of int4 codes at accuracy 4) is mapped, not on the heap:
+        # measured 2026-11-24 on 1.32.0 as start 1 -> start 2 anonymous after creation (see the PR).
+        assert second["anon"] < first["anon"] - 24 * 2**20, (first["anon"] >> 20, second["anon"] >> 20)
+    assert not any(p.name.startswith((".tmp-", ".lock-")) for p in cache.iterdir())
+    assert not any(p.name.startswith(".") for p in entry.iterdir())

@@ -98,6 +98,11 @@ class ProbeResult:
     outputs: list[dict[str, Any]] = field(default_factory=list)
     memray: dict[str, Any] | None = None
     prepare_wall_s: float | None = None
+    #: A background process the strategy left running after the first run (a cold start's packing of
+    #: ORT's weights, ``ortmem.prepack_later``): seconds from the end of the run until it finished,
+    #: and its peak RSS (not part of any peak above: it ran after the measured phases).
+    background_wall_s: float | None = None
+    background_peak_bytes: int | None = None
     started_unix: float | None = None  # wall-clock start of the child, to check run order
     heap_jitter_bytes: int = 0  # heap padding before imports (see probe())
 
@@ -345,6 +350,8 @@ def _assemble(
         outputs=raw.get("outputs", []),
         memray=raw.get("memray"),
         prepare_wall_s=prepared.wall_s if prepared.wall_s else None,
+        background_wall_s=raw.get("background_wall_s"),
+        background_peak_bytes=raw.get("background_maxrss"),
     )
     ar = raw.get("after_run")
     if ar is not None:
