@@ -201,6 +201,7 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
         # equal (another entry's hard link, or an edit with mtime set back). ~0.1 s/GB, read from the
         # page cache the conversion just filled.
         extras["source_content"] = [digest.file_digest(Path(s["path"])) for s in sources]
+        extras["digests"] = _linked_digests(tmp, sources, extras["source_content"])
         if _racy(sources):  # just written: stat alone cannot vouch for it yet
             extras["source_digests"] = extras["source_content"]
         return extras
@@ -212,6 +213,21 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
             return hit, True, None
         entry = cache.build(key, build, file_mode=private_mode(model.path))
     return entry, False, reports[0] if reports else None
+
+
+def _linked_digests(folder: Path, sources: list[dict[str, Any]], content: list[str]) -> dict[str, str]:
+    """Digests of the source files hard-linked into ``folder`` (``source-*``), taken from the sources'
+    own digests just computed: the same inode, so the entry's manifest need not read them again
+    (a second pass over the model's data file, 0.2 s per GB on this VM)."""
+    by_inode = {(int(s["dev"]), int(s["inode"])): d for s, d in zip(sources, content)}
+    out: dict[str, str] = {}
+    for f in folder.iterdir():
+        if f.name.startswith(SOURCE_LINK_PREFIX):
+            st = f.lstat()
+            d = by_inode.get((st.st_dev, st.st_ino))
+            if d is not None:
+                out[f.name] = d
+    return out
 
 
 def convert_to(model: Model, out_dir: Path, settings: OrtSettings, *, progress: Optional[Progress] = None) -> ConversionReport:

@@ -68,8 +68,8 @@ class Handoff:
     #: ``model`` is a cache entry's pre-packed model: what to load instead if ORT refuses it.
     fallback: Optional[str] = None
     #: What ortmem did, in a word or two, for reports: "as-is", "mapped", "converted", "cache-hit",
-    #: "pre-packed" (mapped ORT's packed weights saved earlier), "packed" (a cache hit that packed
-    #: and saved them first, then mapped them), "in-memory", or "untouched: <why>".
+    #: "pre-packed" (mapped ORT's packed weights, saved earlier or by this start), "in-memory", or
+    #: "untouched: <why>".
     action: str = "as-is"
     #: A cold start's packing of ORT's weights, to start once the session has run
     #: (:mod:`ortmem.prepack_later`); None when the next start should not find it done.
@@ -260,20 +260,13 @@ def _warm_start(entry: Entry, convert: ConvertOptions) -> Optional[Handoff]:
                     convert.cache.discard(entry)
                     convert.cache_hit = False
                     return None
-            action = "packed"
             if convert.cache is not None:
                 with convert.cache.creating(entry.key):  # N workers, or the background packer: one packs
-                    path = prepacked_model(entry.path, mode)
-                    if path is None:
-                        path = _save_prepacked(entry, convert)
-                    else:
-                        action = "pre-packed"
+                    path = prepacked_model(entry.path, mode) or _save_prepacked(entry, convert)
             else:
                 path = _save_prepacked(entry, convert)
-        else:
-            action = "pre-packed"
         if path is not None:
-            return Handoff(model=str(path), fallback=str(entry.model_path), action=action)
+            return Handoff(model=str(path), fallback=str(entry.model_path), action="pre-packed")
     return Handoff(model=str(entry.model_path), action="cache-hit")
 
 

@@ -56,7 +56,7 @@ class InferenceSession(ort.InferenceSession):
     ``self.ortmem_report`` tells what was converted (None when nothing was, or on a cache hit),
     ``self.ortmem_cache_hit`` whether the conversion came from the cache, and ``self.ortmem_action``
     what ORT was given (``"converted"``: a cold start; ``"pre-packed"``: a warm start mapping ORT's
-    packed weights; ``"packed"``: a hit that packed them first; see ``ortmem.handoff.Handoff.action``).
+    packed weights; ``"cache-hit"``: one loading the entry itself; see ``ortmem.handoff.Handoff.action``).
 
     Starts: the first (cold) converts into the cache and, after its session's first ``run``, packs
     ORT's weights into the entry in a background process (:mod:`ortmem.prepack_later`); from the
@@ -107,7 +107,7 @@ class InferenceSession(ort.InferenceSession):
 
     @property
     def ortmem_action(self) -> str:
-        """What ortmem gave ORT: ``Handoff.action`` ("converted", "pre-packed", "packed", ...)."""
+        """What ortmem gave ORT: ``Handoff.action`` ("converted", "pre-packed", "cache-hit", ...)."""
         return self._ortmem_handoff.action
 
     def run(self, output_names, input_feed, run_options=None):  # type: ignore[override]

@@ -188,13 +188,13 @@ def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
 def _wait_for_background(result: dict[str, Any]) -> None:
     """A cold start packs ORT's weights in a background process after its first run
     (``ortmem.prepack_later``): wait for it here, after every measured phase, so it neither runs into
-    the next probe nor goes unreported (its time from the end of the run, and its peak RSS)."""
+    the next probe nor goes unreported (its time from the end of the run; the parent's sampler
+    sees its memory)."""
     later = sys.modules.get("ortmem.prepack_later")
     if later is None or not later.started_packers():
         return
     later.wait_background()
     result["background_wall_s"] = time.monotonic() - result["events"].get("run_end", result["events"]["create_end"])
-    result["background_maxrss"] = _children_maxrss()
 
 
 def run_prepare(spec: dict[str, Any]) -> dict[str, Any]:

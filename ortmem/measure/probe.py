@@ -100,7 +100,9 @@ class ProbeResult:
     prepare_wall_s: float | None = None
     #: A background process the strategy left running after the first run (a cold start's packing of
     #: ORT's weights, ``ortmem.prepack_later``): seconds from the end of the run until it finished,
-    #: and its peak RSS (not part of any peak above: it ran after the measured phases).
+    #: and its peak RSS sampled after the run (not part of any peak above: it ran after the measured
+    #: phases; ``RUSAGE_CHILDREN`` cannot tell it, since a spawned child's high-water mark includes
+    #: the parent's pages it shared until ``exec``).
     background_wall_s: float | None = None
     background_peak_bytes: int | None = None
     started_unix: float | None = None  # wall-clock start of the child, to check run order
@@ -351,7 +353,7 @@ def _assemble(
         memray=raw.get("memray"),
         prepare_wall_s=prepared.wall_s if prepared.wall_s else None,
         background_wall_s=raw.get("background_wall_s"),
-        background_peak_bytes=raw.get("background_maxrss"),
+        background_peak_bytes=helper_peak(t_end, float("inf")) if "background_wall_s" in raw else None,
     )
     ar = raw.get("after_run")
     if ar is not None:

@@ -346,6 +346,10 @@ def render_table(report: BenchReport) -> str:
                 flags.append("hwm not reset")
             if any(r.helper_pids for r in sr.runs):
                 flags.append("helpers")
+            background = [r for r in sr.runs if r.background_wall_s is not None]
+            if background:  # a cold start's packer, after the measured phases (ortmem.prepack_later)
+                flags.append(f"packer {statistics.median(r.background_wall_s for r in background):.1f} s "
+                             f"{statistics.median(r.background_peak_bytes or 0 for r in background) / 2**20:.0f} MiB")
             rows.append(
                 [
                     name,
@@ -375,7 +379,9 @@ def render_table(report: BenchReport) -> str:
         "private: anonymous memory (RssAnon+RssShmem), what each process costs alone; shared: file-backed "
         "(RssFile), page cache counted once per machine and reclaimable. pk: sampled peak over creation and "
         "first run; run: after the first run. peak: VmHWM (private + shared) over creation and first run "
-        "(+helpers). Ratios: medians over the reference's medians."
+        "(+helpers). Ratios: medians over the reference's medians. packer: a cold start's background "
+        "packing of ORT's weights after the first run (ortmem.prepack_later), s from the run's end and its "
+        "sampled peak, outside every column."
     )
     out = blocks + ([legend] if report.models else [])
     if report.workers is not None:
