@@ -105,10 +105,10 @@ def prepack_later_for(entry: Entry, cache: Cache, sess_options: Optional[object]
     return PrepackLater(str(cache.root), entry.key, cache.verify_mode, config, threads)
 
 
-def started_packers() -> int:
-    """How many packers this process has started."""
+def started_packers() -> list[int]:
+    """The process ids of the packers this process has started."""
     with _lock:
-        return len(_started)
+        return [p.pid for p in _started]
 
 
 def wait_background(timeout: Optional[float] = None) -> bool:

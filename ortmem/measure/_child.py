@@ -191,9 +191,11 @@ def _wait_for_background(result: dict[str, Any]) -> None:
     the next probe nor goes unreported (its time from the end of the run; the parent's sampler
     sees its memory)."""
     later = sys.modules.get("ortmem.prepack_later")
-    if later is None or not later.started_packers():
+    pids = later.started_packers() if later is not None else []
+    if not pids:
         return
     later.wait_background()
+    result["background_pids"] = pids
     result["background_wall_s"] = time.monotonic() - result["events"].get("run_end", result["events"]["create_end"])
 
 
