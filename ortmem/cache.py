@@ -307,7 +307,7 @@ class Cache:
         the path's) opens the path again. A lock that cannot be taken (no ``flock`` on this
         filesystem) is skipped, which only costs duplicated work: the atomic rename still decides.
         """
-        path = self.root / f".lock-{key}"
+        path = creator_lock_path(self.root, key)
         while True:
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
@@ -441,6 +441,12 @@ class Cache:
             _unlink_quiet(trash)
         else:
             shutil.rmtree(trash, ignore_errors=True)
+
+
+def creator_lock_path(root: Path, key: str) -> Path:
+    """The file :meth:`Cache.creating` locks for ``key``: it exists only while someone holds or waits
+    for the lock (its holder removes it), so its presence says that work on the entry is under way."""
+    return Path(root) / f".lock-{key}"
 
 
 def open_cache(root: Optional[Path] = None, *, verify: str = digest.DEFAULT_VERIFY) -> Optional[Cache]:

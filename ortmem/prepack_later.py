@@ -46,7 +46,7 @@ from typing import Optional
 
 import onnxruntime as ort
 
-from .cache import WEIGHTS_FILE, Cache, Entry
+from .cache import WEIGHTS_FILE, Cache, Entry, creator_lock_path
 from .prepacked import PREPACKED_MANIFEST, packing_settings, prepacked_model, save_prepacked
 
 log = logging.getLogger(__name__)
@@ -73,9 +73,12 @@ class PrepackLater:
 
     def start(self) -> Optional[subprocess.Popen]:
         """Start the packer (detached; reaped by a daemon thread); None when the entry is already
-        packed or the process cannot be started (logged: the next start packs then)."""
+        packed, another process is packing it, or the process cannot be started (logged: the next
+        start packs then)."""
         if (Path(self.cache_root) / self.key / PREPACKED_MANIFEST).exists():
             return None
+        if creator_lock_path(Path(self.cache_root), self.key).exists():
+            return None  # another process packs it now (workers forked after a --preload share this job)
         env = dict(os.environ)
         package_parent = str(Path(__file__).resolve().parent.parent)  # the child imports this very ortmem
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
