@@ -14,7 +14,7 @@ import pytest
 import ortmem
 from ortmem.convert import settings_from, write_converted
 from ortmem.passes import nbits_layout as nb
-from ortmem.passes.dq_matmul import plan_conversion
+from ortmem.passes.conversion import plan_conversion
 
 from synth_models import synth_model
 

@@ -67,7 +67,7 @@ def best_of(repeat: int, fn) -> float:
 def time_conversion(n: int, folder: Path, repeat: int) -> float:
     import ortmem
     from ortmem.convert import settings_from, write_converted
-    from ortmem.passes.dq_matmul import plan_conversion
+    from ortmem.passes.conversion import plan_conversion
 
     path = folder / f"p{n}.onnx"
     onnx.save(patterns_model(n), path)

@@ -40,7 +40,9 @@ from .loader import load
 from .model import Model
 from .options import get_config
 from .onnx_walk import is_external, iter_graphs, iter_tensor_sites
-from .passes.dq_matmul import ConversionReport, Progress, plan_conversion
+from .passes.conversion import plan_conversion
+from .passes.conversion_plan import ConversionReport
+from .passes.writers import Progress
 from .passes.dq_matmul_match import OrtSettings
 from .ortmodel.release import capabilities
 from .prepacked import prepacked_model, save_prepacked

@@ -93,7 +93,7 @@ def test_accuracy_level_follows_the_session_option(tmp_path, level):
 def test_fp16_scales_bit_identical_to_ort(tmp_path, level, cache):
     """On x86-64 ORT runs the MatMulNBits it fuses from an fp16 DQ+MatMul with its fp32 kernel
     (InsertCastTransformer + FuseInitializersTransformer + RemoveDuplicateCastTransformer, see
-    ortmem.passes.dq_matmul.ort_runs_fp16_matmulnbits_in_fp32); ortmem emits that form itself."""
+    ortmem.ortmodel.fp16_kernels.runs_fp16_matmulnbits_in_fp32); ortmem emits that form itself."""
     path = _model(tmp_path, scale_dtype="float16", embedding="quantized")
     so = ort.SessionOptions()
     so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
@@ -175,7 +175,7 @@ def test_unconvertible_patterns_are_left_and_reported(tmp_path):
     assert sess.ortmem_report is None  # nothing converted: the model went to ORT as it was
     assert np.array_equal(sess.run(None, x)[0], ort.InferenceSession(str(path)).run(None, x)[0])
     with ortmem.load(path) as m:
-        from ortmem.passes.dq_matmul import plan_conversion
+        from ortmem.passes.conversion import plan_conversion
 
         plan = plan_conversion(m)
     assert not plan.rewrites and plan.skipped and "block" in plan.skipped[0][1]
@@ -380,7 +380,7 @@ def test_gbq_fp16_cast_form(tmp_path):
     """DQ(fp16) -> Cast(float) -> Gather: GBQ in fp16, the Cast moves onto the gathered rows."""
     path = _model(tmp_path, embedding="quantized", scale_dtype="float16")
     with ortmem.load(path) as m:
-        from ortmem.passes.dq_matmul import plan_conversion
+        from ortmem.passes.conversion import plan_conversion
 
         plan = plan_conversion(m)
     (g,) = plan.gathers
@@ -398,7 +398,7 @@ def test_gbq_int8_and_int2_tables_are_left_and_reported(tmp_path):
     for wtype in ("int8", "int2"):
         path = _model(tmp_path / wtype, embedding="quantized", weight_type=wtype)
         with ortmem.load(path) as m:
-            from ortmem.passes.dq_matmul import plan_conversion
+            from ortmem.passes.conversion import plan_conversion
 
             plan = plan_conversion(m)
         assert not plan.gathers
@@ -409,7 +409,7 @@ def test_gbq_int8_and_int2_tables_are_left_and_reported(tmp_path):
 def test_gbq_respects_disabled_optimizations(tmp_path):
     path = _model(tmp_path, embedding="quantized")
     with ortmem.load(path) as m:
-        from ortmem.passes.dq_matmul import plan_conversion
+        from ortmem.passes.conversion import plan_conversion
 
         assert plan_conversion(m, settings_from()).gathers
         so = ort.SessionOptions()
@@ -558,9 +558,9 @@ def _fp16_graphs():
 
 @pytest.mark.parametrize("level", [4, 0])
 def test_fp16_neighbourhoods_bit_identical_to_ort(tmp_path, level):
-    from ortmem.passes.dq_matmul import ort_runs_fp16_matmulnbits_in_fp32
+    from ortmem.ortmodel.fp16_kernels import runs_fp16_matmulnbits_in_fp32
 
-    if not ort_runs_fp16_matmulnbits_in_fp32("MatMul"):
+    if not runs_fp16_matmulnbits_in_fp32("MatMul"):
         pytest.skip("this ORT build keeps the fused fp16 MatMulNBits in fp16 (fp16 MatMul CPU kernel)")
     for name, (m, feeds) in _fp16_graphs().items():
         src = tmp_path / name / "model.onnx"
@@ -580,7 +580,7 @@ def test_fp16_neighbourhoods_bit_identical_to_ort(tmp_path, level):
 
 def test_fp16_kept_where_the_caller_says_the_ep_runs_fp16(tmp_path):
     """``fp16_in_fp32=False`` (an EP with fp16 kernels) keeps the fp16 node and scales."""
-    from ortmem.passes.dq_matmul import plan_conversion, rewrite_skeleton
+    from ortmem.passes.conversion import plan_conversion, rewrite_skeleton
 
     path = _model(tmp_path, scale_dtype="float16")
     with ortmem.load(path) as m:

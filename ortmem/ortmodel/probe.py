@@ -70,7 +70,7 @@ def probe_variant(ort: Any, m: onnx.ModelProto, accuracy: int, work: Path, fused
     """Fusion and kernel answers for one model (see the module docstring)."""
     from ..convert import settings_from, write_converted
     from ..loader import load
-    from ..passes.dq_matmul import plan_conversion
+    from ..passes.conversion import plan_conversion
     from .release import unrestricted_capabilities
 
     work.mkdir(parents=True, exist_ok=True)
@@ -123,7 +123,7 @@ def probe_prepacked(ort: Any, work: Path) -> dict[str, Any]:
     the saved model give the QDQ model's outputs? (1.25 saves none; 1.32 re-packs and compares them.)"""
     from ..convert import settings_from, write_converted
     from ..loader import load
-    from ..passes.dq_matmul import plan_conversion
+    from ..passes.conversion import plan_conversion
     from ..prepacked import save_prepacked
     from .release import unrestricted_capabilities
 
