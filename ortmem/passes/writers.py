@@ -215,6 +215,7 @@ def copy_span(ref: WeightRef, out_fd: int, out_offset: int, digest: Optional[Ord
     in_fd = os.open(ref.file, os.O_RDONLY)
     try:
         remaining, src, dst = ref.length, ref.offset, out_offset
+        buf: Optional[memoryview] = None  # one chunk buffer, reused (a fresh one per read faults anew)
         if digest is not None:
             assert out is not None
             digest.wait_for(out.offset, block=False)  # copies run after every job, one at a time
@@ -226,13 +227,14 @@ def copy_span(ref: WeightRef, out_fd: int, out_offset: int, digest: Optional[Ord
                 except OSError:
                     n = 0
             if n <= 0:
-                chunk = os.pread(in_fd, min(remaining, COPY_CHUNK), src)
-                if not chunk:
+                if buf is None:
+                    buf = memoryview(bytearray(min(remaining, COPY_CHUNK)))
+                n = os.preadv(in_fd, [buf[: min(remaining, len(buf))]], src)
+                if n <= 0:
                     raise ConversionError("source ended early", tensor=ref.name, file=str(ref.file))
-                pwrite_all(out_fd, chunk, dst)
+                pwrite_all(out_fd, buf[:n], dst)
                 if digest is not None:
-                    digest.running.update(chunk)
-                n = len(chunk)
+                    digest.running.update(buf[:n])
             remaining, src, dst = remaining - n, src + n, dst + n
         if digest is not None:
             assert out is not None
