@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the rules' own types name the plan's fields; the engine use
     from .dq_gather import GatherRewrite
     from .dq_matmul import Rewrite
 
+
 class RuleRewrite(Protocol):
     """What the engine needs of one rewrite of a rule (a node of the source model replaced)."""
 
