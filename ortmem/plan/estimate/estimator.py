@@ -48,12 +48,12 @@ from typing import Any, Mapping, Union
 import onnx
 from onnx import TensorProto
 
-from ..dtypes import byte_size
-from ..model import Model
-from ..passes.dq_matmul_match import OrtSettings, dq_matmul_match
-from ..ortmodel.release import capabilities
+from ...dtypes import byte_size
+from ...model import Model
+from ...passes.dq_matmul_match import OrtSettings, dq_matmul_match
+from ...ortmodel.release import capabilities
 from . import activations as act
-from . import ort_graph as og
+from ...ortmodel import graph_index as og
 from .graph_context import Context, ort_view
 from .memsim import Heap
 
@@ -168,7 +168,7 @@ class Calibration:
 
     def release_note(self) -> str | None:
         """A warning when the installed ORT is another (major, minor) than the one the constants were fitted on."""
-        from ..ortmodel.release import installed, parse_version
+        from ...ortmodel.release import installed, parse_version
 
         here = installed().version
         if not self.onnxruntime or parse_version(here)[:2] == parse_version(self.onnxruntime)[:2]:
@@ -188,8 +188,8 @@ class _Settings:
 
 
 def session_settings(session_options, accuracy_level: int | None) -> _Settings:
-    from ..convert import settings_from
-    from ..options import get_config
+    from ...convert import settings_from
+    from ...options import get_config
 
     st = settings_from(session_options, accuracy_level=accuracy_level)
     order: og.ExecutionOrder = "DEFAULT"
@@ -891,7 +891,7 @@ def estimate(model_or_path: ModelLike, *, dims: Mapping[str, int] | None = None,
     (True) or without (False, ORT as users run it); both are always in ``*_with_hygiene`` /
     ``*_without_hygiene``.
     """
-    from ..loader import load
+    from ...loader import load
 
     cal = calibration or Calibration.load().for_installed_release()
     owned = not isinstance(model_or_path, Model)

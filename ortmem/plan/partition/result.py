@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..errors import PlanError
+from ...errors import PlanError
 
 FORMAT = "ortmem.partition/1"
 PLAN_FILE = "plan.json"

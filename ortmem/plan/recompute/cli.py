@@ -28,8 +28,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..units import bytes_arg
-from ..units import parse_dim
+from ...units import bytes_arg
+from ...units import parse_dim
 
 
 def add_recompute_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +68,7 @@ def _write_as_given(model_path: Path, out: Path, new_model) -> None:
     to are hard-linked (or copied) next to it when ``out`` lives in another folder."""
     import onnx
 
-    from ..onnx_walk import external_data_dict, is_external, iter_tensor_sites
+    from ...onnx_walk import external_data_dict, is_external, iter_tensor_sites
 
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.parent.resolve() != model_path.parent.resolve():
@@ -85,8 +85,8 @@ def _write_as_given(model_path: Path, out: Path, new_model) -> None:
 def main_recompute(args: argparse.Namespace) -> int:
     import onnx
 
-    from . import recompute as rc
-    from .liveness import ort_optimized
+    from . import planner as rc
+    from ..estimate.liveness import ort_optimized
 
     model_path = Path(args.model)
     dims = dict(args.dim)

@@ -11,11 +11,11 @@ from typing import Any, Mapping, Sequence
 
 from onnx import ModelProto
 
-from .partition_devices import is_cpu
-from .partition_graph import PartitionGraph
-from .partition_plan import PartitionPlan
-from .partition_submodels import StageGraph
-from .partition_weights import WeightsLayout, relocate_graph
+from .devices import is_cpu
+from .graph import PartitionGraph
+from .result import PartitionPlan
+from .submodels import StageGraph
+from .weights import WeightsLayout, relocate_graph
 
 ANNOTATED_FILE = "model_annotated.onnx"
 LAYER_ANN = "layer_ann"  # ORT's node metadata key for session.layer_assignment_settings

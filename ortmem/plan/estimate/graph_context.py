@@ -13,9 +13,9 @@ from typing import Mapping, Sequence, Union
 
 import onnx
 
-from ..model import Model
+from ...model import Model
 from . import activations as act
-from . import ort_graph as og
+from ...ortmodel import graph_index as og
 
 ModelLike = Union[str, os.PathLike, onnx.ModelProto, Model]
 

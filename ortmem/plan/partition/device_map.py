@@ -96,7 +96,7 @@ from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Mapping, Sequence
 
-from ..errors import PlanError
+from ...errors import PlanError
 
 __all__ = [
     "EXACT_MAX_MODULES",

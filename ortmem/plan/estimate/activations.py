@@ -25,8 +25,8 @@ from typing import Callable, Mapping, Sequence
 import onnx
 from onnx import TensorProto
 
-from ..dtypes import dtype_info
-from . import ort_graph as og
+from ...dtypes import dtype_info
+from ...ortmodel import graph_index as og
 
 ARENA_GRANULE = 256
 

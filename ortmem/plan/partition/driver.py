@@ -63,20 +63,20 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..loader import load
-from ..model import Model
-from . import activations as act
-from . import ort_graph as og
-from ..errors import PlanError
+from ...loader import load
+from ...model import Model
+from ..estimate import activations as act
+from ...ortmodel import graph_index as og
+from ...errors import PlanError
 from .graph_modules import ModuleTree, group_modules
-from .partition_devices import default_overhead, default_provider, is_cpu, resolve_provider, split_node
-from .partition_graph import PartitionGraph, module_names, node_costs
-from .partition_ort import ANNOTATED_FILE, annotated_model, ort_settings
-from .partition_plan import PLAN_FILE, Crossing, DeviceReport, PartitionPlan, StageInfo
-from .partition_stages import CUT_WINDOW, choose_stages, StageCosts, module_boundaries
-from .partition_submodels import find_crossings, build_stage_models, StageGraph
-from .partition_verify import ARENA_STEADY, estimate_stage
-from .partition_weights import WEIGHTS_FILE, WeightsLayout, plan_layout, write_stage_weights
+from .devices import default_overhead, default_provider, is_cpu, resolve_provider, split_node
+from .graph import PartitionGraph, module_names, node_costs
+from .ort_session import ANNOTATED_FILE, annotated_model, ort_settings
+from .result import PLAN_FILE, Crossing, DeviceReport, PartitionPlan, StageInfo
+from .stages import CUT_WINDOW, choose_stages, StageCosts, module_boundaries
+from .submodels import find_crossings, build_stage_models, StageGraph
+from .verify import ARENA_STEADY, estimate_stage
+from .weights import WEIGHTS_FILE, WeightsLayout, plan_layout, write_stage_weights
 
 
 log = logging.getLogger(__name__)

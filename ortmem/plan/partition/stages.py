@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ..errors import PlanError
+from ...errors import PlanError
 from .device_map import Placement, plan_placement
 from .graph_modules import ModuleTree, activation_peak
-from .partition_graph import PartitionGraph
+from .graph import PartitionGraph
 
 #: How many module boundaries either side of a cut the post-pass looks at.
 CUT_WINDOW = 32

@@ -16,10 +16,10 @@ from pathlib import Path
 import onnx
 from onnx import AttributeProto, GraphProto, TensorProto
 
-from ..model import Model
-from ..onnx_walk import external_data_dict
-from ..errors import PlanError
-from .partition_graph import tensor_nbytes
+from ...model import Model
+from ...onnx_walk import external_data_dict
+from ...errors import PlanError
+from .graph import tensor_nbytes
 
 #: The partitioner's messages keep the logger name users configure, whichever module logs them.
 log = logging.getLogger("ortmem.plan.partition")

@@ -93,7 +93,7 @@ def default_overhead(provider: str, device: str = "") -> int:
     runtime's own context)."""
     if not is_cpu(provider):
         return 0
-    from .estimate import Calibration
+    from ..estimate import Calibration
 
     cal = Calibration.load()
     actor = NODE_ACTOR_OVERHEAD if split_node(device)[0] is not None else 0

@@ -13,11 +13,11 @@ from typing import Iterable, Mapping, Sequence
 import onnx
 from onnx import AttributeProto, GraphProto, TensorProto
 
-from ..dtypes import byte_size
-from ..model import Model
-from ..onnx_walk import external_data_dict, iter_graphs, node_label, node_subgraphs
-from . import ort_graph as og
-from ..errors import PlanError
+from ...dtypes import byte_size
+from ...model import Model
+from ...onnx_walk import external_data_dict, iter_graphs, node_label, node_subgraphs
+from ...ortmodel import graph_index as og
+from ...errors import PlanError
 from .graph_modules import NodeCost, execution_order, leaf_modules, node_inputs
 
 #: Ops whose output differs from run to run: never treated as constants (never replicated).
@@ -254,7 +254,7 @@ class PartitionGraph:
 def node_costs(G: PartitionGraph, model: Model, dims: Mapping[str, int], stats_csv: str | os.PathLike | None
                 ) -> tuple[dict[str, int], dict[str, int], list[str]]:
     """Activation and workspace bytes per planned node label; notes on where they came from."""
-    from .estimate import estimate
+    from ..estimate import estimate
 
     notes: list[str] = []
     est = estimate(model, dims=dict(dims))
@@ -270,7 +270,7 @@ def node_costs(G: PartitionGraph, model: Model, dims: Mapping[str, int], stats_c
         notes.append(f"symbolic dims without a value (counted as 0 bytes): {', '.join(est.unresolved_dims)}; "
                      "give them with dims=")
     if stats_csv is not None:
-        from .stats import read_csv
+        from ..estimate import read_csv
 
         measured = {r.name: r for r in read_csv(stats_csv)}
         hit = 0

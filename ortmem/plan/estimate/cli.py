@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from ..units import parse_dim
+from ...units import parse_dim
 
 
 def _input(text: str) -> tuple[str, str]:
@@ -37,7 +37,7 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main_estimate(args: argparse.Namespace) -> int:
-    from .estimate import estimate, render
+    from .estimator import estimate, render
 
     so = None
     if args.priority_order:
@@ -63,7 +63,7 @@ def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main_stats(args: argparse.Namespace) -> int:
-    from .stats import stats
+    from .node_stats import stats
 
     feeds = {name: np.load(path, allow_pickle=False) for name, path in args.input} if args.input else None
     if feeds is not None and args.dim:

@@ -47,8 +47,8 @@ from typing import Iterable, Mapping, Sequence
 import onnx
 from onnx import AttributeProto, GraphProto, ModelProto
 
-from ..onnx_walk import node_label
-from ..errors import PlanError
+from ...onnx_walk import node_label
+from ...errors import PlanError
 
 __all__ = ["ModuleTree", "NodeCost", "execution_order", "activation_peak", "group_modules", "leaf_modules",
            "node_inputs", "scope_of"]

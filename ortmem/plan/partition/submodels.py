@@ -12,12 +12,12 @@ from typing import Sequence
 import onnx
 from onnx import GraphProto, ModelProto, helper
 
-from . import activations as act
-from ..errors import PlanError
-from .partition_graph import PartitionGraph
-from .partition_plan import Crossing
-from .partition_stages import CandidateStage
-from .partition_weights import WeightsLayout, relocate_graph
+from ..estimate import activations as act
+from ...errors import PlanError
+from .graph import PartitionGraph
+from .result import Crossing
+from .stages import CandidateStage
+from .weights import WeightsLayout, relocate_graph
 
 
 def _value_type(name: str, G: PartitionGraph, shapes: act.Shapes) -> onnx.ValueInfoProto:

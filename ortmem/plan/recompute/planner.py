@@ -82,9 +82,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import onnx
 from onnx import NodeProto
 
-from . import activations as act
-from . import ort_graph as og
-from .liveness import Context, Liveness, ModelLike, analyze, context, load_proto
+from ..estimate import activations as act
+from ...ortmodel import graph_index as og
+from ..estimate.liveness import Context, Liveness, ModelLike, analyze, context, load_proto
 
 MiB = 1 << 20
 META_PREFIX = "ortmem.recompute."
@@ -1318,7 +1318,7 @@ def _probe_session(model_path: str, options: Mapping[str, Any], *, live: bool) -
     so = ort.SessionOptions()
     so.log_severity_level = 3
     if live:
-        from ..hygiene import set_malloc_thresholds
+        from ...hygiene import set_malloc_thresholds
 
         set_malloc_thresholds(mmap_threshold=128 << 10, trim_threshold=128 << 10)
         so.enable_cpu_mem_arena = False
@@ -1362,7 +1362,7 @@ def verify(original: str | os.PathLike, rewritten: str | os.PathLike, dims: Mapp
     sets of fresh processes under ORT's defaults, docs/recompute.md). A planner's live-set prediction
     cannot see what ORT's arena and memory patterns do with a new layout (power-of-two arena growth,
     the pattern block, kernel scratch taken beside it), so a rewrite is shipped only when this says so."""
-    from ..measure.probe import probe
+    from ...measure.probe import probe
 
     opts = {"dims": dict(dims), "runs": runs, **dict(options or {})}
     res = {}
@@ -1439,7 +1439,7 @@ def apply_for_session(model: onnx.ModelProto | ModelLike, recompute: Any, dims: 
     analysed: onnx.ModelProto = proto
     opt_path = None
     if optimize:
-        from .liveness import ort_optimized
+        from ..estimate.liveness import ort_optimized
 
         opt_path = os.path.join(os.fspath(workdir), "model.onnx")  # type: ignore[arg-type]
         src = os.fspath(model) if isinstance(model, (str, os.PathLike)) else proto

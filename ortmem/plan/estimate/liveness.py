@@ -23,8 +23,8 @@ from typing import Any, Mapping, Sequence, Union
 import onnx
 
 from . import activations as act
-from . import ort_graph as og
-from .estimate import nchwc_block, plan_model, session_settings, workspace_fn
+from ...ortmodel import graph_index as og
+from .estimator import nchwc_block, plan_model, session_settings, workspace_fn
 from .graph_context import Context, ModelLike, load_proto, ort_view
 
 MiB = 1 << 20

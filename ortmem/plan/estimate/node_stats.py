@@ -42,7 +42,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import ort_graph as og
+from ...ortmodel import graph_index as og
 
 CSV_HEADER = "#name,input_sizes,initializers_sizes,total_dynamic_sizes,total_temp_allocations"
 STATS_KEY = "session.collect_node_memory_stats_to_file"
@@ -176,7 +176,7 @@ def _optimized_graph(model_path: str, base, tmp: str):
 def _initializer_charges(root: og.OrtGraph, order: og.ExecutionOrder) -> dict[int, tuple[int, list[str]]]:
     """id(node) -> (bytes, names) of the initializers first used by that node, in execution order,
     subgraphs right after their parent; outer-scope ones charged to the parent node."""
-    from .estimate import tensor_bytes
+    from .estimator import tensor_bytes
 
     charged: set[tuple[str, str]] = set()
     out: dict[int, tuple[int, list[str]]] = {}
@@ -364,7 +364,7 @@ def stats(model_path: str | os.PathLike, inputs: Mapping[str, np.ndarray] | None
     """
     import onnxruntime as ort
 
-    from ..measure.inputs import make_inputs
+    from ...measure.inputs import make_inputs
 
     model_path = os.path.abspath(os.fspath(model_path))
     order: og.ExecutionOrder = "PRIORITY_BASED" if session_options is not None and \

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..units import bytes_arg, parse_bytes
+from ...units import bytes_arg, parse_bytes
 
 
 def _device(text: str) -> tuple[str, int]:
@@ -34,7 +34,7 @@ def _provider(text: str) -> tuple[str, str]:
 
 
 def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..units import parse_dim
+    from ...units import parse_dim
 
     parser.add_argument("model", help="path to an .onnx file")
     parser.add_argument("--device", type=_device, action="append", default=[], metavar="NAME=BYTES",
@@ -67,8 +67,8 @@ def add_partition_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main_partition(args: argparse.Namespace) -> int:
-    from ..errors import PlanError
-    from .partition import partition
+    from ...errors import PlanError
+    from .driver import partition
 
     devices: dict[str, int] = {}
     for name, b in args.device:
@@ -104,11 +104,11 @@ def main_partition(args: argparse.Namespace) -> int:
 
 def _ray_devices(address: str, given: dict[str, int], fraction: float) -> tuple[dict[str, int], str | None]:
     """Devices from a running Ray cluster (``--ray``); the optional package is imported only here."""
-    from .partition_devices import split_node
+    from .devices import split_node
 
     try:
-        from ..distributed import cluster_devices, cluster_nodes, connect
-        from ..distributed.cluster import find_node
+        from ...distributed import cluster_devices, cluster_nodes, connect
+        from ...distributed.cluster import find_node
     except ImportError as e:
         return given, str(e)
     connect(None if address == "auto" else address)

@@ -1,0 +1,37 @@
+"""Memory from metadata: what a session holds after creation and what its activations peak at.
+
+``estimate`` predicts session-creation memory for ORT and ortmem (``estimator``: the recipe and the
+result; ``memsim``: glibc's heap; ``activations``: shapes and lifetimes; ``graph_context``: the
+``Context`` estimate and liveness share); ``liveness`` replays live bytes over ORT's execution order;
+``stats`` measures per-node memory with ORT itself (``node_stats``); ``cli`` is ``ortmem estimate`` and
+``ortmem stats``. The graph index under all of them is :mod:`ortmem.ortmodel.graph_index`.
+"""
+from __future__ import annotations
+
+from ...lazy import lazy_attributes
+
+_OWNERS = {
+    "Calibration": ".estimator",
+    "Estimate": ".estimator",
+    "estimate": ".estimator",
+    "render": ".estimator",
+    "tensor_bytes": ".estimator",
+    "Context": ".graph_context",
+    "ModelLike": ".graph_context",
+    "load_proto": ".graph_context",
+    "Liveness": ".liveness",
+    "analyze": ".liveness",
+    "by_order": ".liveness",
+    "context": ".liveness",
+    "ort_optimized": ".liveness",
+    "NodeStats": ".node_stats",
+    "read_csv": ".node_stats",
+    "stats": ".node_stats",
+    "write_csv": ".node_stats",
+    "add_estimate_arguments": ".cli",
+    "add_stats_arguments": ".cli",
+    "main_estimate": ".cli",
+    "main_stats": ".cli",
+}
+__all__ = list(_OWNERS)
+__getattr__, __dir__ = lazy_attributes(__name__, _OWNERS)
