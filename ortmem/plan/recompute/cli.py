@@ -8,7 +8,7 @@
 Without ``-o`` it prints the summary (nothing is written). With ``-o`` it writes the rewritten model:
 
 1. unless ``--no-optimize``, ONNX Runtime writes the graph it will execute (``ORT_ENABLE_EXTENDED``)
-   to OUT, its initializers to ``OUT.data`` (:func:`ortmem.plan.liveness.ort_optimized`): node order
+   to OUT, its initializers to ``OUT.data`` (:func:`ortmem.plan.estimate.liveness.ort_optimized`): node order
    and fusions are only predictable on that graph;
 2. the plan is made on it and applied; OUT gets the new node list and, in ``metadata_props``, the
    settings ORT must use (``ortmem.recompute.execution_order``, ``.disabled_optimizers``);
@@ -85,8 +85,9 @@ def _write_as_given(model_path: Path, out: Path, new_model) -> None:
 def main_recompute(args: argparse.Namespace) -> int:
     import onnx
 
-    from . import planner as rc
     from ..estimate.liveness import ort_optimized
+    from .guard import verify
+    from .planner import materialize, plan, render
 
     model_path = Path(args.model)
     dims = dict(args.dim)
@@ -102,7 +103,7 @@ def main_recompute(args: argparse.Namespace) -> int:
         target.parent.mkdir(parents=True, exist_ok=True)
         ort_optimized(model_path, target)
         analysed = target
-    result = rc.plan(str(analysed), dims, budget=args.budget, plan_text=args.plan, order=args.order,
+    result = plan(str(analysed), dims, budget=args.budget, plan_text=args.plan, order=args.order,
                      expensive=args.expensive)
     verdict = None
     status = 0
@@ -113,11 +114,11 @@ def main_recompute(args: argparse.Namespace) -> int:
         else:
             if args.optimize:
                 full = onnx.load(analysed, load_external_data=False)
-                onnx.save(rc.materialize(result, full), out)
+                onnx.save(materialize(result, full), out)
             else:
-                _write_as_given(model_path, out, rc.materialize(result, onnx.load(model_path, load_external_data=False)))
+                _write_as_given(model_path, out, materialize(result, onnx.load(model_path, load_external_data=False)))
             if args.verify:
-                verdict = rc.verify(model_path, out, dims, runs=args.verify_runs)
+                verdict = verify(model_path, out, dims, runs=args.verify_runs)
                 result.notes.append(
                     f"guard (ORT defaults, {args.verify_runs} runs, fresh processes): model "
                     f"{_mib(verdict.original_bytes)} MiB, rewritten {_mib(verdict.rewritten_bytes)} MiB -> "
@@ -136,7 +137,7 @@ def main_recompute(args: argparse.Namespace) -> int:
                            "ok": verdict.ok}
         print(json.dumps(d, indent=2))
     else:
-        print(rc.render(result))
+        print(render(result))
     return status
 
 
