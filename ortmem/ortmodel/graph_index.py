@@ -1,4 +1,13 @@
-"""ONNX Runtime's view of a graph: node indices, edges, execution order and unique node names.
+"""The one graph index under passes and planners: what ORT's ``Graph`` knows, without weight bytes.
+
+Two layers. :class:`GraphIndex` is one graph in *file* order: every node, producers, explicit
+consumers (node, input slot), subgraphs and the outer-scope names they read (ORT's implicit inputs,
+:func:`free_names`), the Constant nodes ORT turns into initializers and their values
+(:func:`constant_value`), a topological order and ORT's two execution orders. :class:`OrtGraph`
+(:func:`build`) is ORT's own view on top of it: Constant nodes become initializers, the other nodes
+are numbered as ORT numbers them, subgraphs are nested ``OrtGraph``s. The matcher
+(``passes/dq_matmul_match``) and the partitioner work in file order; the estimator, liveness and
+recompute in ORT's numbering. Each rule below exists once; what follows is what ORT does.
 
 The estimator needs the order ORT *executes* nodes in (tensor lifetimes depend on it) and the names
 ORT's node memory statistics are keyed by (so estimates and measurements line up). Both are replayed
@@ -39,7 +48,10 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Iterator, Literal, Sequence
 
-from onnx import AttributeProto, GraphProto, NodeProto, TensorProto
+from onnx import GraphProto, ModelProto, NodeProto, TensorProto
+
+from ..errors import PlanError
+from ..onnx_walk import node_subgraphs
 
 ExecutionOrder = Literal["DEFAULT", "PRIORITY_BASED"]
 
@@ -123,7 +135,220 @@ def unique_node_name(name: str, op_type: str, inputs: list[str], outputs: list[s
     return f"{name or op_type}_{h[0] | (h[1] << 32)}"
 
 
-# --------------------------------------------------------------------------------------- graph view
+# ------------------------------------------------------------------------------------- graph index
+def free_names(graph: GraphProto) -> set[str]:
+    """Names ``graph`` (a subgraph) and its nested subgraphs read but do not define: what ORT makes
+    implicit inputs of the node that owns it. A sparse initializer defines its name (ORT densifies it
+    at load); a subgraph output may name an outer value directly, which reads it too."""
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    defined |= {s.values.name for s in graph.sparse_initializer}
+    used: set[str] = set()
+    for node in graph.node:
+        defined.update(o for o in node.output if o)
+        used.update(x for x in node.input if x)
+        for _, sg in node_subgraphs(node):
+            used |= free_names(sg)
+    used.update(v.name for v in graph.output)
+    return used - defined
+
+
+def constant_value(node: NodeProto) -> TensorProto | None:
+    """The initializer ORT makes of a ``Constant`` node (``Graph::Graph`` converts them at load), named
+    as the node's output; None for a node that is not such a Constant or a form not decoded here
+    (sparse, strings: ORT still folds them, ortmem plans them as nodes). The ``value`` tensor is
+    returned as is when it already carries the output's name (no copy of an embedded payload)."""
+    if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.output) != 1:
+        return None
+    from onnx import AttributeProto, helper, numpy_helper
+    import numpy as np
+
+    for a in node.attribute:
+        if a.name == "value" and a.type == AttributeProto.TENSOR:
+            if a.t.name == node.output[0]:
+                return a.t
+            t = TensorProto()
+            t.CopyFrom(a.t)
+            t.name = node.output[0]
+            return t
+        if a.name in ("value_float", "value_int", "value_floats", "value_ints"):
+            v = helper.get_attribute_value(a)
+            dtype = np.float32 if "float" in a.name else np.int64
+            return numpy_helper.from_array(np.array(v, dtype=dtype), node.output[0])
+    return None
+
+
+@dataclass
+class GraphIndex:
+    """One graph in file order, indexed once: node ``i`` is ``proto.node[i]``.
+
+    ``producer`` maps a value to the node writing it (any node); ``computed_by`` leaves out the
+    Constant nodes ORT turns into initializers (``constants``: file index -> value), so it is ORT's
+    producer map. ``consumers``: value -> ``(node, input slot)`` for explicit inputs;
+    ``implicit_inputs[i]``: outer-scope names node ``i``'s subgraphs read (per subgraph in attribute
+    order, each sorted, first occurrence kept), ``implicit_users`` the reverse; ``readers``: value ->
+    every node reading it explicitly or implicitly, once each, in node order.
+    """
+
+    proto: GraphProto
+    nodes: list[NodeProto]
+    constants: dict[int, TensorProto]
+    subgraphs: list[list[tuple[str, GraphProto]]]
+    implicit_inputs: list[list[str]]
+    producer: dict[str, int] = field(default_factory=dict)
+    computed_by: dict[str, int] = field(default_factory=dict)
+    consumers: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    implicit_users: dict[str, list[int]] = field(default_factory=dict)
+    readers: dict[str, list[int]] = field(default_factory=dict)
+    _ort_edges: tuple[list[list[int]], list[list[int]]] | None = None
+
+    def node_inputs(self, i: int) -> list[str]:
+        """Every value node ``i`` reads: explicit inputs (empty optional ones left out), then the names
+        its subgraphs read from outside, sorted, that it does not read explicitly."""
+        ins = [x for x in self.nodes[i].input if x]
+        ins.extend(sorted(x for x in set(self.implicit_inputs[i]) if x not in ins))
+        return ins
+
+    # ---------------------------------------------------------------------------------- ordering
+    def topological_order(self) -> list[int]:
+        """All nodes (Constant nodes included) in an order that runs: the file's order when it is
+        topological, else Kahn's order preferring the lowest index. Raises PlanError on a cycle."""
+        n = len(self.nodes)
+        inputs = [self.node_inputs(i) for i in range(n)]
+        if all(self.producer.get(x, -1) < i for i, ins in enumerate(inputs) for x in ins):
+            return list(range(n))
+        deps: list[set[int]] = [set() for _ in range(n)]
+        users: list[list[int]] = [[] for _ in range(n)]
+        for i, ins in enumerate(inputs):
+            for x in ins:
+                p = self.producer.get(x)
+                if p is not None and p != i and p not in deps[i]:
+                    deps[i].add(p)
+                    users[p].append(i)
+        waiting = [len(d) for d in deps]
+        ready = [i for i in range(n) if waiting[i] == 0]
+        heapq.heapify(ready)
+        order: list[int] = []
+        while ready:
+            i = heapq.heappop(ready)
+            order.append(i)
+            for u in users[i]:
+                waiting[u] -= 1
+                if waiting[u] == 0:
+                    heapq.heappush(ready, u)
+        if len(order) != n:
+            raise PlanError("the graph has a cycle: no execution order exists")
+        return order
+
+    def ort_edges(self) -> tuple[list[list[int]], list[list[int]]]:
+        """``(input nodes, output nodes)`` of every node as ORT's edges connect them (explicit and
+        implicit inputs; folded Constant nodes have none), sorted by index; computed once."""
+        if self._ort_edges is None:
+            n = len(self.nodes)
+            ins: list[list[int]] = [[] for _ in range(n)]
+            outs: list[list[int]] = [[] for _ in range(n)]
+            for i, node in enumerate(self.nodes):
+                if i in self.constants:
+                    continue
+                srcs = {self.computed_by[x] for x in [*node.input, *self.implicit_inputs[i]] if x in self.computed_by}
+                srcs.discard(i)
+                ins[i] = sorted(srcs)
+                dsts: set[int] = set()
+                for o in node.output:
+                    dsts.update(j for j, _ in self.consumers.get(o, ()))
+                    dsts.update(self.implicit_users.get(o, ()))
+                dsts.discard(i)
+                outs[i] = sorted(dsts)
+            self._ort_edges = (ins, outs)
+        return self._ort_edges
+
+    def ort_order(self, order: ExecutionOrder = "DEFAULT", rank: Sequence[int] | None = None) -> list[int]:
+        """The non-Constant nodes in the order ORT executes them (see the module docstring). ``rank``
+        (``PRIORITY_BASED`` only): node ``i`` treated as if its index were ``rank[i]``."""
+        if order == "PRIORITY_BASED":
+            return self._kahn_priority(rank)
+        return self._reverse_dfs()
+
+    def _reverse_dfs(self) -> list[int]:
+        ins, outs = self.ort_edges()
+        real = [i for i in range(len(self.nodes)) if i not in self.constants]
+        stack: list[tuple[int, bool]] = [(i, False) for i in real if not outs[i]]
+        visited = [False] * len(self.nodes)
+        order: list[int] = []
+        while stack:
+            i, leave = stack.pop()
+            if leave:
+                order.append(i)
+                continue
+            if visited[i]:
+                continue
+            visited[i] = True
+            stack.append((i, True))
+            for j in ins[i]:
+                if not visited[j]:
+                    stack.append((j, False))
+        return order
+
+    def _kahn_priority(self, rank: Sequence[int] | None) -> list[int]:
+        ins, outs = self.ort_edges()
+        indeg = [len(x) for x in ins]
+
+        def key(i: int) -> tuple[int, int, int]:
+            high = self.nodes[i].op_type in ("Shape", "Size")
+            return (0 if high else 1, rank[i] if rank is not None else i, i)
+
+        ready = [key(i) for i in range(len(self.nodes)) if i not in self.constants and indeg[i] == 0]
+        heapq.heapify(ready)
+        order: list[int] = []
+        while ready:
+            _, _, i = heapq.heappop(ready)
+            order.append(i)
+            for j in outs[i]:
+                indeg[j] -= 1
+                if indeg[j] == 0:
+                    heapq.heappush(ready, key(j))
+        return order
+
+
+def index_graph(graph: GraphProto | ModelProto) -> GraphIndex:
+    """Index ``graph`` (a model's main graph when given a model); subgraphs are indexed by whoever
+    walks into them (:func:`build` does)."""
+    g = graph.graph if isinstance(graph, ModelProto) else graph
+    nodes = list(g.node)
+    constants = {i: t for i, n in enumerate(nodes) if (t := constant_value(n)) is not None}
+    subgraphs = [node_subgraphs(n) for n in nodes]
+    implicit: list[list[str]] = []
+    for subs in subgraphs:
+        names: list[str] = []
+        for _, sg in subs:
+            for name in sorted(free_names(sg)):
+                if name not in names:
+                    names.append(name)
+        implicit.append(names)
+    idx = GraphIndex(proto=g, nodes=nodes, constants=constants, subgraphs=subgraphs, implicit_inputs=implicit)
+    for i, node in enumerate(nodes):
+        for o in node.output:
+            if o:
+                idx.producer[o] = i
+                if i not in constants:
+                    idx.computed_by[o] = i
+        for slot, name in enumerate(node.input):
+            if name:
+                idx.consumers.setdefault(name, []).append((i, slot))
+    for i, names in enumerate(implicit):
+        for name in names:
+            idx.implicit_users.setdefault(name, []).append(i)
+    for i, node in enumerate(nodes):
+        for name in dict.fromkeys([*(x for x in node.input if x), *implicit[i]]):
+            idx.readers.setdefault(name, []).append(i)
+    return idx
+
+
+def topological_order(graph: GraphProto | ModelProto) -> list[int]:
+    """:meth:`GraphIndex.topological_order` of ``graph``'s nodes."""
+    return index_graph(graph).topological_order()
+
+
+# ------------------------------------------------------------------------------------- ORT's view
 @dataclass
 class OrtNode:
     """A node as ORT holds it: its index among the non-Constant nodes of its graph."""
@@ -131,6 +356,7 @@ class OrtNode:
     index: int
     proto: NodeProto
     graph: "OrtGraph"
+    file_index: int = -1  # position in the GraphProto
     subgraphs: list[tuple[str, "OrtGraph"]] = field(default_factory=list)  # (attribute name, graph)
     implicit_inputs: list[str] = field(default_factory=list)  # outer-scope values its subgraphs read
 
@@ -171,11 +397,14 @@ class OrtNode:
 
 @dataclass
 class OrtGraph:
-    """One graph (main or subgraph) with ORT's node numbering and producer/consumer maps."""
+    """One graph (main or subgraph) with ORT's node numbering and producer/consumer maps, read off
+    its :class:`GraphIndex` (``index``)."""
 
     proto: GraphProto
     path: str
     parent: "OrtGraph | None"
+    index: GraphIndex | None = None
+    ort_of_file: dict[int, int] = field(default_factory=dict)  # file index -> ORT index (non-Constant nodes)
     nodes: list[OrtNode] = field(default_factory=list)
     initializers: dict[str, TensorProto] = field(default_factory=dict)  # incl. Constant nodes' values
     constant_nodes: dict[str, NodeProto] = field(default_factory=dict)  # output name -> Constant node
@@ -222,125 +451,46 @@ class OrtGraph:
 
     # ---------------------------------------------------------------------------------- ordering
     def execution_order(self, order: ExecutionOrder = "DEFAULT") -> list[int]:
-        if order == "PRIORITY_BASED":
-            return self._kahn_priority()
-        return self._reverse_dfs()
-
-    def _reverse_dfs(self) -> list[int]:
-        n = len(self.nodes)
-        outs = [self.output_nodes(i) for i in range(n)]
-        leaves = [i for i in range(n) if not outs[i]]
-        stack: list[tuple[int, bool]] = [(i, False) for i in leaves]
-        visited = [False] * n
-        order: list[int] = []
-        while stack:
-            i, leave = stack.pop()
-            if leave:
-                order.append(i)
-                continue
-            if visited[i]:
-                continue
-            visited[i] = True
-            stack.append((i, True))
-            for j in sorted(self.input_nodes(i)):
-                if not visited[j]:
-                    stack.append((j, False))
-        return order
+        assert self.index is not None, "an OrtGraph comes from build()"
+        return [self.ort_of_file[f] for f in self.index.ort_order(order)]
 
     def priority_order(self, rank: Sequence[int] | None = None) -> list[int]:
         """``PRIORITY_BASED`` as ORT would run this graph if node ``i`` had index ``rank[i]``: what a
         planner that rewrites the file order gets back from ORT (Shape/Size still jump the queue)."""
-        return self._kahn_priority(rank)
-
-    def _kahn_priority(self, rank: Sequence[int] | None = None) -> list[int]:
-        n = len(self.nodes)
-        indeg = [len(self.input_nodes(i)) for i in range(n)]
-
-        def key(i: int) -> tuple[int, int, int]:
-            high = self.nodes[i].op_type in ("Shape", "Size")
-            return (0 if high else 1, rank[i] if rank is not None else i, i)
-
-        ready = [key(i) for i in range(n) if indeg[i] == 0]
-        heapq.heapify(ready)
-        order: list[int] = []
-        while ready:
-            _, _, i = heapq.heappop(ready)
-            order.append(i)
-            for j in sorted(self.output_nodes(i)):
-                indeg[j] -= 1
-                if indeg[j] == 0:
-                    heapq.heappush(ready, key(j))
-        return order
-
-
-def _free_names(g: GraphProto) -> set[str]:
-    """Names a subgraph (and its nested subgraphs) reads but does not define: its implicit inputs."""
-    defined = {v.name for v in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
-    used: set[str] = set()
-    for n in g.node:
-        used.update(x for x in n.input if x)
-        for a in n.attribute:
-            for sg in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs) if a.type == AttributeProto.GRAPHS else []):
-                used.update(_free_names(sg))
-    return used - defined
+        assert self.index is not None, "an OrtGraph comes from build()"
+        file_rank: list[int] | None = None
+        if rank is not None:
+            file_rank = [0] * len(self.index.nodes)
+            for node in self.nodes:
+                file_rank[node.file_index] = rank[node.index]
+        return [self.ort_of_file[f] for f in self.index.ort_order("PRIORITY_BASED", file_rank)]
 
 
 def build(graph: GraphProto, path: str = "", parent: OrtGraph | None = None) -> OrtGraph:
     """ORT's view of ``graph`` and, recursively, of its subgraphs (paths ``<node label>/<attr>``)."""
-    g = OrtGraph(proto=graph, path=path, parent=parent)
+    idx = index_graph(graph)
+    g = OrtGraph(proto=graph, path=path, parent=parent, index=idx)
     g.initializers = {t.name: t for t in graph.initializer}
     g.inputs = [v.name for v in graph.input if v.name not in g.initializers]
     g.outputs = [v.name for v in graph.output]
-    for proto in graph.node:
-        if proto.op_type == "Constant" and proto.domain in ("", "ai.onnx") and len(proto.output) == 1:
-            t = _constant_value(proto)
-            if t is not None:
-                g.initializers[proto.output[0]] = t
-                g.constant_nodes[proto.output[0]] = proto
-                continue
-        node = OrtNode(index=len(g.nodes), proto=proto, graph=g)
-        g.nodes.append(node)
+    to_ort = g.ort_of_file
+    for f, proto in enumerate(idx.nodes):
+        value = idx.constants.get(f)
+        if value is not None:
+            g.initializers[proto.output[0]] = value
+            g.constant_nodes[proto.output[0]] = proto
+            continue
+        to_ort[f] = len(g.nodes)
+        g.nodes.append(OrtNode(index=len(g.nodes), proto=proto, graph=g, file_index=f))
+    g.producer = {v: to_ort[f] for v, f in idx.computed_by.items()}
+    g.consumers = {v: [(to_ort[f], slot) for f, slot in uses] for v, uses in idx.consumers.items()}
+    g.implicit_users = {v: [to_ort[f] for f in users] for v, users in idx.implicit_users.items()}
     for node in g.nodes:
-        for o in node.outputs:
-            if o:
-                g.producer[o] = node.index
-        for slot, name in enumerate(node.inputs):
-            if name:
-                g.consumers.setdefault(name, []).append((node.index, slot))
-    for node in g.nodes:
-        implicit: list[str] = []
-        for attr in node.proto.attribute:
-            subs = [attr.g] if attr.type == AttributeProto.GRAPH else (
-                list(attr.graphs) if attr.type == AttributeProto.GRAPHS else [])
-            for k, sg in enumerate(subs):
-                suffix = f"[{k}]" if attr.type == AttributeProto.GRAPHS else ""
-                sub_path = f"{path}/{node.label}/{attr.name}{suffix}" if path else f"{node.label}/{attr.name}{suffix}"
-                node.subgraphs.append((attr.name + suffix, build(sg, sub_path, g)))
-                for name in sorted(_free_names(sg)):
-                    if name not in implicit:
-                        implicit.append(name)
-        node.implicit_inputs = implicit
-        for name in implicit:
-            g.implicit_users.setdefault(name, []).append(node.index)
+        node.implicit_inputs = idx.implicit_inputs[node.file_index]
+        for name, sg in idx.subgraphs[node.file_index]:
+            sub_path = f"{path}/{node.label}/{name}" if path else f"{node.label}/{name}"
+            node.subgraphs.append((name, build(sg, sub_path, g)))
     return g
-
-
-def _constant_value(node: NodeProto) -> TensorProto | None:
-    """The tensor a Constant node stands for (``value`` attribute or the scalar/list variants)."""
-    from onnx import helper, numpy_helper
-    import numpy as np
-
-    for a in node.attribute:
-        if a.name == "value" and a.type == AttributeProto.TENSOR:
-            t = TensorProto()
-            t.CopyFrom(a.t)
-            t.name = node.output[0]
-            return t
-        if a.name in ("value_float", "value_int", "value_floats", "value_ints"):
-            v = helper.get_attribute_value(a)
-            dtype = np.float32 if "float" in a.name else np.int64
-            return numpy_helper.from_array(np.array(v, dtype=dtype), node.output[0])
-    return None
 
 
 def walk(g: OrtGraph) -> Iterator[OrtGraph]:

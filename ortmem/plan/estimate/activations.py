@@ -320,9 +320,9 @@ def _collect(graph: onnx.GraphProto, g: og.OrtGraph, shapes: Shapes, by_path: di
             table[vi.name] = s
     for name, t in g.initializers.items():
         table[name] = TensorShape(t.data_type, [int(d) for d in t.dims])
-    # subgraphs: pair the (possibly inferred) protos with our graph objects by position
-    protos = [n for n in graph.node if not (n.op_type == "Constant" and n.output and n.output[0] in g.constant_nodes)]
-    for node, proto in zip(g.nodes, protos):
+    # subgraphs: the (possibly inferred) graph has the same nodes in the same file positions
+    for node in g.nodes:
+        proto = graph.node[node.file_index]
         subs = []
         for a in proto.attribute:
             if a.type == onnx.AttributeProto.GRAPH:

@@ -18,7 +18,7 @@ from ...model import Model
 from ...onnx_walk import external_data_dict, iter_graphs, node_label, node_subgraphs
 from ...ortmodel import graph_index as og
 from ...errors import PlanError
-from .graph_modules import NodeCost, execution_order, leaf_modules, node_inputs
+from .graph_modules import NodeCost, leaf_modules
 
 #: Ops whose output differs from run to run: never treated as constants (never replicated).
 _RANDOM_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
@@ -120,12 +120,9 @@ class PartitionGraph:
         self.outputs = [o.name for o in g.output]
         self.output_vi = {o.name: o for o in g.output}
         self.value_info = {vi.name: vi for vi in g.value_info}
-        self.raw_inputs = node_inputs(g)
-        self.producer: dict[str, int] = {}
-        for i, node in enumerate(g.node):
-            for o in node.output:
-                if o:
-                    self.producer[o] = i
+        self.index = og.index_graph(g)
+        self.raw_inputs = [self.index.node_inputs(i) for i in range(len(g.node))]
+        self.producer = self.index.producer
         self.const_nodes = self._constant_nodes()
         self._const_weights: dict[int, dict[str, int]] = {}
 
@@ -138,7 +135,7 @@ class PartitionGraph:
         planned.output.extend(g.output)
         self.planned_graph = planned
         # positions in execution order (the same order group_modules uses)
-        sub_order = execution_order(planned)
+        sub_order = og.topological_order(planned)
         kept = [i for i in range(len(g.node)) if i not in self.const_nodes]
         self.order = [kept[j] for j in sub_order]
         self.labels = [self.labels_all[i] for i in self.order]
@@ -168,7 +165,7 @@ class PartitionGraph:
         g = self.g
         const_vals = (set(self.init) | set(self.sparse)) - set(self.input_vi)  # overridable ones are inputs
         out: set[int] = set()
-        for i in execution_order(g):
+        for i in self.index.topological_order():
             node = g.node[i]
             if node.op_type in _RANDOM_OPS or node_subgraphs(node):
                 continue

@@ -40,18 +40,16 @@ A module's bytes: what the module needs to run alone on a device
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-import onnx
-from onnx import AttributeProto, GraphProto, ModelProto
+from onnx import GraphProto, ModelProto
 
 from ...onnx_walk import node_label
+from ...ortmodel.graph_index import index_graph
 from ...errors import PlanError
 
-__all__ = ["ModuleTree", "NodeCost", "execution_order", "activation_peak", "group_modules", "leaf_modules",
-           "node_inputs", "scope_of"]
+__all__ = ["ModuleTree", "NodeCost", "activation_peak", "group_modules", "leaf_modules", "scope_of"]
 
 
 @dataclass(frozen=True)
@@ -168,92 +166,6 @@ def leaf_modules(labels: Sequence[str], by: str | Mapping[str, str]) -> list[str
 
 
 # --------------------------------------------------------------------------------------------------
-# Graph structure
-
-
-def _graph_of(graph: GraphProto | ModelProto) -> GraphProto:
-    return graph.graph if isinstance(graph, ModelProto) else graph
-
-
-def _free_names(graph: GraphProto) -> set[str]:
-    """Names a subgraph reads from its enclosing scopes (ONNX's implicit inputs)."""
-    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    defined |= {s.values.name for s in graph.sparse_initializer}
-    used: set[str] = set()
-    for node in graph.node:
-        used.update(x for x in node.input if x)
-        used |= _implicit_inputs(node)
-        defined.update(node.output)
-    used.update(o.name for o in graph.output)
-    return used - defined
-
-
-def _implicit_inputs(node: onnx.NodeProto) -> set[str]:
-    out: set[str] = set()
-    for attr in node.attribute:
-        if attr.type == AttributeProto.GRAPH:
-            out |= _free_names(attr.g)
-        elif attr.type == AttributeProto.GRAPHS:
-            for g in attr.graphs:
-                out |= _free_names(g)
-    return out
-
-
-def node_inputs(graph: GraphProto) -> list[list[str]]:
-    """Every value each node reads: explicit inputs, then names its subgraphs use from outside."""
-    out = []
-    for node in graph.node:
-        ins = [x for x in node.input if x]
-        implicit = _implicit_inputs(node) if any(
-            a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for a in node.attribute) else ()
-        ins.extend(sorted(x for x in implicit if x not in ins))
-        out.append(ins)
-    return out
-
-
-def execution_order(graph: GraphProto | ModelProto) -> list[int]:
-    """Node indices in execution order: the file's order if it is topological, else Kahn's order
-    preferring the lowest index (deterministic; ORT's own walk may differ only on unsorted files)."""
-    g = _graph_of(graph)
-    inputs = node_inputs(g)
-    producer = _producers(g)
-    n = len(g.node)
-    if all(producer.get(x, -1) < i for i, ins in enumerate(inputs) for x in ins):
-        return list(range(n))
-    deps = [set() for _ in range(n)]
-    users: list[list[int]] = [[] for _ in range(n)]
-    for i, ins in enumerate(inputs):
-        for x in ins:
-            p = producer.get(x)
-            if p is not None and p != i and p not in deps[i]:
-                deps[i].add(p)
-                users[p].append(i)
-    waiting = [len(d) for d in deps]
-    ready = [i for i in range(n) if waiting[i] == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(i)
-        for u in users[i]:
-            waiting[u] -= 1
-            if waiting[u] == 0:
-                heapq.heappush(ready, u)
-    if len(order) != n:
-        raise PlanError("the graph has a cycle: no execution order exists")
-    return order
-
-
-def _producers(g: GraphProto) -> dict[str, int]:
-    producer: dict[str, int] = {}
-    for i, node in enumerate(g.node):
-        for o in node.output:
-            if o:
-                producer[o] = i
-    return producer
-
-
-# --------------------------------------------------------------------------------------------------
 # Costs
 
 
@@ -329,8 +241,9 @@ def group_modules(graph: GraphProto | ModelProto, costs: Iterable[NodeCost], *,
     ``costs``: one :class:`NodeCost` per node, matched by name; nodes without one cost nothing.
     See the module docstring for what a module's bytes mean.
     """
-    g = _graph_of(graph)
-    order = execution_order(g)
+    idx = index_graph(graph)
+    g = idx.proto
+    order = idx.topological_order()
     labels_all = [node_label(node, i) for i, node in enumerate(g.node)]
     labels = [labels_all[i] for i in order]
     matched = _match_costs(labels_all, costs)
@@ -339,8 +252,8 @@ def group_modules(graph: GraphProto | ModelProto, costs: Iterable[NodeCost], *,
 
     # values -> positions in execution order
     pos_of = {node_i: pos for pos, node_i in enumerate(order)}
-    producer = {name: pos_of[i] for name, i in _producers(g).items()}
-    raw_inputs = node_inputs(g)
+    producer = {name: pos_of[i] for name, i in idx.producer.items()}
+    raw_inputs = [idx.node_inputs(i) for i in range(len(g.node))]
     n = len(order)
     inputs: list[list[int]] = []
     consumers: list[list[int]] = [[] for _ in range(n)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import onnx
 from onnx import NodeProto
 
 from ..estimate import activations as act
@@ -26,18 +25,6 @@ def _fresh(base: str, taken: set[str], tag: str) -> str:
     return name
 
 
-def _ort_to_file(protos: Sequence[onnx.NodeProto], g) -> dict[int, int]:
-    """File position of each ORT node index: ORT folds single-output Constant nodes into
-    initializers, so they have no node index and the numbering skips them."""
-    out: dict[int, int] = {}
-    for k, proto in enumerate(protos):
-        if proto.op_type == "Constant" and proto.domain in ("", "ai.onnx") and len(proto.output) == 1 \
-                and proto.output[0] in g.constant_nodes:
-            continue
-        out[len(out)] = k
-    return out
-
-
 def apply(state: State, occurrences: Sequence[Occurrence]) -> tuple[State, list[Occurrence]]:
     """``state`` with ``occurrences`` cloned and their readers rewired (see the module docstring for
     where clones go in the file). Occurrences that touch nodes an earlier one rewired are skipped
@@ -47,7 +34,7 @@ def apply(state: State, occurrences: Sequence[Occurrence]) -> tuple[State, list[
     lv = state.liveness
     pos = {i: p for p, i in enumerate(lv.order)}
     protos = list(ctx.model.graph.node)
-    ort_to_file = _ort_to_file(protos, g)  # and the reverse, file_to_ort, below
+    ort_to_file = {node.index: node.file_index for node in g.nodes}  # and the reverse, file_to_ort, below
     taken = {o for n in protos for o in n.output} | {n.name for n in protos} | set(g.inputs) | \
         {t.name for t in ctx.model.graph.initializer}
     entries = list(state.entries)
@@ -203,7 +190,7 @@ def reorder(state: State, order: Sequence[int]) -> State:
     ctx = state.ctx
     g = ctx.root
     protos = list(ctx.model.graph.node)
-    ort_to_file = _ort_to_file(protos, g)
+    ort_to_file = {node.index: node.file_index for node in g.nodes}
     const_pos = [k for k in range(len(protos)) if k not in ort_to_file.values()]
     order = with_removed(ctx, order)
     layout = const_pos + [ort_to_file[i] for i in order]
