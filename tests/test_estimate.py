@@ -11,7 +11,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from ortmem.ortmodel import graph_index as og
-from ortmem.plan.estimate.estimator import estimate, nbits_packed_bytes, sgemm_packed_bytes
+from ortmem.plan.estimate import estimate
+from ortmem.plan.estimate.recipe import nbits_packed_bytes, sgemm_packed_bytes
 from ortmem.plan.estimate import add_estimate_arguments, main_estimate
 
 F = TensorProto.FLOAT

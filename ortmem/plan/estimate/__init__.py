@@ -1,8 +1,10 @@
 """Memory from metadata: what a session holds after creation and what its activations peak at.
 
-``estimate`` predicts session-creation memory for ORT and ortmem (``estimator``: the recipe and the
-result; ``memsim``: glibc's heap; ``activations``: shapes and lifetimes; ``graph_context``: the
-``Context`` estimate and liveness share); ``liveness`` replays live bytes over ORT's execution order;
+``estimate`` predicts session-creation memory for ORT and ortmem (``estimator``: the method and the
+entry point; ``recipe``: what ORT does with each initializer; ``creation``: creation replayed through
+``memsim``, glibc's heap; ``calibration``: the fitted constants; ``result``: ``Estimate`` and its
+rendering; ``activations``: shapes and lifetimes; ``graph_context``: the ``Context`` estimate and
+liveness share); ``liveness`` replays live bytes over ORT's execution order;
 ``stats`` measures per-node memory with ORT itself (``node_stats``); ``cli`` is ``ortmem estimate`` and
 ``ortmem stats``. The graph index under all of them is :mod:`ortmem.ortmodel.graph_index`.
 """
@@ -11,11 +13,11 @@ from __future__ import annotations
 from ...lazy import lazy_attributes
 
 _OWNERS = {
-    "Calibration": ".estimator",
-    "Estimate": ".estimator",
+    "Calibration": ".calibration",
+    "Estimate": ".result",
     "estimate": ".estimator",
-    "render": ".estimator",
-    "tensor_bytes": ".estimator",
+    "render": ".result",
+    "tensor_bytes": ".recipe",
     "Context": ".graph_context",
     "ModelLike": ".graph_context",
     "load_proto": ".graph_context",

@@ -4,7 +4,7 @@ Why this way: activation memory is what ORT's arena holds while a run is in flig
 sum of the tensors alive at each step; their sizes come from shape inference on the weightless
 skeleton (tensor dims are metadata, so it is cheap), symbolic dimensions are resolved from the
 caller's ``dims`` and whatever stays unknown is *reported*, never guessed. Lifetimes follow the
-order ORT executes nodes in (:mod:`ortmem.plan.ort_graph`).
+order ORT executes nodes in (:mod:`ortmem.ortmodel.graph_index`).
 
 What ORT's allocation planner does that is modelled (``onnxruntime/core/framework/allocation_planner.cc``):
 aliasing kernels (Reshape, Squeeze, Unsqueeze, Flatten, Identity) share their input's buffer; a
@@ -37,7 +37,7 @@ ALIAS_OPS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
 #: and Neg, Sqrt, Exp, Log, Erf, Abs, Floor, Ceil, Reciprocal, Gelu/FastGelu/QuickGelu and Dropout
 #: always allocate a new output. ORT's planner (``allocation_planner.cc``) also needs the input's and
 #: output's shapes to be provably equal (same dim values or the same non-empty dim_param), see
-#: :meth:`ortmem.plan.liveness.Context.inplace_slots`, the one rule the estimator and the planners share.
+#: :meth:`ortmem.plan.estimate.liveness.Context.inplace_slots`, the one rule the estimator and the planners share.
 ORT_CPU_INPLACE_OPS = frozenset({
     "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Softplus", "Softsign", "Elu", "Selu", "Celu", "HardSigmoid",
     "ThresholdedRelu", "Shrink", "Clip", "Softmax", "LogSoftmax",
@@ -544,7 +544,7 @@ def graph_activation(g: og.OrtGraph, shapes: Shapes, order_kind: og.ExecutionOrd
     ``order`` (node indices of ``g``, a topological order) replaces ORT's ``order_kind`` order for this
     graph only, so a planner can score a candidate order with the same rules (subgraphs keep
     ``order_kind``). ``inplace(node)`` names the input slots whose dying buffer ``node``'s first output
-    may overwrite; ORT's rule is :meth:`ortmem.plan.liveness.Context.inplace_slots` (what the estimator
+    may overwrite; ORT's rule is :meth:`ortmem.plan.estimate.liveness.Context.inplace_slots` (what the estimator
     and the planners pass); None: no in-place reuse. ``merged`` maps ``id()`` of a node ORT's optimizer
     fuses into a later one to ``id()`` of that last node of the group (:func:`ort_fusions`): the
     group's inner values are never allocated and what it reads from outside stays alive until the

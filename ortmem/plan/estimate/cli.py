@@ -37,7 +37,8 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main_estimate(args: argparse.Namespace) -> int:
-    from .estimator import estimate, render
+    from .estimator import estimate
+    from .result import render
 
     so = None
     if args.priority_order:

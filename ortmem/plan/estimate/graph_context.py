@@ -1,7 +1,7 @@
 """What the planners know about one model before any order is evaluated: its ORT graph view and shapes.
 
 Why a module of its own: the estimator (:mod:`ortmem.plan.estimate`) and liveness
-(:mod:`ortmem.plan.liveness`) both need the :class:`Context` (shapes, ORT's view of the main graph, what
+(:mod:`ortmem.plan.estimate.liveness`) both need the :class:`Context` (shapes, ORT's view of the main graph, what
 ORT removes, kernel workspace); liveness also needs the estimator's plan to fill it. Keeping the context
 here lets the estimator depend on it without depending on liveness, so the two form no import cycle.
 """
@@ -42,7 +42,7 @@ class Context:
 
     def inplace_slots(self, node: og.OrtNode) -> list[int]:
         """Input slots ``node`` may overwrite, as ORT 1.31.1's CPU planner decides: the kernel declares
-        ``MayInplace(0, 0)`` (:data:`ortmem.plan.activations.ORT_CPU_INPLACE_OPS`) and input 0's shape,
+        ``MayInplace(0, 0)`` (:data:`ortmem.plan.estimate.activations.ORT_CPU_INPLACE_OPS`) and input 0's shape,
         as ORT infers it with symbolic dims unbound, is fully known (``SameShape`` in
         ``onnxruntime/core/framework/allocation_planner.cc`` accepts equal values or equal non-empty
         dim_params; an unnamed unknown dim never matches)."""
@@ -55,7 +55,7 @@ class Context:
 
     def activation(self, order: Sequence[int] | og.ExecutionOrder | None = None,
                    unknown: dict | None = None) -> act.GraphActivation:
-        """:func:`ortmem.plan.activations.graph_activation` of the main graph with this context's rules."""
+        """:func:`ortmem.plan.estimate.activations.graph_activation` of the main graph with this context's rules."""
         if order is None or isinstance(order, str):
             kind: og.ExecutionOrder = order or self.execution_order  # type: ignore[assignment]
             return act.graph_activation(self.root, self.shapes, kind, self.workspace, unknown, self.removed,

@@ -4,11 +4,11 @@ Why a module of its own: the estimator (:mod:`ortmem.plan.estimate`) needs one n
 activation peak; recompute and order planning (:mod:`ortmem.plan.recompute`) need the whole picture:
 which buffer is alive at which step, who produced it, who reads it last, and which buffers are alive
 *across* the peak (produced before it, read after it) and so could be given back and rebuilt later.
-Nothing is computed twice: shapes come from :func:`ortmem.plan.activations.infer_shapes` (symbolic dims
-bound from ``dims``), the order from :mod:`ortmem.plan.ort_graph` (ORT's ``DEFAULT`` reverse DFS and
+Nothing is computed twice: shapes come from :func:`ortmem.plan.estimate.activations.infer_shapes` (symbolic dims
+bound from ``dims``), the order from :mod:`ortmem.ortmodel.graph_index` (ORT's ``DEFAULT`` reverse DFS and
 ``PRIORITY_BASED`` Kahn, ``onnxruntime/core/graph/graph_viewer.cc``), the step-by-step accounting
 (aliasing kernels, in-place writes, graph outputs living to the end, 256-byte arena granules,
-per-node workspace, subgraph peaks) from :func:`ortmem.plan.activations.graph_activation`, and what
+per-node workspace, subgraph peaks) from :func:`ortmem.plan.estimate.activations.graph_activation`, and what
 ORT turns into constants before running (constant folding, DQ nodes fused into MatMulNBits) plus the
 kernels' workspace from the estimator's own recipe (``estimate.plan_model`` / ``estimate.workspace_fn``).
 
@@ -24,7 +24,8 @@ import onnx
 
 from . import activations as act
 from ...ortmodel import graph_index as og
-from .estimator import nchwc_block, plan_model, session_settings, workspace_fn
+from .estimator import workspace_fn
+from .recipe import nchwc_block, plan_model, session_settings
 from .graph_context import Context, ModelLike, load_proto, ort_view
 
 MiB = 1 << 20

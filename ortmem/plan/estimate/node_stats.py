@@ -1,4 +1,4 @@
-"""``ortmem.plan.stats``: run a model for real and record what each node allocated.
+"""``ortmem.plan.estimate.node_stats``: run a model for real and record what each node allocated.
 
 Why: the estimator predicts; this measures, per node, in the units ORT itself uses, so the two can be
 compared and so ORT's capacity-aware partitioning (``session.resource_cuda_partitioning_settings =
@@ -22,7 +22,7 @@ Sources, all from one ORT session (onnxruntime 1.31.1, CPU build):
   to the node whose subgraph reads them.
 
 Row names are ORT's unique node names (``IResourceAccountant::MakeUniqueNodeName``, see
-:mod:`ortmem.plan.ort_graph`), so a written file is read back by ORT's partitioner as is.
+:mod:`ortmem.ortmodel.graph_index`), so a written file is read back by ORT's partitioner as is.
 
 The measured activation peak is the arena's: the largest ``mem_bytes_in_use`` (or ``mem_in_use_peak``
 where it rose during a node, i.e. a transient inside it) during a run, minus what the arena held before
@@ -176,7 +176,7 @@ def _optimized_graph(model_path: str, base, tmp: str):
 def _initializer_charges(root: og.OrtGraph, order: og.ExecutionOrder) -> dict[int, tuple[int, list[str]]]:
     """id(node) -> (bytes, names) of the initializers first used by that node, in execution order,
     subgraphs right after their parent; outer-scope ones charged to the parent node."""
-    from .estimator import tensor_bytes
+    from .recipe import tensor_bytes
 
     charged: set[tuple[str, str]] = set()
     out: dict[int, tuple[int, list[str]]] = {}

@@ -19,7 +19,7 @@ is two neighbours on different devices. A module may be split into its children 
 ``no_split``, is a leaf, or its children do not account for all its bytes (the remainder has no
 name a map could carry, so such a module is placed whole). Children may account for *more* than
 the parent (a weight shared by two children is charged to each: see
-:mod:`ortmem.plan.graph_modules`); splitting then costs bytes, and the planner sees that cost.
+:mod:`ortmem.plan.partition.graph_modules`); splitting then costs bytes, and the planner sees that cost.
 
 Objective, lexicographic, smaller is better: for each device ``j`` but the last, ``T_j`` = the bytes
 charged to devices after ``j``, then minus the bytes of the *atomic* modules (those never split)

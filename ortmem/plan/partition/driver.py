@@ -15,14 +15,14 @@ How a plan is made
    on a weight, Constant, Shape of a constant) are copied into every stage that reads them, their
    weights charged to the reader: cutting a DequantizeLinear from its MatMul would ship a dequantized
    fp32 matrix across the cut and stop ORT fusing the pair.
-3. **Modules.** :func:`ortmem.plan.graph_modules.group_modules` groups the other nodes by name scope
+3. **Modules.** :func:`ortmem.plan.partition.graph_modules.group_modules` groups the other nodes by name scope
    (``/model/layers.3/...``, or dotted names without slashes) or one by one, each module contiguous in
    execution order (an interrupted scope is split into runs, ``model~2``).
-4. **Candidates.** :func:`ortmem.plan.device_map.plan_placement` places the modules' weights with a
+4. **Candidates.** :func:`ortmem.plan.partition.device_map.plan_placement` places the modules' weights with a
    bounded number of device changes (``devices - 1``, exact; a few more, heuristic: each change is
-   another stage, session and set of crossing tensors), and :func:`~ortmem.plan.partition_stages._fill` fills the devices in
+   another stage, session and set of crossing tensors), and :func:`~ortmem.plan.partition.stages._fill` fills the devices in
    preference order with one contiguous run each. Stages are maximal runs of nodes on one device.
-5. **Fewer crossing tensors.** :func:`~ortmem.plan.partition_stages._improve_cuts` moves each cut, in whole modules, to the nearby
+5. **Fewer crossing tensors.** :func:`~ortmem.plan.partition.stages._improve_cuts` moves each cut, in whole modules, to the nearby
    boundary with the fewest tensors alive across the cuts (first: the fewest bytes alive across cuts
    between two nodes, ``node:<NODE>/<device>`` names) (or hands a stage to its neighbour) while
    both devices stay in budget and the earlier one gives up at most ``cut_slack`` of its budget; a
@@ -32,7 +32,7 @@ How a plan is made
    crossing tensors on both sides, workspace, per-session overhead), the one with the most weight
    bytes on the earlier devices; one with fewer stages when within ``cut_slack`` of it everywhere.
 7. **Verification** (CPU devices, ``verify=True``). Each stage's sub-model goes through the estimator,
-   with what it misses about runs added (:func:`~ortmem.plan.partition_verify._estimate_stage`); devices over budget get a smaller
+   with what it misses about runs added (:func:`~ortmem.plan.partition.verify._estimate_stage`); devices over budget get a smaller
    planning budget, devices with room a larger one, and the plan is made again (up to
    :data:`MAX_ROUNDS`; the best plan that fits is kept).
 

@@ -2,7 +2,7 @@
 
 Exporters name nodes by the module that emitted them: ``/model/layers.3/self_attn/q_proj/MatMul``
 was emitted inside ``model.layers.3.self_attn.q_proj``. :func:`group_modules` turns those scopes into
-the dotted names :func:`ortmem.plan.device_map.infer_device_map` takes (``by="scope"``), or makes
+the dotted names :func:`ortmem.plan.partition.device_map.infer_device_map` takes (``by="scope"``), or makes
 every node its own module (``by="node"``), and computes each module's bytes from per-node costs
 (:class:`NodeCost`, which ortmem's estimator produces). Pure: no file, no ORT.
 

@@ -3,8 +3,8 @@ plans (the weight placer with few device changes, a contiguous fill), and the po
 cuts to module boundaries with few tensors alive across them (steps 4-6 of
 :mod:`ortmem.plan.partition`'s docstring).
 
-Everything here is first-order arithmetic on :class:`~ortmem.plan.partition_graph._Graph` positions;
-checking a stage with the estimator is :mod:`ortmem.plan.partition_verify`'s job.
+Everything here is first-order arithmetic on :class:`~ortmem.plan.partition.graph._Graph` positions;
+checking a stage with the estimator is :mod:`ortmem.plan.partition.verify`'s job.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class StageCosts:
     """First-order stage costs, memoised by span (the cut post-pass asks for many spans).
 
     A device's stages cost their weights, ``act_mult[device]`` times their activation peak (workspace
-    included; :data:`~ortmem.plan.partition_verify.ARENA_STEADY` on verified CPU devices, where ORT's arena holds that much in steady
+    included; :data:`~ortmem.plan.partition.verify.ARENA_STEADY` on verified CPU devices, where ORT's arena holds that much in steady
     state) and ``overhead[device]`` each. ``nodes[device]``: the machine a device is on (None: this
     one); a cut between devices of different nodes sends its tensors over the network.
     """

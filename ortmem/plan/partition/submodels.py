@@ -1,7 +1,7 @@
 """One ONNX model per stage, and the tensors that cross from one stage to later ones.
 
 A stage's model holds its nodes, the constant chains they read (copied, see
-:mod:`ortmem.plan.partition_graph`), the initializers they need, and typed inputs and outputs for
+:mod:`ortmem.plan.partition.graph`), the initializers they need, and typed inputs and outputs for
 every tensor that crosses a cut, so each stage loads as a model of its own in ORT.
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ def apply_for_session(model: onnx.ModelProto | ModelLike, recompute: Any, dims: 
       (bool, default: True when ``workdir`` is given), ``verify`` (bool, default False), ``dims``
       (symbolic dimension sizes, merged over ``dims``: sizes decide the plan).
 
-    ``optimize``: plan on the graph ORT executes (:func:`ortmem.plan.liveness.ort_optimized`, a
+    ``optimize``: plan on the graph ORT executes (:func:`ortmem.plan.estimate.liveness.ort_optimized`, a
     throwaway session at ``ORT_ENABLE_EXTENDED`` without pre-packing) instead of the graph as given,
     which is exact only at ``ORT_DISABLE_ALL``: ORT's fusions renumber nodes and so reorder them. The
     optimized model and its ``model.onnx.data`` are written into ``workdir`` (the caller's, kept until

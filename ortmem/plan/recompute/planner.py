@@ -108,7 +108,7 @@ def plan(model: ModelLike, dims: Mapping[str, int] | None = None, *, budget: int
     (ORT's default order of this file) or ``"file"`` (the file's own node order). ORT writes an
     optimized model in exactly the order it executed the model it optimized (``Graph::ToGraphProto``
     walks ``GraphViewer``'s default topological order; checked on 1.31.1: equal node for node), so for
-    a graph from :func:`ortmem.plan.liveness.ort_optimized` the file order *is* the original model's
+    a graph from :func:`ortmem.plan.estimate.liveness.ort_optimized` the file order *is* the original model's
     run; None picks ``"file"`` when the model carries ``ortmem.ort_optimized`` in its metadata.
     ``min_saved_bytes`` (default: 1% of the baseline peak, at least one arena granule) is the least saving worth
     a rewrite: below it the model is left as is, since ORT's arena can lose more than that to a new
