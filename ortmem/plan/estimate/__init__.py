@@ -3,7 +3,7 @@
 ``estimate`` predicts session-creation memory for ORT and ortmem (``estimator``: the method and the
 entry point; ``recipe``: what ORT does with each initializer; ``creation``: creation replayed through
 ``memsim``, glibc's heap; ``calibration``: the fitted constants; ``result``: ``Estimate`` and its
-rendering; ``activations``: shapes and lifetimes; ``graph_context``: the ``Context`` estimate and
+rendering; ``shapes``: shape inference; ``activations``: lifetimes; ``fusions``: what ORT fuses that changes them; ``graph_context``: the ``Context`` estimate and
 liveness share); ``liveness`` replays live bytes over ORT's execution order;
 ``stats`` measures per-node memory with ORT itself (``node_stats``); ``cli`` is ``ortmem estimate`` and
 ``ortmem stats``. The graph index under all of them is :mod:`ortmem.ortmodel.graph_index`.

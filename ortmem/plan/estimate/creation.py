@@ -6,9 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
-
-
-from . import activations as act
+from . import shapes as shp
 from ...ortmodel import graph_index as og
 from .memsim import Heap
 from .recipe import CreatedTensor, Recipe, Weight
@@ -249,7 +247,7 @@ def retention_basis(plan: Recipe, all_external: bool) -> int:
     return total
 
 
-def run_touch(plan: Recipe, shapes: act.Shapes, root: og.OrtGraph, all_external: bool) -> int:
+def run_touch(plan: Recipe, shapes: shp.Shapes, root: og.OrtGraph, all_external: bool) -> int:
     """Bytes of external weights a run reads that creation did not: kept (not packed away) tensors,
     whole, except Gather tables, of which only the gathered rows are read."""
     total = 0

@@ -47,6 +47,8 @@ from typing import Mapping, Union
 from ...model import Model
 from ...ortmodel.release import capabilities
 from . import activations as act
+from . import shapes as shp
+from .fusions import ort_fusions
 from ...ortmodel import graph_index as og
 from .graph_context import Context, ort_view
 from .calibration import Calibration
@@ -59,7 +61,7 @@ ModelLike = Union[str, os.PathLike, Model]
 
 # ------------------------------------------------------------------------------ activations
 def workspace_fn(plan: Recipe, st: Settings, nchwc: bool):
-    def workspace(node: og.OrtNode, shapes: act.Shapes) -> int:
+    def workspace(node: og.OrtNode, shapes: shp.Shapes) -> int:
         g = node.graph
         if node.op_type == "MatMulNBits" or id(node) in plan.fused:
             if id(node) in plan.fused:
@@ -109,7 +111,7 @@ def _weight_sources(g: og.OrtGraph, values: list[str], removed: frozenset[int]):
             stack.extend(x for x in g.nodes[p].inputs if x)
 
 
-def _node_rows(root: og.OrtGraph, shapes: act.Shapes, order: og.ExecutionOrder, workspace,
+def _node_rows(root: og.OrtGraph, shapes: shp.Shapes, order: og.ExecutionOrder, workspace,
                unknown: dict, removed: frozenset[int], inplace, merged) -> tuple[int, list[NodeRow]]:
     rows: list[NodeRow] = []
     charged: set[tuple[str, str]] = set()
@@ -177,18 +179,18 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
     st = session_settings(session_options, accuracy_level)
     skeleton = model.skeleton
     root = og.build(skeleton.graph)
-    shapes = act.infer_shapes(skeleton, root, dims)
+    shapes = shp.infer_shapes(skeleton, root, dims)
     model_file = Path(model.path).name
     plan = plan_model(root, skeleton, shapes, st, model_file)
     nchwc = st.level >= 99 and bool(nchwc_block())
     estimator_ws = workspace_fn(plan, st, nchwc)
 
-    def workspace(node: og.OrtNode, sh: act.Shapes) -> int:
+    def workspace(node: og.OrtNode, sh: shp.Shapes) -> int:
         return estimator_ws(node, sh) + act.kernel_temporaries(node, sh)
 
     # in-place reuse: the rule measured on ORT 1.31.1 that the planners use too (liveness.Context)
     rules = Context(skeleton, root, shapes, plan.removed, workspace, dims, st.execution_order, ort_view(skeleton))
-    merged = act.ort_fusions(root) if st.level >= 2 else {}  # Gelu/BiasGelu run as one kernel
+    merged = ort_fusions(root) if st.level >= 2 else {}  # Gelu/BiasGelu run as one kernel
     unknown: dict = {}
     act_peak, rows = _node_rows(root, shapes, st.execution_order, workspace, unknown, plan.removed,
                                 rules.inplace_slots, merged)

@@ -15,6 +15,7 @@ import onnx
 
 from ...model import Model
 from . import activations as act
+from . import shapes as shp
 from ...ortmodel import graph_index as og
 
 ModelLike = Union[str, os.PathLike, onnx.ModelProto, Model]
@@ -32,13 +33,13 @@ class Context:
 
     model: onnx.ModelProto
     root: og.OrtGraph
-    shapes: act.Shapes
+    shapes: shp.Shapes
     removed: frozenset[int]
     workspace: act.WorkspaceFn
     dims: dict[str, int]
     execution_order: og.ExecutionOrder = "DEFAULT"
-    ort_view: dict[str, act.TensorShape] = field(default_factory=dict)  # shapes as ORT's planner sees them
-    _symbolic: act.Shapes | None = None
+    ort_view: dict[str, shp.TensorShape] = field(default_factory=dict)  # shapes as ORT's planner sees them
+    _symbolic: shp.Shapes | None = None
 
     def inplace_slots(self, node: og.OrtNode) -> list[int]:
         """Input slots ``node`` may overwrite, as ORT 1.31.1's CPU planner decides: the kernel declares
@@ -66,7 +67,7 @@ class Context:
     def symbolic_dims(self, name: str) -> list[int | str] | None:
         """The dims of ``name`` before ``dims`` were bound (computed once, on first use)."""
         if self._symbolic is None:
-            self._symbolic = act.infer_shapes(self.model, self.root, {})
+            self._symbolic = shp.infer_shapes(self.model, self.root, {})
         s = self._symbolic.get(self.root, name)
         return None if s is None or s.dims is None else list(s.dims)
 
@@ -88,12 +89,12 @@ class Context:
         for new, old in renamed.items():
             if old in table:
                 table[new] = table[old]
-        shapes = act.Shapes(types={**self.shapes.types, "": table}, unresolved_symbols=self.shapes.unresolved_symbols)
+        shapes = shp.Shapes(types={**self.shapes.types, "": table}, unresolved_symbols=self.shapes.unresolved_symbols)
         origin = {id(n): o for n, o in zip(root.nodes, origins)}
         removed = frozenset(id(n) for n, o in zip(root.nodes, origins) if id(o) in self.removed)
         base_ws = self.workspace
 
-        def workspace(node: og.OrtNode, sh: act.Shapes) -> int:
+        def workspace(node: og.OrtNode, sh: shp.Shapes) -> int:
             return base_ws(origin.get(id(node), node), sh)
 
         view = dict(self.ort_view)
@@ -115,7 +116,7 @@ def load_proto(model: ModelLike) -> onnx.ModelProto:
     return onnx.load(os.fspath(model), load_external_data=False)
 
 
-def ort_view(proto: onnx.ModelProto) -> dict[str, act.TensorShape]:
+def ort_view(proto: onnx.ModelProto) -> dict[str, shp.TensorShape]:
     """Main-graph shapes from ONNX's own inference with symbolic dims unbound and no data propagation:
     what ORT's graph resolution infers, which decides in-place reuse."""
     try:
@@ -123,9 +124,9 @@ def ort_view(proto: onnx.ModelProto) -> dict[str, act.TensorShape]:
     except Exception:  # noqa: BLE001 - keep what the graph declares
         inferred = proto
     g = inferred.graph
-    out: dict[str, act.TensorShape] = {}
+    out: dict[str, shp.TensorShape] = {}
     for vi in [*g.input, *g.value_info, *g.output]:
-        t = act._shape_of(vi.type)
+        t = shp.shape_of(vi.type)
         if t is not None:
             # onnx's Python API names unknown dims "unk__N"; ORT's resolution leaves them unnamed
             if t.dims is not None:

@@ -4,7 +4,7 @@ Why a module of its own: the estimator (:mod:`ortmem.plan.estimate`) needs one n
 activation peak; recompute and order planning (:mod:`ortmem.plan.recompute`) need the whole picture:
 which buffer is alive at which step, who produced it, who reads it last, and which buffers are alive
 *across* the peak (produced before it, read after it) and so could be given back and rebuilt later.
-Nothing is computed twice: shapes come from :func:`ortmem.plan.estimate.activations.infer_shapes` (symbolic dims
+Nothing is computed twice: shapes come from :func:`ortmem.plan.estimate.shapes.infer_shapes` (symbolic dims
 bound from ``dims``), the order from :mod:`ortmem.ortmodel.graph_index` (ORT's ``DEFAULT`` reverse DFS and
 ``PRIORITY_BASED`` Kahn, ``onnxruntime/core/graph/graph_viewer.cc``), the step-by-step accounting
 (aliasing kernels, in-place writes, graph outputs living to the end, 256-byte arena granules,
@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence, Union
 import onnx
 
 from . import activations as act
+from . import shapes as shp
 from ...ortmodel import graph_index as og
 from .estimator import workspace_fn
 from .recipe import nchwc_block, plan_model, session_settings
@@ -42,12 +43,12 @@ def context(model: ModelLike, dims: Mapping[str, int] | None = None, *, session_
     proto = load_proto(model)
     st = session_settings(session_options, accuracy_level)
     root = og.build(proto.graph)
-    shapes = act.infer_shapes(proto, root, dict(dims or {}))
+    shapes = shp.infer_shapes(proto, root, dict(dims or {}))
     model_file = os.path.basename(os.fspath(model)) if isinstance(model, (str, os.PathLike)) else ""
     plan = plan_model(root, proto, shapes, st, model_file)
     estimator_ws = workspace_fn(plan, st, st.level >= 99 and bool(nchwc_block()))
 
-    def workspace(node: og.OrtNode, sh: act.Shapes) -> int:
+    def workspace(node: og.OrtNode, sh: shp.Shapes) -> int:
         return estimator_ws(node, sh) + act.kernel_temporaries(node, sh)
 
     return Context(proto, root, shapes, plan.removed, workspace, dict(dims or {}), st.execution_order,

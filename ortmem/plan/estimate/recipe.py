@@ -13,6 +13,7 @@ from onnx import TensorProto
 from ...dtypes import byte_size
 from ...passes.dq_matmul_match import OrtSettings, dq_matmul_match
 from . import activations as act
+from . import shapes as shp
 from ...ortmodel import graph_index as og
 
 #: NCHWc block (MLAS ``MlasNchwcGetBlockSize``): 16 with AVX-512F, 8 with AVX2.
@@ -170,7 +171,7 @@ def sgemm_packed_bytes(K: int, N: int) -> int:
     return K * (-(-N // 16) * 16) * 4
 
 
-def plan_model(root: og.OrtGraph, skeleton: onnx.ModelProto, shapes: act.Shapes, st: Settings, model_file: str,
+def plan_model(root: og.OrtGraph, skeleton: onnx.ModelProto, shapes: shp.Shapes, st: Settings, model_file: str,
           *, convert_qdq_ahead: bool = False) -> Recipe:
     ws = _collect_weights(root, model_file)
     notes: list[str] = []

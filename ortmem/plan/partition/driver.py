@@ -65,7 +65,7 @@ from typing import Any, Mapping, Sequence
 
 from ...loader import load
 from ...model import Model
-from ..estimate import activations as act
+from ..estimate import shapes as shp
 from ...ortmodel import graph_index as og
 from ...errors import PlanError
 from .graph_modules import ModuleTree, group_modules
@@ -171,8 +171,8 @@ def _partition(model: Model, names: list[str], budgets: list[int], providers: li
     if list(tree.order) != G.labels:
         raise PlanError("internal: module order and node order disagree")
     root = og.build(model.skeleton.graph)
-    shapes_sym = act.infer_shapes(model.skeleton, root, {})
-    shapes_dims = act.infer_shapes(model.skeleton, root, dims) if dims else shapes_sym
+    shapes_sym = shp.infer_shapes(model.skeleton, root, {})
+    shapes_dims = shp.infer_shapes(model.skeleton, root, dims) if dims else shapes_sym
     layout = plan_layout(model, weights_mode)
     boundaries = module_boundaries(G, tree)
     n = len(names)
@@ -221,7 +221,7 @@ def _partition(model: Model, names: list[str], budgets: list[int], providers: li
         est: list[int | None] = [None] * len(stages)
         for k, s in enumerate(stages):
             if verify_dev[s.device]:
-                out_b = sum((shapes_dims.types.get("", {}).get(o) or act.TensorShape(0, None)).nbytes() or 0
+                out_b = sum((shapes_dims.types.get("", {}).get(o) or shp.TensorShape(0, None)).nbytes() or 0
                             for o in models[k].outputs)
                 est[k] = estimate_stage(models[k].proto, stage_dir / _stage_file(k, names[s.device]), dims, out_b)
         first, credit = costs.device_totals(stages, n)

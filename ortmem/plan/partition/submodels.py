@@ -11,8 +11,7 @@ from typing import Sequence
 
 import onnx
 from onnx import GraphProto, ModelProto, helper
-
-from ..estimate import activations as act
+from ..estimate import shapes as shp
 from ...errors import PlanError
 from .graph import PartitionGraph
 from .result import Crossing
@@ -20,7 +19,7 @@ from .stages import CandidateStage
 from .weights import WeightsLayout, relocate_graph
 
 
-def _value_type(name: str, G: PartitionGraph, shapes: act.Shapes) -> onnx.ValueInfoProto:
+def _value_type(name: str, G: PartitionGraph, shapes: shp.Shapes) -> onnx.ValueInfoProto:
     """A typed ValueInfo for a tensor crossing a cut: the graph's own declaration, else inferred
     (symbolic dims kept, so a stage accepts what the whole model accepts)."""
     for table in (G.output_vi, G.input_vi, G.value_info):
@@ -44,7 +43,7 @@ class StageGraph:
     replicated: list[str]
 
 
-def build_stage_models(G: PartitionGraph, stages: Sequence[CandidateStage], shapes_sym: act.Shapes, layout: WeightsLayout | None,
+def build_stage_models(G: PartitionGraph, stages: Sequence[CandidateStage], shapes_sym: shp.Shapes, layout: WeightsLayout | None,
                   location: str) -> list[StageGraph]:
     """One ModelProto per stage (weights relocated into ``location`` when ``layout`` is given)."""
     g = G.g
@@ -128,7 +127,7 @@ def build_stage_models(G: PartitionGraph, stages: Sequence[CandidateStage], shap
     return out
 
 
-def find_crossings(G: PartitionGraph, stages: Sequence[CandidateStage], shapes_dims: act.Shapes) -> list[Crossing]:
+def find_crossings(G: PartitionGraph, stages: Sequence[CandidateStage], shapes_dims: shp.Shapes) -> list[Crossing]:
     stage_of = {}
     for k, s in enumerate(stages):
         for p in range(s.lo, s.hi):

@@ -8,6 +8,7 @@ from typing import Iterable, Sequence
 
 
 from ..estimate import activations as act
+from ..estimate import shapes as shp
 from ...ortmodel import graph_index as og
 from ..estimate.liveness import Context, analyze
 
@@ -39,7 +40,7 @@ def realized(ctx: Context, order: Sequence[int]) -> list[int]:
 def _sizes(ctx: Context) -> tuple[dict[str, int], set[str]]:
     g = ctx.root
     local = {o for n in g.nodes if id(n) not in ctx.removed for o in n.outputs if o}
-    return {v: act._granule(ctx.nbytes(v)) for v in local}, local
+    return {v: shp.granule(ctx.nbytes(v)) for v in local}, local
 
 
 def greedy_order(ctx: Context, mode: str = "footprint", base: Sequence[int] | None = None) -> list[int]:

@@ -8,8 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
 import onnx
-
-from ..estimate import activations as act
+from ..estimate import shapes as shp
 from ...ortmodel import graph_index as og
 from ..estimate.liveness import Context, ModelLike, analyze, context
 from .discovery import Cluster, Occurrence, clusters, discover
@@ -219,7 +218,7 @@ def _plan_kind(ctx: Context, kind: og.ExecutionOrder, classes: Sequence[str], bu
             notes.append("no order found below the current peak")
     final_kind = state.kind
     differs = state.base is not None or final_kind != "DEFAULT" or baseline == "file"
-    least = max(act.ARENA_GRANULE, base_peak // 100) if min_saved_bytes is None else min_saved_bytes
+    least = max(shp.ARENA_GRANULE, base_peak // 100) if min_saved_bytes is None else min_saved_bytes
     changed = differs and base_peak - state.peak >= max(least, 1)
     if differs and 0 < base_peak - state.peak < least:
         notes.append(f"the best rewrite saves {(base_peak - state.peak) / MiB:.2f} MiB, under the "

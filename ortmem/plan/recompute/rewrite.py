@@ -8,6 +8,7 @@ from typing import Sequence
 from onnx import NodeProto
 
 from ..estimate import activations as act
+from ..estimate import shapes as shp
 from ...ortmodel import graph_index as og
 from ..estimate.liveness import Context
 from .discovery import Occurrence
@@ -148,12 +149,12 @@ def _clone_transient(ctx: Context, occ: Occurrence) -> int:
     for k, i in enumerate(sub):
         node = g.nodes[i]
         alias = node.op_type in act.ALIAS_OPS and node.domain in ("", "ai.onnx")
-        new = 0 if alias else sum(act._granule(ctx.nbytes(o)) for o in node.outputs if o)
+        new = 0 if alias else sum(shp.granule(ctx.nbytes(o)) for o in node.outputs if o)
         peak = max(peak, live + new + ctx.workspace(node, ctx.shapes))
         live += new
         for o in node.outputs:
             if o and not alias:
-                held[o] = act._granule(ctx.nbytes(o))
+                held[o] = shp.granule(ctx.nbytes(o))
         for v in list(held):
             if v not in occ.values and last.get(v, -1) <= k:
                 live -= held.pop(v)
