@@ -2,8 +2,8 @@
 
 ``driver`` runs the rounds (plan, build, verify) and writes the output folder; the steps are
 ``graph`` (the graph as the partitioner sees it: node costs, constant chains, modules),
-``graph_modules`` (nodes grouped into modules), ``device_map`` (modules placed on devices: exact +
-heuristic), ``stages`` (stage costs, candidate plans, cuts at module boundaries), ``submodels`` (a
+``graph_modules`` (nodes grouped into modules), ``device_map`` (modules placed on devices; the
+search behind it, exact and heuristic, in ``placement/``), ``stages`` (stage costs, candidate plans, cuts at module boundaries), ``submodels`` (a
 sub-model per stage, the tensors crossing cuts), ``weights`` (the one shared weights.bin),
 ``ort_session`` (ORT's one-session settings and annotated model), ``verify`` (what a stage's session
 holds, by the estimator), ``devices`` (device names to providers, per-session overhead) and
