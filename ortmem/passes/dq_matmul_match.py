@@ -48,7 +48,7 @@ read when embedded; for external ones pass ``scalar_reader`` or accept a note on
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Literal, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -58,6 +58,7 @@ from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto,
 from ..onnx_walk import node_subgraphs
 from ..ortmodel.graph_index import index_graph
 from ..ortmodel.release import capabilities
+from ..ortmodel.settings import OrtSettings
 
 __all__ = [
     "Candidate",
@@ -200,53 +201,6 @@ class Rejected:
 class MatchResult(NamedTuple):
     candidates: list[Candidate]
     rejected: list[Rejected]
-
-
-@dataclass(frozen=True)
-class OrtSettings:
-    """The session settings ORT's decision depends on, parsed like ORT parses them.
-
-    ``graph_optimization_level`` uses ORT's numbers (``onnxruntime.GraphOptimizationLevel`` values work).
-    ``session_config`` holds ``SessionOptions.add_session_config_entry`` pairs; the keys read are
-    ``session.qdq_matmulnbits_accuracy_level`` (default "4"), ``session.qdq_matmulnbits_block_size``
-    (default "0" = 32; "-1" = least padding) and ``session.disable_quant_qdq``.
-    ``disabled_optimizers`` mirrors ``InferenceSession(disabled_optimizers=...)``: note that the rule name
-    ``DQMatMulToMatMulNBits`` does *not* disable the fusion in 1.31.1 (measured); the transformer name
-    ``QDQSelectorActionTransformer`` does.
-    """
-
-    graph_optimization_level: int = 99
-    session_config: Mapping[str, str] = field(default_factory=dict)
-    disabled_optimizers: frozenset[str] = frozenset()
-
-    @property
-    def accuracy_level(self) -> int:
-        raw = self.session_config.get("session.qdq_matmulnbits_accuracy_level", "4")
-        try:
-            level = int(raw)
-        except ValueError:
-            raise ValueError(f"session.qdq_matmulnbits_accuracy_level={raw!r} is not an integer") from None
-        # qdq_actions.cc DQMatMulToMatMulNBitsAction ctor: ORT_ENFORCE(accuracy_level_ >= 0 && <= 4)
-        if not 0 <= level <= 4:
-            raise ValueError(f"session.qdq_matmulnbits_accuracy_level={level}: ORT fails session creation "
-                             "(MatMulNBits accuracy level must be between 0 and 4)")
-        return level
-
-    @property
-    def block_size_option(self) -> int:
-        raw = self.session_config.get("session.qdq_matmulnbits_block_size", "0")
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(f"session.qdq_matmulnbits_block_size={raw!r} is not an integer") from None
-
-    @property
-    def qdq_enabled(self) -> bool:
-        return (self.session_config.get("session.disable_quant_qdq", "0") != "1"
-                and "QDQSelectorActionTransformer" not in self.disabled_optimizers)
-
-    def enabled(self, transformer: str) -> bool:
-        return transformer not in self.disabled_optimizers
 
 
 def effective_block_size(session_block_size: int, K: int) -> int:

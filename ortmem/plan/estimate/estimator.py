@@ -53,14 +53,15 @@ from ...ortmodel import graph_index as og
 from .graph_context import Context, ort_view
 from .calibration import Calibration
 from .creation import retention_basis, run_touch, simulate
-from .recipe import Recipe, Settings, nchwc_block, node_attr, plan_model, session_settings, tensor_bytes
+from ...ortmodel.settings import OrtSettings, session_settings
+from .recipe import Recipe, nchwc_block, node_attr, plan_model, tensor_bytes
 from .result import Estimate, NodeRow, Side
 
 ModelLike = Union[str, os.PathLike, Model]
 
 
 # ------------------------------------------------------------------------------ activations
-def workspace_fn(plan: Recipe, st: Settings, nchwc: bool):
+def workspace_fn(plan: Recipe, st: OrtSettings, nchwc: bool):
     def workspace(node: og.OrtNode, shapes: shp.Shapes) -> int:
         g = node.graph
         if node.op_type == "MatMulNBits" or id(node) in plan.fused:
@@ -176,13 +177,13 @@ def estimate(model_or_path: ModelLike, *, dims: Mapping[str, int] | None = None,
 
 def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_options, hygiene: bool,
               cal: Calibration) -> Estimate:
-    st = session_settings(session_options, accuracy_level)
+    st = session_settings(session_options, accuracy_level=accuracy_level)
     skeleton = model.skeleton
     root = og.build(skeleton.graph)
     shapes = shp.infer_shapes(skeleton, root, dims)
     model_file = Path(model.path).name
     plan = plan_model(root, skeleton, shapes, st, model_file)
-    nchwc = st.level >= 99 and bool(nchwc_block())
+    nchwc = st.graph_optimization_level >= 99 and bool(nchwc_block())
     estimator_ws = workspace_fn(plan, st, nchwc)
 
     def workspace(node: og.OrtNode, sh: shp.Shapes) -> int:
@@ -190,7 +191,7 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
 
     # in-place reuse: the rule measured on ORT 1.31.1 that the planners use too (liveness.Context)
     rules = Context(skeleton, root, shapes, plan.removed, workspace, dims, st.execution_order, ort_view(skeleton))
-    merged = ort_fusions(root) if st.level >= 2 else {}  # Gelu/BiasGelu run as one kernel
+    merged = ort_fusions(root) if st.graph_optimization_level >= 2 else {}  # Gelu/BiasGelu run as one kernel
     unknown: dict = {}
     act_peak, rows = _node_rows(root, shapes, st.execution_order, workspace, unknown, plan.removed,
                                 rules.inplace_slots, merged)
@@ -247,12 +248,12 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
     notes = list(plan.notes)
     if cal.release_note():
         notes.insert(0, cal.release_note())
-    if st.level >= 1:
+    if st.graph_optimization_level >= 1:
         notes.append("activations are computed on the graph as given; GELU/BiasGelu fused as ORT does; ORT's other fusions (layer norm, "
                      "attention, MatMul+Add) change intermediate tensors")
     return Estimate(
         model=str(model.path),
-        settings={"graph_optimization_level": st.level, "accuracy_level": st.accuracy_level,
+        settings={"graph_optimization_level": st.graph_optimization_level, "accuracy_level": st.accuracy_level,
                   "execution_order": st.execution_order, "prepacking": st.prepacking, "dims": dims,
                   "hygiene": hygiene, "calibration": cal.source},
         ort=ort_side,

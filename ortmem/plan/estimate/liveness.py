@@ -26,7 +26,8 @@ from . import activations as act
 from . import shapes as shp
 from ...ortmodel import graph_index as og
 from .estimator import workspace_fn
-from .recipe import nchwc_block, plan_model, session_settings
+from ...ortmodel.settings import session_settings
+from .recipe import nchwc_block, plan_model
 from .graph_context import Context, ModelLike, load_proto, ort_view
 
 MiB = 1 << 20
@@ -41,12 +42,12 @@ def context(model: ModelLike, dims: Mapping[str, int] | None = None, *, session_
     folded or fused before the run) and the execution order; ORT's defaults otherwise.
     """
     proto = load_proto(model)
-    st = session_settings(session_options, accuracy_level)
+    st = session_settings(session_options, accuracy_level=accuracy_level)
     root = og.build(proto.graph)
     shapes = shp.infer_shapes(proto, root, dict(dims or {}))
     model_file = os.path.basename(os.fspath(model)) if isinstance(model, (str, os.PathLike)) else ""
     plan = plan_model(root, proto, shapes, st, model_file)
-    estimator_ws = workspace_fn(plan, st, st.level >= 99 and bool(nchwc_block()))
+    estimator_ws = workspace_fn(plan, st, st.graph_optimization_level >= 99 and bool(nchwc_block()))
 
     def workspace(node: og.OrtNode, sh: shp.Shapes) -> int:
         return estimator_ws(node, sh) + act.kernel_temporaries(node, sh)

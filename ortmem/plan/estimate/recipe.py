@@ -11,7 +11,8 @@ import onnx
 from onnx import TensorProto
 
 from ...dtypes import byte_size
-from ...passes.dq_matmul_match import OrtSettings, dq_matmul_match
+from ...ortmodel.settings import OrtSettings
+from ...passes.dq_matmul_match import dq_matmul_match
 from . import activations as act
 from . import shapes as shp
 from ...ortmodel import graph_index as og
@@ -21,30 +22,6 @@ _CPU_FLAGS_FILE = "/proc/cpuinfo"
 #: ops ORT's ConstantFolding never folds (control flow, randomness, QDQ kept for fusion).
 _NO_FOLD = {"DequantizeLinear", "QuantizeLinear", "If", "Loop", "Scan", "RandomNormal", "RandomUniform",
             "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Constant"}
-
-
-# ------------------------------------------------------------------------------- settings
-@dataclass(frozen=True)
-class Settings:
-    level: int
-    accuracy_level: int
-    execution_order: og.ExecutionOrder
-    prepacking: bool
-    ort: OrtSettings
-
-
-def session_settings(session_options, accuracy_level: int | None) -> Settings:
-    from ...convert import settings_from
-    from ...options import get_config
-
-    st = settings_from(session_options, accuracy_level=accuracy_level)
-    order: og.ExecutionOrder = "DEFAULT"
-    prepacking = True
-    if session_options is not None:
-        if int(getattr(session_options, "execution_order", 0)) == 1:
-            order = "PRIORITY_BASED"
-        prepacking = (get_config(session_options, "session.disable_prepacking") or "0") != "1"
-    return Settings(st.graph_optimization_level, st.accuracy_level, order, prepacking, st)
 
 
 def nchwc_block() -> int:
@@ -171,7 +148,7 @@ def sgemm_packed_bytes(K: int, N: int) -> int:
     return K * (-(-N // 16) * 16) * 4
 
 
-def plan_model(root: og.OrtGraph, skeleton: onnx.ModelProto, shapes: shp.Shapes, st: Settings, model_file: str,
+def plan_model(root: og.OrtGraph, skeleton: onnx.ModelProto, shapes: shp.Shapes, st: OrtSettings, model_file: str,
           *, convert_qdq_ahead: bool = False) -> Recipe:
     ws = _collect_weights(root, model_file)
     notes: list[str] = []
@@ -181,7 +158,7 @@ def plan_model(root: og.OrtGraph, skeleton: onnx.ModelProto, shapes: shp.Shapes,
 
     # Level 1: constant folding, in execution order, until nothing changes (graph.cc / constant_folding.cc)
     folded_nodes: set[int] = set()
-    if st.level >= 1:
+    if st.graph_optimization_level >= 1:
         for g in og.walk(root):
             changed = True
             while changed:
@@ -223,8 +200,8 @@ def plan_model(root: og.OrtGraph, skeleton: onnx.ModelProto, shapes: shp.Shapes,
     fused_consumers: dict[int, tuple[int, int, int, int, int]] = {}  # id(node) -> (K, N, bits, block, acc)
     fused_dq: set[int] = set()
     qdq_users: dict[tuple[str, str], list[tuple[og.OrtNode, int]]] = {}
-    if st.level >= 2 or convert_qdq_ahead:
-        result = dq_matmul_match(skeleton, settings=st.ort)
+    if st.graph_optimization_level >= 2 or convert_qdq_ahead:
+        result = dq_matmul_match(skeleton, settings=st)
         for c in result.candidates:
             if c.ort_outcome == "session_error":
                 notes.append(f"{c.node_name}: ORT 1.31.1 fails session creation on this fusion")
@@ -272,7 +249,7 @@ def plan_model(root: og.OrtGraph, skeleton: onnx.ModelProto, shapes: shp.Shapes,
     nchwc: list[CreatedTensor] = []
     block = nchwc_block()
     nchwc_convs: set[int] = set()
-    if st.level >= 99 and block:
+    if st.graph_optimization_level >= 99 and block:
         for g in og.walk(root):
             for node in g.nodes:
                 if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
