@@ -33,7 +33,8 @@ from synth_models import synth_model
 import ortmem
 from ortmem import digest
 from ortmem.cache import Cache
-from ortmem.convert import convert_cached, settings_from
+from ortmem.convert import convert_cached
+from ortmem.ortmodel.settings import session_settings
 
 model = synth_model(sys.argv[2])
 spent = [0.0]
@@ -49,7 +50,7 @@ def timed(*a, **k):
 digest.file_digest = timed
 with tempfile.TemporaryDirectory(dir=sys.argv[3]) as tmp, ortmem.load(model) as m:
     t = time.perf_counter()
-    entry, hit, report = convert_cached(m, settings_from(), Cache(Path(tmp)))
+    entry, hit, report = convert_cached(m, session_settings(), Cache(Path(tmp)))
     cold = time.perf_counter() - t
     assert entry is not None and not hit
 print(json.dumps({"cold_s": cold, "write_s": report.seconds, "read_digest_s": spent[0]}))

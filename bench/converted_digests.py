@@ -35,7 +35,8 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # the tests' hand-built graphs
 
 import ortmem  # noqa: E402
 from ortmem.cache import Cache  # noqa: E402
-from ortmem.convert import convert_cached, convert_to, settings_from  # noqa: E402
+from ortmem.convert import convert_cached, convert_to  # noqa: E402
+from ortmem.ortmodel.settings import session_settings  # noqa: E402
 from ortmem.inmemory import convert_in_memory  # noqa: E402
 from ortmem.passes.conversion import plan_conversion  # noqa: E402
 from ortmem.synth import SynthConfig, write_model  # noqa: E402
@@ -90,7 +91,7 @@ def _models(work: Path) -> list[tuple[str, Path]]:
 
 def digests(work: Path) -> list[str]:
     lines = []
-    settings = settings_from()
+    settings = session_settings()
     cache = Cache(work / "cache")
     for label, path in _models(work):
         out = work / "out" / label.replace("/", "_")

@@ -26,32 +26,13 @@ from .model import Model
 from .passes.conversion import plan_conversion, rewrite_skeleton, write_weights
 from .passes.conversion_plan import ConversionPlan, ConversionReport, out_tensors, relocate_carried
 from .passes.writers import Progress
-from .passes.dq_matmul_match import OrtSettings
+from .ortmodel.settings import OrtSettings
 
 log = logging.getLogger(__name__)
 
 #: Bumped whenever the converted graph for the same input changes (new rewrites, different layouts),
 #: so entries written by an older conversion are never taken for hits.
 CONVERSION_FORMAT = 2
-
-
-def settings_from(sess_options: Optional[ort.SessionOptions] = None, *, accuracy_level: Optional[int] = None,
-                  disabled_optimizers=None) -> OrtSettings:
-    """The session settings ORT's fusion decision depends on, read from the user's options."""
-    from .options import get_config
-
-    config: dict[str, str] = {}
-    level = 99
-    if sess_options is not None:
-        level = int(sess_options.graph_optimization_level)
-        for key in ("session.qdq_matmulnbits_accuracy_level", "session.qdq_matmulnbits_block_size",
-                    "session.disable_quant_qdq"):
-            v = get_config(sess_options, key)
-            if v is not None and v != "":
-                config[key] = v
-    if accuracy_level is not None:
-        config["session.qdq_matmulnbits_accuracy_level"] = str(accuracy_level)
-    return OrtSettings(level, config, frozenset(disabled_optimizers or ()))
 
 
 def write_converted(model: Model, plan: ConversionPlan, out_dir: Path, *, progress: Optional[Progress] = None,

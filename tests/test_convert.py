@@ -20,7 +20,8 @@ from release_expect import gather_refusal
 
 import ortmem
 from ortmem.cache import Cache
-from ortmem.convert import convert_to, settings_from
+from ortmem.convert import convert_to
+from ortmem.ortmodel.settings import session_settings
 from ortmem.errors import ConversionError
 from ortmem.ortmodel.variants import onnx_type_name
 from ortmem.passes.dq_matmul_match import dq_gather_match
@@ -108,9 +109,9 @@ def test_embedded_and_external_give_the_same_graph(tmp_path):
     b = _model(tmp_path / "b", storage="external")
     out_a, out_b = tmp_path / "ca", tmp_path / "cb"
     with ortmem.load(a) as m:
-        convert_to(m, out_a, settings_from())
+        convert_to(m, out_a, session_settings())
     with ortmem.load(b) as m:
-        convert_to(m, out_b, settings_from())
+        convert_to(m, out_b, session_settings())
     assert _count_ops(out_a / "model.onnx", "MatMulNBits") == _count_ops(out_b / "model.onnx", "MatMulNBits") > 0
     assert _count_ops(out_a / "model.onnx", "DequantizeLinear") == 0
     ra, rb = (ort.InferenceSession(str(p / "model.onnx")).run(None, FEEDS)[0] for p in (out_a, out_b))
@@ -132,7 +133,7 @@ def test_convert_cli_writes_a_standalone_folder(tmp_path, capsys):
     # refuses to write into a non-empty folder, and leaves it as it was
     with pytest.raises(ConversionError, match="not empty"):
         with ortmem.load(path) as m:
-            convert_to(m, out, settings_from())
+            convert_to(m, out, session_settings())
 
 
 def test_convert_cli_prepack_writes_a_model_plain_ort_loads(tmp_path, capsys):
@@ -387,7 +388,7 @@ def test_gbq_fp16_cast_form(tmp_path):
     assert g.candidate.cast and g.candidate.cast_to == onnx.TensorProto.FLOAT
     out = tmp_path / "out"
     with ortmem.load(path) as m:
-        convert_to(m, out, settings_from())
+        convert_to(m, out, session_settings())
     (gbq,) = _gbq_nodes(out / "model.onnx")
     conv = onnx.load(str(out / "model.onnx"), load_external_data=False)
     cast = next(n for n in conv.graph.node if n.op_type == "Cast" and list(n.input) == list(gbq.output))
@@ -411,10 +412,10 @@ def test_gbq_respects_disabled_optimizations(tmp_path):
     with ortmem.load(path) as m:
         from ortmem.passes.conversion import plan_conversion
 
-        assert plan_conversion(m, settings_from()).gathers
+        assert plan_conversion(m, session_settings()).gathers
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        assert not plan_conversion(m, settings_from(so)).gathers
+        assert not plan_conversion(m, session_settings(so)).gathers
 
 
 def _hand_gather_models():
@@ -449,7 +450,7 @@ def test_gbq_every_matcher_form_converts_bit_identically(tmp_path, storage):
         want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, feeds)
         out = src.parent / "out"
         with ortmem.load(src) as model:
-            convert_to(model, out, settings_from())
+            convert_to(model, out, session_settings())
         (c,), _ = dq_gather_match(m)
         refused = gather_refusal(onnx_type_name(c.weight_dtype), c.has_zp, onnx_type_name(c.scale_dtype))
         assert len(_gbq_nodes(out / "model.onnx")) == (0 if refused else 1), name
@@ -466,7 +467,7 @@ def test_gbq_table_is_copied_only_by_convert(tmp_path):
     path = _model(tmp_path, embedding="quantized", storage="external")
     out = tmp_path / "out"
     with ortmem.load(path) as m:
-        convert_to(m, out, settings_from())
+        convert_to(m, out, session_settings())
     (gbq,) = _gbq_nodes(out / "model.onnx")
     conv = onnx.load(str(out / "model.onnx"), load_external_data=False)
     table = next(t for t in conv.graph.initializer if t.name == gbq.input[0])
@@ -570,7 +571,7 @@ def test_fp16_neighbourhoods_bit_identical_to_ort(tmp_path, level):
         so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
         want = ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
         with ortmem.load(src) as model:
-            convert_to(model, src.parent / "out", settings_from(so))
+            convert_to(model, src.parent / "out", session_settings(so))
         conv = onnx.load(str(src.parent / "out" / "model.onnx"), load_external_data=False)
         assert any(n.op_type == "MatMulNBits" for n in conv.graph.node), name
         got = ort.InferenceSession(str(src.parent / "out" / "model.onnx"), so,

@@ -14,7 +14,8 @@ import pytest
 import ortmem
 from ortmem import digest
 from ortmem.cache import Cache
-from ortmem.convert import convert_cached, settings_from
+from ortmem.convert import convert_cached
+from ortmem.ortmodel.settings import session_settings
 from ortmem.errors import ConversionError
 from ortmem.passes import dq_matmul
 from ortmem.passes.conversion import plan_conversion, write_weights
@@ -59,7 +60,7 @@ def test_entry_digests_are_computed_while_writing(tmp_path, monkeypatch, link):
     monkeypatch.setattr(digest, "file_digest", recording)
     cache = Cache(tmp_path / "cache")
     with ortmem.load(src) as model:
-        entry, hit, report = convert_cached(model, settings_from(), cache)
+        entry, hit, report = convert_cached(model, session_settings(), cache)
         sources = sorted({os.path.realpath(w.file) for w in model.weights} | {os.path.realpath(src)})
     monkeypatch.setattr(digest, "file_digest", real)
     assert entry is not None and not hit and report.converted > 0
@@ -78,7 +79,7 @@ def test_digest_written_in_file_order_equals_the_file(tmp_path):
     """write_weights' digest (jobs run by offset, on several threads) is the digest of the file."""
     src = _model(tmp_path, weight_type="uint4", zero_points=True, scale_dtype="float16")
     with ortmem.load(src) as model:
-        plan = plan_conversion(model, settings_from())
+        plan = plan_conversion(model, session_settings())
         assert len(plan.rewrites) >= 10 and plan.copied
         out = tmp_path / "weights.bin"
         with open(out, "wb") as f:
@@ -101,7 +102,7 @@ def test_a_failing_tensor_stops_the_ordered_writer(tmp_path, monkeypatch):
     monkeypatch.setattr(dq_matmul.Rewrite, "convert", convert)
     errors: list[BaseException] = []
     with ortmem.load(src) as model:
-        plan = plan_conversion(model, settings_from())
+        plan = plan_conversion(model, session_settings())
         out = tmp_path / "weights.bin"
         with open(out, "wb") as f:
             f.truncate(plan.size)

@@ -22,9 +22,9 @@ from ..model import Model
 from ..onnx_walk import iter_graphs, iter_tensor_sites
 from ..ortmodel.release import Capabilities
 from ..ortmodel.release import capabilities as installed_capabilities
+from ..ortmodel.settings import OrtSettings
 from ..weights import page_align
 from . import dq_gather, dq_matmul
-from .dq_matmul_match import OrtSettings
 from .conversion_plan import ConversionPlan, add_carried, layout
 from .skeleton_edit import MS_DOMAIN, FreshNames, GraphEdit, add_aliases, all_names, drop_unused_initializers, point_to
 from .writers import FileSink, Job, MemorySink, OrderedDigest, Progress, Scratch, copy_span, run_jobs

@@ -42,8 +42,9 @@ from ..model import Model
 from ..onnx_walk import iter_graphs, node_label
 from ..ortmodel.release import Capabilities
 from ..ortmodel.variants import onnx_type_name
+from ..ortmodel.settings import OrtSettings
 from . import nbits_layout as nb
-from .dq_matmul_match import GatherCandidate, OrtSettings, dq_gather_match
+from .dq_matmul_match import GatherCandidate, dq_gather_match
 from .conversion_plan import DQRewrite
 from .skeleton_edit import MS_DOMAIN, Alias, GraphEdit, external_tensor
 from .sources import OutTensor, find_initializer, skeleton_index, source_bytes

@@ -27,8 +27,9 @@ from ..model import Model
 from ..ortmodel.fp16_kernels import fp16_sentinel_op, may_be_isolated, runs_fp16_matmulnbits_in_fp32
 from ..ortmodel.release import Capabilities
 from ..ortmodel.variants import onnx_type_name
+from ..ortmodel.settings import OrtSettings
 from . import nbits_layout as nb
-from .dq_matmul_match import Candidate, MatchResult, OrtSettings, dq_matmul_match
+from .dq_matmul_match import Candidate, MatchResult, dq_matmul_match
 from .conversion_plan import DQRewrite
 from .skeleton_edit import MS_DOMAIN, Alias, GraphEdit, external_tensor
 from .sources import OutTensor, skeleton_index, source_bytes, source_ref
