@@ -245,9 +245,9 @@ class Cache:
         """Build an entry with ``builder(tmpdir) -> manifest extras`` and publish it atomically.
 
         ``builder`` writes ``model.onnx`` and ``weights.bin`` into ``tmpdir`` (a private folder)
-        and returns ``{"spans": [(offset, length), ...], ...}``; the manifest is completed here
-        (``"digests"`` in what it returns: full digests it already holds for some files, e.g. hard
-        links to sources it digested, so they are not read twice).
+        and returns ``{"spans": [(offset, length), ...], ...}``; the manifest is completed here.
+        Its ``"digests"`` (file name -> full digest) are the digests it computed while writing those
+        files; every other file is digested here, by reading it.
         Files the builder created are given ``file_mode`` (0600 or stricter); hard links it made
         (``source-*``) keep their own owner and mode.
         """
