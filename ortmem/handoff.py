@@ -73,8 +73,8 @@ class Handoff:
     #: "pre-packed" (mapped ORT's packed weights, saved earlier or by this start), "in-memory", or
     #: "untouched: <why>".
     action: str = "as-is"
-    #: A cold start's packing of ORT's weights, to start once the session has run
-    #: (:mod:`ortmem.prepack_later`); None when the next start should not find it done.
+    #: A cold start's packing of ORT's weights, started once the session has run
+    #: (:mod:`ortmem.prepack_later`); None when nothing is left to pack in the background.
     prepack_later: Optional[PrepackLater] = None
 
     def session_ran(self) -> None:
