@@ -491,6 +491,6 @@ def test_bench_reports_the_packer_apart_from_the_cold_start(big_qdq):
     # Python + onnxruntime + one group of B: measured 150-170 MiB on this model (1.32.0); never the
     # session's size again, which a pre-exec reading would give.
     assert 20 * 2**20 < cold.background_peak_bytes < 400 * 2**20
-    assert not cold.helper_pids and cold.helper_peak_run_bytes == 0
+    assert cold.helper_peak_run_bytes == 0  # the packer starts as the run returns: not a helper of the run
     # Measured 1.01-1.03x (the conversion's Python objects and onnx's schema registry, ~10 MiB).
     assert cold.peak_bytes < 1.25 * twin.peak_bytes
