@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Union
 
@@ -21,6 +20,7 @@ from .dtypes import byte_size, dtype_info
 from .errors import CorruptModelError, ExternalDataError, TensorShapeError, UnsafePathError
 from .model import Model
 from .onnx_walk import iter_tensor_sites
+from .ortmodel.external_data import EntryError, has_reserved_marker, parse_integer, read_entries
 from .protowire import FileBytes, externalize_embedded
 from .weights import WeightRef, WeightStore
 
@@ -32,20 +32,8 @@ log = logging.getLogger(__name__)
 #: +27 MiB embedded). onnx's own external-data threshold (1 KiB) is tuned for file size, not memory.
 INLINE_MAX_BYTES = 4096
 
-#: ORT reserves these location prefixes for in-memory addresses and rejects them in user models.
-_RESERVED_LOCATION_MARKERS = ("_ORT_MEM_ADDR_", "_ORT_NATIVE_ENDIAN_MEM_ADDR_")
-
 PathLike = Union[str, os.PathLike]
 
-#: What ORT reads as an external-data offset / length (onnxruntime 1.32,
-#: core/framework/tensor_external_data_info.cc through ``ParseStringWithClassicLocale``, i.e.
-#: ``std::from_chars`` over the whole string, checked by experiment in tests/test_hostile_models.py):
-#: ASCII digits, a ``-`` for the signed offset only, nothing before or after, within the C type.
-#: Python's ``int`` also takes spaces, ``+``, ``4_096`` and non-ASCII digits, which ORT refuses.
-_ORT_OFFSET = re.compile(r"-?[0-9]+", re.ASCII)
-_ORT_LENGTH = re.compile(r"[0-9]+", re.ASCII)
-#: The keys ORT's parser knows; any other key (and an empty value for these) is "model format error!".
-_ORT_KEYS = ("location", "offset", "length", "checksum")
 #: Python errors a hostile location or path can raise from the standard library (a NUL byte, a
 #: name too long, a symlink loop, undecodable bytes), turned into an ExternalDataError.
 _PATH_ERRORS = (TypeError, ValueError, RuntimeError, OSError, RecursionError)
@@ -179,37 +167,17 @@ def _check_inline(t: onnx.TensorProto, file: str, sizes: dict[tuple[int, ...], i
 
 
 def _external_info(t: onnx.TensorProto, tensor: str, file: str) -> dict[str, str]:
-    """The external_data entries as ORT's parser reads them: every entry needs a key and a value;
-    known keys with a non-empty value, and keys starting with ``prepacked``, are all it accepts;
-    a repeated key's last value wins."""
-    info: dict[str, str] = {}
-    for e in t.external_data:
-        if not e.HasField("key") or not e.HasField("value"):
-            raise ExternalDataError("external data entry without a key or a value", tensor=tensor, file=file)
-        if e.key.startswith("prepacked"):
-            continue
-        if e.key not in _ORT_KEYS or not e.value:
-            raise ExternalDataError(f"external data entry {e.key!r}={e.value!r} is not one ORT accepts",
-                                    tensor=tensor, file=file)
-        info[e.key] = e.value
-    return info
-
-
-def parse_ort_integer(text: str, *, signed: bool) -> int:
-    """``text`` as ORT parses an external-data offset (``signed``) or length; ValueError where ORT fails."""
-    if not (_ORT_OFFSET if signed else _ORT_LENGTH).fullmatch(text):
-        raise ValueError(text)
-    value = int(text)
-    if not (-(1 << 63) <= value < (1 << 63) if signed else value < (1 << 64)):
-        raise ValueError(text)
-    return value
+    try:
+        return read_entries(t.external_data)
+    except EntryError as exc:
+        raise ExternalDataError(str(exc), tensor=tensor, file=file) from None
 
 
 def _int_key(info: dict[str, str], key: str, default, tensor: str, file: Path):
     if key not in info:
         return default
     try:
-        value = parse_ort_integer(info[key], signed=key == "offset")
+        value = parse_integer(info[key], signed=key == "offset")
     except ValueError:
         raise ExternalDataError(f"external data {key} {info[key]!r} is not an integer", tensor=tensor, file=str(file))
     if value < 0:
@@ -222,7 +190,7 @@ def resolve_location(base_real: Path, location: str, *, tensor: str, model_file:
     after following symlinks, and an existing regular file."""
     if not location:
         raise ExternalDataError("external data has no location", tensor=tensor, file=model_file)
-    if any(m in location for m in _RESERVED_LOCATION_MARKERS):
+    if has_reserved_marker(location):
         raise UnsafePathError(f"location {location!r} uses ORT's reserved in-memory marker", tensor=tensor, file=model_file)
     if os.path.isabs(location) or location.startswith(("/", "\\")) or (len(location) > 1 and location[1] == ":"):
         raise UnsafePathError(f"absolute external data location {location!r} is not allowed", tensor=tensor, file=model_file)
