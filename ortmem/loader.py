@@ -5,13 +5,18 @@ walk (:mod:`ortmem.protowire`) and described as external data pointing back into
 external data is validated and mapped. Every reference is checked before anything is mapped, so a
 bad file fails with an error naming the tensor and the file instead of a crash inside ORT, or a
 silently wrong model.
+
+Cost: one pass over the file's non-weight bytes (the walk, which also screens inline tensors), one
+protobuf parse, and a pass over the parsed tensors only when there is something to register or the
+screen could not confirm an inline tensor. ``python bench/scaling.py`` compares it with ``onnx.load``.
 """
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 from pathlib import Path
-from typing import Union
+from typing import BinaryIO, Union
 
 import onnx
 from google.protobuf.message import DecodeError
@@ -56,22 +61,31 @@ def load(path: PathLike, *, inline_max_bytes: int = INLINE_MAX_BYTES) -> Model:
         result = externalize_embedded(
             FileBytes(f.fileno(), size), file=file, location=path.name, inline_max_bytes=inline_max_bytes
         )
-    skeleton = _parse(result.skeleton, file)
+        skeleton = _parse(result.skeleton, file) if result.changed else _parse_in_place(f, file)
     if not skeleton.HasField("graph"):
         raise CorruptModelError("not an ONNX model: no graph", file=file)
 
     store = WeightStore()
     model = Model(path=path, skeleton=skeleton, store=store, embedded_spans=len(result.spans))
-    try:
-        _register_weights(model)
-    except BaseException:
-        store.close()
-        raise
+    screen = result.screen
+    if result.spans or screen.external or screen.unconfirmed:  # else: no reference to check, no weight to map
+        try:
+            _register_weights(model, check_inline=bool(screen.unconfirmed))
+        except BaseException:
+            store.close()
+            raise
     log.debug("loaded %s: %d weights (%d embedded)", file, len(store), len(result.spans))
     return model
 
 
-def _parse(skeleton_bytes: bytes, file: str) -> onnx.ModelProto:
+def _parse_in_place(f: BinaryIO, file: str) -> onnx.ModelProto:
+    """Parse a file the walk left unchanged (every tensor inline or in an external file) from a
+    read-only mapping: protobuf copies it once, where a ``read`` first would copy it twice."""
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
+        return _parse(view, file)
+
+
+def _parse(skeleton_bytes: Union[bytes, memoryview], file: str) -> onnx.ModelProto:
     proto = onnx.ModelProto()
     try:
         proto.ParseFromString(skeleton_bytes)
@@ -80,7 +94,9 @@ def _parse(skeleton_bytes: bytes, file: str) -> onnx.ModelProto:
     return proto
 
 
-def _register_weights(model: Model) -> None:
+def _register_weights(model: Model, *, check_inline: bool) -> None:
+    """Check every external tensor and add it to the store; with ``check_inline``, also check every
+    inline tensor's raw_data size (the walk's screen confirmed them all when it is False)."""
     base = model.path.parent
     base_real = base.resolve()
     files: dict[str, tuple[Path, int]] = {}
@@ -89,7 +105,8 @@ def _register_weights(model: Model) -> None:
     for site in iter_tensor_sites(model.skeleton):
         t = site.tensor
         if t.data_location != onnx.TensorProto.EXTERNAL:
-            _check_inline(t, str(model.path), sizes)
+            if check_inline:
+                _check_inline(t, str(model.path), sizes)
             continue
         label = t.name or site.graph
         try:
