@@ -16,7 +16,7 @@ import logging
 import mmap
 import os
 from pathlib import Path
-from typing import BinaryIO, Union
+from typing import BinaryIO, NamedTuple, Union
 
 import onnx
 from google.protobuf.message import DecodeError
@@ -97,71 +97,81 @@ def _parse(skeleton_bytes: Union[bytes, memoryview], file: str) -> onnx.ModelPro
 def _register_weights(model: Model, *, check_inline: bool) -> None:
     """Check every external tensor and add it to the store; with ``check_inline``, also check every
     inline tensor's raw_data size (the walk's screen confirmed them all when it is False)."""
-    base = model.path.parent
-    base_real = base.resolve()
-    files: dict[str, tuple[Path, int]] = {}
-    model_real = model.path.resolve()
+    registrar = _Registrar(model)
+    model_file = str(model.path)
     sizes: dict[tuple[int, ...], int] = {}  # (data_type, *dims) -> bytes: models repeat a few shapes
     for site in iter_tensor_sites(model.skeleton):
         t = site.tensor
         if t.data_location != onnx.TensorProto.EXTERNAL:
             if check_inline:
-                _check_inline(t, str(model.path), sizes)
+                _check_inline(t, model_file, sizes)
             continue
         label = t.name or site.graph
         try:
-            _register_external(model, site, base_real, label, files, model_real)
+            registrar.add(site, label)
         except _PATH_ERRORS as exc:
             raise ExternalDataError(f"external data reference cannot be used: {type(exc).__name__}: {exc}",
-                                    tensor=label, file=str(model.path)) from None
+                                    tensor=label, file=model_file) from None
 
 
-def _register_external(model: Model, site, base_real: Path, label: str,
-                       files: dict[str, tuple[Path, int]], model_real: Path) -> None:
-    """Check one external tensor the way ORT will and add its span to the store. ``files`` caches
-    each location's resolved path and size: one resolve and one stat per file, not per tensor."""
-    t = site.tensor
-    info = _external_info(t, label, str(model.path))
-    location = info.get("location", "")
-    if location not in files:
-        target = resolve_location(base_real, location, tensor=label, model_file=str(model.path))
-        files[location] = (target, target.stat().st_size)
-    target, file_size = files[location]
-    dtype_info(t.data_type, tensor=label, file=str(target))
-    shape = tuple(int(d) for d in t.dims)
-    if any(d < 0 for d in shape):
-        raise TensorShapeError(f"negative dimension in {list(shape)}", tensor=label, file=str(target))
-    expected = byte_size(t.data_type, shape, tensor=label, file=str(target))
-    offset = _int_key(info, "offset", 0, label, target)
-    length = _int_key(info, "length", None, label, target)
-    if length is None:
-        length = expected
-    if length != expected:
-        raise TensorShapeError(
-            f"external data length {length} does not match {dtype_info(t.data_type).name}{list(shape)} "
-            f"= {expected} bytes",
-            tensor=label,
-            file=str(target),
-        )
-    if offset + length > file_size:
-        raise ExternalDataError(
-            f"external data [{offset}, {offset + length}) runs past the end of the file ({file_size} bytes)",
-            tensor=label,
-            file=str(target),
-        )
-    model.store.add(
-        WeightRef(
-            name=t.name,
-            graph=site.graph,
-            kind=site.kind,
-            data_type=t.data_type,
-            shape=shape,
-            file=target,
-            offset=offset,
-            length=length,
-            embedded=target == model_real,
-        )
-    )
+class _TargetFile(NamedTuple):
+    """An external-data location resolved once per file: its path, as text for errors, its size, and
+    whether it is the model file itself (embedded bytes)."""
+
+    path: Path
+    text: str
+    size: int
+    embedded: bool
+
+
+class _Registrar:
+    """Checks external tensors the way ORT will and adds their spans to the model's store. Each
+    location is resolved and stat'ed once per file, each (dtype, shape) sized once, not per tensor."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self.model_file = str(model.path)
+        self.base_real = model.path.parent.resolve()
+        self.model_real = model.path.resolve()
+        self.files: dict[str, _TargetFile] = {}
+        self.sizes: dict[tuple[int, ...], int] = {}  # (data_type, *dims) -> bytes, checked dtype and dims
+
+    def add(self, site, label: str) -> None:
+        t = site.tensor
+        info = _external_info(t, label, self.model_file)
+        location = info.get("location", "")
+        target = self.files.get(location)
+        if target is None:
+            path = resolve_location(self.base_real, location, tensor=label, model_file=self.model_file)
+            target = self.files[location] = _TargetFile(path, str(path), path.stat().st_size, path == self.model_real)
+        file = target.text
+        data_type = t.data_type
+        shape = tuple(t.dims)
+        expected = self.sizes.get((data_type, *shape))
+        if expected is None:
+            dtype_info(data_type, tensor=label, file=file)
+            if any(d < 0 for d in shape):
+                raise TensorShapeError(f"negative dimension in {list(shape)}", tensor=label, file=file)
+            expected = self.sizes[(data_type, *shape)] = byte_size(data_type, shape, tensor=label, file=file)
+        offset = _int_key(info, "offset", 0, label, file)
+        length = _int_key(info, "length", None, label, file)
+        if length is None:
+            length = expected
+        if length != expected:
+            raise TensorShapeError(
+                f"external data length {length} does not match {dtype_info(data_type).name}{list(shape)} "
+                f"= {expected} bytes",
+                tensor=label,
+                file=file,
+            )
+        if offset + length > target.size:
+            raise ExternalDataError(
+                f"external data [{offset}, {offset + length}) runs past the end of the file ({target.size} bytes)",
+                tensor=label,
+                file=file,
+            )
+        self.model.store.add(WeightRef(name=t.name, graph=site.graph, kind=site.kind, data_type=data_type, shape=shape,
+                                       file=target.path, offset=offset, length=length, embedded=target.embedded))
 
 
 def _check_inline(t: onnx.TensorProto, file: str, sizes: dict[tuple[int, ...], int]) -> None:
@@ -190,15 +200,15 @@ def _external_info(t: onnx.TensorProto, tensor: str, file: str) -> dict[str, str
         raise ExternalDataError(str(exc), tensor=tensor, file=file) from None
 
 
-def _int_key(info: dict[str, str], key: str, default, tensor: str, file: Path):
+def _int_key(info: dict[str, str], key: str, default, tensor: str, file: str):
     if key not in info:
         return default
     try:
         value = parse_integer(info[key], signed=key == "offset")
     except ValueError:
-        raise ExternalDataError(f"external data {key} {info[key]!r} is not an integer", tensor=tensor, file=str(file))
+        raise ExternalDataError(f"external data {key} {info[key]!r} is not an integer", tensor=tensor, file=file)
     if value < 0:
-        raise ExternalDataError(f"external data {key} {value} is negative", tensor=tensor, file=str(file))
+        raise ExternalDataError(f"external data {key} {value} is negative", tensor=tensor, file=file)
     return value
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Container, Iterator, Optional
+from typing import Callable, Container, Iterator, NamedTuple, Optional
 
 from .dtypes import byte_size
 from .errors import CorruptModelError, OrtmemError
@@ -44,9 +44,12 @@ SPARSE_VALUES, SPARSE_INDICES = 1, 2
 TENSOR_DIMS, TENSOR_DATA_TYPE, TENSOR_NAME, TENSOR_RAW_DATA = 1, 2, 8, 9
 TENSOR_EXTERNAL_DATA, TENSOR_DATA_LOCATION = 13, 14
 DATA_LOCATION_EXTERNAL = 1
+_ONE_BYTE = [bytes((b,)) for b in range(0x80)]
 
 
 def encode_varint(value: int) -> bytes:
+    if 0 <= value < 0x80:  # keys and short lengths: every externalized tensor writes a dozen
+        return _ONE_BYTE[value]
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -59,11 +62,13 @@ def encode_varint(value: int) -> bytes:
 
 
 def _key(field_no: int, wire_type: int) -> bytes:
-    return encode_varint((field_no << 3) | wire_type)
+    key = (field_no << 3) | wire_type
+    return _ONE_BYTE[key] if key < 0x80 else encode_varint(key)
 
 
 def encode_len_field(field_no: int, payload: bytes) -> bytes:
-    return _key(field_no, LEN) + encode_varint(len(payload)) + payload
+    n = len(payload)
+    return _key(field_no, LEN) + (_ONE_BYTE[n] if n < 0x80 else encode_varint(n)) + payload
 
 
 def encode_string_entry(field_no: int, key: str, value: str) -> bytes:
@@ -119,8 +124,9 @@ class FileBytes:
         return self._data[key - self._start]
 
 
-@dataclass
-class Field:
+class Field(NamedTuple):
+    """One field of a message (a named tuple: the walk makes one per field it reads in full)."""
+
     number: int
     wire_type: int
     start: int  # first byte of the key
@@ -493,6 +499,11 @@ class _Externalizer:
         self.inline_max_bytes = inline_max_bytes
         self.spans: list[TensorSpan] = []
         self.screen = TensorScreen()
+        # What every externalized tensor gains first: data_location=EXTERNAL and its location entry.
+        self.external_location = (_key(TENSOR_DATA_LOCATION, VARINT) + encode_varint(DATA_LOCATION_EXTERNAL)
+                                  + encode_string_entry(TENSOR_EXTERNAL_DATA, "location", location))
+        self.offset_key = encode_len_field(1, b"offset")  # the key half of an external_data entry
+        self.length_key = encode_len_field(1, b"length")
         self.depth = 0
         # Which child messages of each message kind can contain tensors, and their kind.
         self.children: dict[str, dict[int, Callable[[int, int], Optional[bytes]]]] = {
@@ -566,18 +577,16 @@ class _Externalizer:
         return self.message("sparse", start, end)
 
     def tensor(self, start: int, end: int) -> Optional[bytes]:
-        raw: Optional[Field] = None
-        raws: list[Field] = []  # a repeated raw_data field: protobuf keeps the last, so must we
-        name = ""
+        raws: list[Field] = []  # every raw_data field: protobuf keeps the last, so must we
+        name: Optional[Field] = None
         data_type = 0
         dims: list[int] = []
         external = False
         for f in self.r.fields(start, end):
             if f.number == TENSOR_RAW_DATA and f.wire_type == LEN:
-                raw = f
                 raws.append(f)
             elif f.number == TENSOR_NAME and f.wire_type == LEN:
-                name = self.r.string(f)
+                name = f
             elif f.number == TENSOR_DATA_TYPE and f.wire_type == VARINT:
                 data_type = f.value
             elif f.number == TENSOR_DIMS:
@@ -595,25 +604,22 @@ class _Externalizer:
         if external:
             self.screen.external += 1
             return None
-        if raw is None or raw.value <= self.inline_max_bytes:
-            if raw is not None:
-                self.screen.inline(data_type, dims, raw.value)
+        length = raws[-1].value if raws else 0
+        if length <= self.inline_max_bytes:
+            if raws:
+                self.screen.inline(data_type, dims, length)
             return None
-        offset, length = raw.payload_start, raw.value
-        self.spans.append(TensorSpan(name, data_type, dims, offset, length))
+        offset = raws[-1].payload_start
+        self.spans.append(TensorSpan(self.r.string(name) if name else "", data_type, dims, offset, length))
         kept_parts, pos = [], start
         for f in raws:  # every occurrence goes: an earlier one left beside EXTERNAL is an invalid tensor
             kept_parts.append(bytes(self.buf[pos : f.start]))
             pos = f.end
-        kept = b"".join(kept_parts) + bytes(self.buf[pos:end])
-        return (
-            kept
-            + _key(TENSOR_DATA_LOCATION, VARINT)
-            + encode_varint(DATA_LOCATION_EXTERNAL)
-            + encode_string_entry(TENSOR_EXTERNAL_DATA, "location", self.location)
-            + encode_string_entry(TENSOR_EXTERNAL_DATA, "offset", str(offset))
-            + encode_string_entry(TENSOR_EXTERNAL_DATA, "length", str(length))
-        )
+        kept_parts.append(bytes(self.buf[pos:end]))
+        kept_parts.append(self.external_location)
+        kept_parts.append(encode_len_field(TENSOR_EXTERNAL_DATA, self.offset_key + encode_len_field(2, str(offset).encode())))
+        kept_parts.append(encode_len_field(TENSOR_EXTERNAL_DATA, self.length_key + encode_len_field(2, str(length).encode())))
+        return b"".join(kept_parts)
 
 
 def _signed64(v: int) -> int:
