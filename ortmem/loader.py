@@ -80,7 +80,9 @@ def load(path: PathLike, *, inline_max_bytes: int = INLINE_MAX_BYTES) -> Model:
 
 def _parse_in_place(f: BinaryIO, file: str) -> onnx.ModelProto:
     """Parse a file the walk left unchanged (every tensor inline or in an external file) from a
-    read-only mapping: protobuf copies it once, where a ``read`` first would copy it twice."""
+    read-only mapping. upb copies a memoryview into one bytes object before parsing, as ``onnx.load``
+    reads the file into one; from the mapped page cache that copy measured 0.05 s CPU (0.12 s wall)
+    faster per 100 MB than ``read``/``pread`` (onnxruntime 1.32.0 venv, protobuf 7.36 upb)."""
     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
         return _parse(view, file)
 
