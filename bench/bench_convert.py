@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 import ortmem
-from ortmem.convert import settings_from, write_converted
+from ortmem.convert import write_converted
+from ortmem.ortmodel.settings import session_settings
 from ortmem.passes import nbits_layout as nb
-from ortmem.passes.dq_matmul import plan_conversion
+from ortmem.passes.conversion import plan_conversion
 
 from synth_models import synth_model
 
@@ -31,15 +32,16 @@ VARIANTS = {
 def test_convert_demo_model(benchmark, variant):
     """Whole-model conversion into a folder (model.onnx + weights.bin), demo size (0.24 GB of int4)."""
     path = synth_model("demo", **VARIANTS[variant])
-    model = ortmem.load(path)
-    plan = plan_conversion(model, settings_from())
+    with ortmem.load(path) as model:
+        plan = plan_conversion(model, session_settings())
     out = Path(tempfile.mkdtemp(prefix="ortmem-bench-"))
 
     def run():
         for p in out.iterdir():
             p.unlink()
-        # a fresh plan each round: write_converted lays out and consumes it
-        return write_converted(model, plan_conversion(model, settings_from()), out)
+        # a fresh load and plan each round: the conversion releases each source span it has read
+        with ortmem.load(path) as model:
+            return write_converted(model, plan_conversion(model, session_settings()), out)
 
     report = benchmark.pedantic(run, rounds=3, iterations=1)
     benchmark.extra_info["source_bytes"] = plan.converted_source_bytes

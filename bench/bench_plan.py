@@ -3,7 +3,7 @@
 Run with ``pytest bench/bench_plan.py --benchmark-only``. The graph is a synthetic Llama-shaped ONNX
 graph named the way exporters name nodes (``/model/layers.3/self_attn/q_proj/MatMul``), about
 10,000 nodes; grouped by name scopes it gives about 10,000 modules, so the heuristic path of
-:func:`ortmem.plan.device_map.infer_device_map` is what is timed (the exact search stops at
+:func:`ortmem.plan.partition.device_map.infer_device_map` is what is timed (the exact search stops at
 ``EXACT_MAX_MODULES``).
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from onnx import TensorProto, helper
 
-from ortmem.plan.device_map import infer_device_map, plan_placement
-from ortmem.plan.graph_modules import NodeCost, group_modules
+from ortmem.plan.partition.device_map import infer_device_map, plan_placement
+from ortmem.plan.partition.graph_modules import NodeCost, group_modules
 
 HIDDEN, INTER, KV, VOCAB, LAYERS = 4096, 11008, 1024, 32000, 32
 SHAPE_OPS = ("Shape", "Gather", "Unsqueeze", "Concat", "Reshape", "Transpose", "Cast", "Slice")

@@ -129,8 +129,9 @@ def best_of(repeat: int, fn) -> float:
 
 def time_conversion(n: int, folder: Path, repeat: int) -> float:
     import ortmem
-    from ortmem.convert import settings_from, write_converted
-    from ortmem.passes.dq_matmul import plan_conversion
+    from ortmem.convert import write_converted
+    from ortmem.ortmodel.settings import session_settings
+    from ortmem.passes.conversion import plan_conversion
 
     path = folder / f"p{n}.onnx"
     onnx.save(patterns_model(n), path)
@@ -140,7 +141,7 @@ def time_conversion(n: int, folder: Path, repeat: int) -> float:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         with ortmem.load(path) as model:
-            plan = plan_conversion(model, settings_from())
+            plan = plan_conversion(model, session_settings())
             assert len(plan.rewrites) == n, f"{len(plan.rewrites)} of {n} patterns planned"
             write_converted(model, plan, out)
 

@@ -24,10 +24,8 @@ the planners, plotting or memray, and ``import ortmem`` itself loads nothing but
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from .errors import OrtmemError
+from .lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -42,7 +40,7 @@ _LAZY = {
     "trim": ".hygiene",
     "estimate": ".plan.estimate",
     "partition": ".plan.partition",
-    "stats": ".plan.stats",
+    "stats": ".plan.estimate",
     "PipelineSession": ".pipeline",
     "hook": ".session_hook",
     "unhook": ".session_hook",
@@ -53,14 +51,4 @@ _OPTIONAL = {"RayPipeline": ".distributed"}
 __all__ = ["OrtmemError", *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name) or _OPTIONAL.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ortmem' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # later lookups are plain attribute reads
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | set(_OPTIONAL))
+__getattr__, __dir__ = lazy_attributes(__name__, {**_LAZY, **_OPTIONAL})

@@ -246,6 +246,8 @@ class Cache:
 
         ``builder`` writes ``model.onnx`` and ``weights.bin`` into ``tmpdir`` (a private folder)
         and returns ``{"spans": [(offset, length), ...], ...}``; the manifest is completed here.
+        Its ``"digests"`` (file name -> full digest) are the digests it computed while writing those
+        files; every other file is digested here, by reading it.
         Files the builder created are given ``file_mode`` (0600 or stricter); hard links it made
         (``source-*``) keep their own owner and mode.
         """
@@ -257,6 +259,7 @@ class Cache:
             raise CacheError(f"cache entry could not be written: {exc}", file=str(tmp)) from exc
         try:
             extras = builder(tmp)
+            known: dict[str, str] = extras.pop("digests", None) or {}
             files: dict[str, int] = {}
             digests: dict[str, str] = {}
             for f in sorted(tmp.iterdir()):
@@ -266,7 +269,7 @@ class Cache:
                 if not f.name.startswith(SOURCE_LINK_PREFIX):
                     os.chmod(f, file_mode)
                 files[f.name] = st.st_size
-                digests[f.name] = digest.file_digest(f)
+                digests[f.name] = known.get(f.name) or digest.file_digest(f)
             manifest = {"format": FORMAT, "key": key, "created": time.time(), "files": files, "digests": digests,
                         **extras}
             spans = [tuple(s) for s in manifest.get("spans", [])]

@@ -23,9 +23,10 @@ from .cache import (MODEL_FILE, SOURCE_LINK_PREFIX, WEIGHTS_FILE, Cache, Entry, 
 from .filetrust import PRIVATE_FILE_MODE, write_new
 from .errors import ConversionError
 from .model import Model
-from .passes.dq_matmul import (ConversionPlan, ConversionReport, Progress, out_tensors, plan_conversion,
-                               relocate_carried, rewrite_skeleton, write_weights)
-from .passes.dq_matmul_match import OrtSettings
+from .passes.conversion import plan_conversion, rewrite_skeleton, write_weights
+from .passes.conversion_plan import ConversionPlan, ConversionReport, out_tensors, relocate_carried
+from .passes.writers import Progress
+from .ortmodel.settings import OrtSettings
 
 log = logging.getLogger(__name__)
 
@@ -34,32 +35,15 @@ log = logging.getLogger(__name__)
 CONVERSION_FORMAT = 2
 
 
-def settings_from(sess_options: Optional[ort.SessionOptions] = None, *, accuracy_level: Optional[int] = None,
-                  disabled_optimizers=None) -> OrtSettings:
-    """The session settings ORT's fusion decision depends on, read from the user's options."""
-    from .options import get_config
-
-    config: dict[str, str] = {}
-    level = 99
-    if sess_options is not None:
-        level = int(sess_options.graph_optimization_level)
-        for key in ("session.qdq_matmulnbits_accuracy_level", "session.qdq_matmulnbits_block_size",
-                    "session.disable_quant_qdq"):
-            v = get_config(sess_options, key)
-            if v is not None and v != "":
-                config[key] = v
-    if accuracy_level is not None:
-        config["session.qdq_matmulnbits_accuracy_level"] = str(accuracy_level)
-    return OrtSettings(level, config, frozenset(disabled_optimizers or ()))
-
-
 def write_converted(model: Model, plan: ConversionPlan, out_dir: Path, *, progress: Optional[Progress] = None,
-                    link: bool = False, mode: int = PRIVATE_FILE_MODE) -> ConversionReport:
+                    link: bool = False, mode: int = PRIVATE_FILE_MODE, digests: bool = False) -> ConversionReport:
     """Write ``model.onnx`` + ``weights.bin`` for ``plan`` into the existing folder ``out_dir``.
 
     ``link``: hard-link source files instead of copying unchanged tensors (cache entries: free and
     instant; not for ``ortmem convert``, whose output must not change if the source is edited in place).
     Files are created new (never through a planted file or symlink) with ``mode``.
+    ``digests``: put the full digests of both files in ``report.file_digests``, computed from the
+    bytes as they are written (a cache entry's manifest records them; nothing is read back).
     """
     start = time.perf_counter()
     if link:
@@ -67,10 +51,13 @@ def write_converted(model: Model, plan: ConversionPlan, out_dir: Path, *, progre
     weights = out_dir / WEIGHTS_FILE
     fd = reserve(weights, plan.size, mode)  # a full disk fails here, before anything is mapped
     os.close(fd)
-    write_weights(model, plan, weights, progress=progress)
-    skeleton = rewrite_skeleton(model, plan, WEIGHTS_FILE)
-    write_new(out_dir / MODEL_FILE, skeleton.SerializeToString(), mode)
-    return ConversionReport.from_plan(plan, time.perf_counter() - start)
+    weights_digest = write_weights(model, plan, weights, progress=progress, digest=digests)
+    skeleton = rewrite_skeleton(model, plan, WEIGHTS_FILE).SerializeToString()
+    write_new(out_dir / MODEL_FILE, skeleton, mode)
+    report = ConversionReport.from_plan(plan, time.perf_counter() - start)
+    if digests:
+        report.file_digests = {WEIGHTS_FILE: weights_digest, MODEL_FILE: digest.bytes_digest(skeleton)}
+    return report
 
 
 def link_sources(plan: ConversionPlan, out_dir: Path) -> dict[Path, str]:
@@ -192,7 +179,7 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
     reports: list[ConversionReport] = []
 
     def build(tmp: Path) -> dict[str, Any]:
-        report = write_converted(model, plan, tmp, progress=progress, link=True)
+        report = write_converted(model, plan, tmp, progress=progress, link=True, digests=True)
         reports.append(report)
         spans = [(t.offset, t.nbytes) for t in out_tensors(plan) if t.nbytes and t.location is None]
         sources = _source_identities(model)
@@ -203,6 +190,7 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
         extras["source_content"] = [digest.file_digest(Path(s["path"])) for s in sources]
         if _racy(sources):  # just written: stat alone cannot vouch for it yet
             extras["source_digests"] = extras["source_content"]
+        extras["digests"] = {**report.file_digests, **_linked_digests(tmp, sources, extras["source_content"])}
         return extras
 
     key = cache_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32})
@@ -212,6 +200,20 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
             return hit, True, None
         entry = cache.build(key, build, file_mode=private_mode(model.path))
     return entry, False, reports[0] if reports else None
+
+
+def _linked_digests(folder: Path, sources: list[dict[str, Any]], content: list[str]) -> dict[str, str]:
+    """The digests of the entry's hard-linked sources: a link is its source's inode, whose digest was
+    just taken (so each source is read once for both)."""
+    by_inode = {(s["dev"], s["inode"]): d for s, d in zip(sources, content)}
+    out: dict[str, str] = {}
+    for f in folder.iterdir():
+        if f.name.startswith(SOURCE_LINK_PREFIX):
+            st = f.lstat()
+            d = by_inode.get((st.st_dev, st.st_ino))
+            if d is not None:
+                out[f.name] = d
+    return out
 
 
 def convert_to(model: Model, out_dir: Path, settings: OrtSettings, *, progress: Optional[Progress] = None) -> ConversionReport:

@@ -47,12 +47,34 @@ def preferred_algorithm() -> str:
     return "xxh3_128" if _xxhash is not None else "sha256"
 
 
+class RunningDigest:
+    """A full digest fed with a file's bytes, in file order, as they are produced: the same string
+    :func:`file_digest` gives for the finished file, without reading it back (a new cache entry is
+    hashed while it is written)."""
+
+    def __init__(self, algorithm: Optional[str] = None) -> None:
+        self.algorithm = algorithm or preferred_algorithm()
+        self._h = _hasher(self.algorithm)
+        if self._h is None:
+            raise ValueError(f"digest algorithm {self.algorithm!r} is not available")
+
+    def update(self, data) -> None:
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return f"{self.algorithm}:{self._h.hexdigest()}"
+
+
+def bytes_digest(data) -> str:
+    """The full digest of a file that will hold exactly ``data``."""
+    running = RunningDigest()
+    running.update(data)
+    return running.hexdigest()
+
+
 def file_digest(path: PathLike, algorithm: Optional[str] = None) -> str:
     """``"<algorithm>:<hex>"`` over every byte of ``path`` (read in chunks; symlinks refused)."""
-    algorithm = algorithm or preferred_algorithm()
-    h = _hasher(algorithm)
-    if h is None:
-        raise ValueError(f"digest algorithm {algorithm!r} is not available")
+    running = RunningDigest(algorithm)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     try:
         buf = bytearray(_CHUNK)
@@ -61,10 +83,10 @@ def file_digest(path: PathLike, algorithm: Optional[str] = None) -> str:
             n = os.readv(fd, [buf])
             if n <= 0:
                 break
-            h.update(view[:n])
+            running.update(view[:n])
     finally:
         os.close(fd)
-    return f"{algorithm}:{h.hexdigest()}"
+    return running.hexdigest()
 
 
 def matches(path: PathLike, recorded: object) -> bool:

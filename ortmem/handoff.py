@@ -40,8 +40,10 @@ from .loader import load
 from .model import Model
 from .options import get_config
 from .onnx_walk import is_external, iter_graphs, iter_tensor_sites
-from .passes.dq_matmul import ConversionReport, Progress, plan_conversion
-from .passes.dq_matmul_match import OrtSettings
+from .passes.conversion import plan_conversion
+from .passes.conversion_plan import ConversionReport
+from .passes.writers import Progress
+from .ortmodel.settings import OrtSettings
 from .ortmodel.release import capabilities
 from .prepacked import prepacked_model, save_prepacked
 from .validity import validity_fault
@@ -120,7 +122,6 @@ class ConvertOptions:
     settings: Optional[OrtSettings] = None
     cache: Optional[Cache] = None  # None: a private temporary folder, removed after creation
     progress: Optional[Progress] = None
-    prepacking: bool = True  # False when the user disabled ORT's pre-packing: nothing is released
     fp16_in_fp32: Optional[bool] = None  # None: ask ORT's CPU EP; False when a GPU EP runs fp16 natively
     report: Optional[ConversionReport] = None  # filled in: what was converted (None on a cache hit)
     cache_hit: bool = False
@@ -200,7 +201,7 @@ def _convert(model: Model, convert: ConvertOptions, own_folder: bool) -> Handoff
     plan = plan_conversion(model, settings, carry_unchanged=True, fp16_in_fp32=convert.fp16_in_fp32)
     if not plan.has_work:
         return from_model(model, own_folder=own_folder)
-    memory = convert_in_memory(model, plan, progress=convert.progress, prepacking=convert.prepacking)
+    memory = convert_in_memory(model, plan, progress=convert.progress, prepacking=settings.prepacking)
     convert.report = ConversionReport.from_plan(plan, memory.seconds)
     model.store.release_all()  # source pages read for conversion go back now
     return Handoff(model=memory.skeleton, config=memory.config, source=model, memory=memory, action="in-memory")

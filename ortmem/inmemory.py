@@ -26,7 +26,9 @@ import numpy as np
 from .borrowing import BORROW_KEY, B, SCALES, ZERO_POINTS, matmulnbits_unread_inputs
 from .model import Model
 from .weights import page_align
-from .passes.dq_matmul import ConversionPlan, Progress, convert_into_memory, rewrite_skeleton
+from .passes.conversion import convert_into_memory, rewrite_skeleton
+from .passes.conversion_plan import ConversionPlan
+from .passes.writers import Progress
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,7 @@ def convert_in_memory(model: Model, plan: ConversionPlan, *, progress: Optional[
         for r in plan.rewrites:
             c = r.candidate
             # the node's own scale type: fp32 where ortmem emits an fp16 DQ's MatMulNBits in fp32, as
-            # ORT's CPU EP runs it (ortmem.passes.dq_matmul.ort_runs_fp16_matmulnbits_in_fp32)
+            # ORT's CPU EP runs it (ortmem.ortmodel.fp16_kernels.runs_fp16_matmulnbits_in_fp32)
             unread = matmulnbits_unread_inputs(c.bits, c.block_size, c.accuracy_level, r.scales.data_type,
                                                r.zero_points is not None)
             for pos, t in ((B, r.B), (SCALES, r.scales), (ZERO_POINTS, r.zero_points)):

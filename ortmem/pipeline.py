@@ -29,8 +29,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .errors import PlanError
-from .plan.partition import PartitionPlan, StageInfo, is_cpu
-from .plan.partition_devices import stage_providers
+from .plan.partition import PartitionPlan, StageInfo, is_cpu, stage_providers
 from .session import InferenceSession
 
 __all__ = ["PipelineSession"]

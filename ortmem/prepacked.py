@@ -76,6 +76,7 @@ from .filetrust import PRIVATE_FILE_MODE, make_private_dir, open_new, read_nofol
 from .errors import CacheError
 from .options import get_config
 from .ortmodel.release import cpu_flags
+from .ortmodel.settings import session_settings
 from .weights import PAGE, page_align
 
 log = logging.getLogger(__name__)
@@ -397,7 +398,7 @@ def save_prepacked(entry_dir: Path, *, sess_options: Optional[ort.SessionOptions
     start = time.perf_counter()
     entry_dir = Path(entry_dir)
     rep = report if report is not None else PrepackReport(None)
-    if sess_options is not None and get_config(sess_options, "session.disable_prepacking") == "1":
+    if not session_settings(sess_options).prepacking:
         return None
     base_path = entry_dir / model_name
     model = onnx.load(str(base_path), load_external_data=False)

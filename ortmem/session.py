@@ -18,7 +18,7 @@ import onnxruntime as ort
 
 from . import handoff as _handoff
 from .cache import open_cache
-from .convert import settings_from
+from .ortmodel.settings import session_settings
 from .hygiene import allocator_hygiene
 from .options import get_config, scoped_config
 
@@ -74,16 +74,16 @@ class InferenceSession(ort.InferenceSession):
         verify: str = "full",
         **kwargs: Any,
     ) -> None:
+        settings = session_settings(sess_options, disabled_optimizers=kwargs.get("disabled_optimizers"))
         options = _handoff.ConvertOptions(
             enabled=convert and _fusing_providers_only(providers),
-            settings=settings_from(sess_options, disabled_optimizers=kwargs.get("disabled_optimizers")),
+            settings=settings,
             cache=None if cache is False else open_cache(None if cache is True else Path(cache), verify=verify),
             progress=progress,
-            prepacking=get_config(sess_options, "session.disable_prepacking") != "1" if sess_options else True,
             fp16_in_fp32=False if _gpu_providers(providers) else None,
             sess_options=sess_options,
         )
-        options.prepacked = prepacked and options.prepacking and _cpu_only(providers)
+        options.prepacked = prepacked and settings.prepacking and _cpu_only(providers)
         with allocator_hygiene() if trim else contextlib.nullcontext():
             self._ortmem_handoff = _handoff.prepare(model, options)
             self.ortmem_report = options.report

@@ -4,10 +4,14 @@ A weight is never a copy: it is a span (file, offset, length) plus what the byte
 logical shape). Its life has explicit states so that the cost of every stage is visible and every
 byte can be given back as soon as the next stage no longer needs it::
 
-    MAPPED ──► CONVERTED ──► HANDED ──► RELEASED
-      │   (a pass wrote a new   (ORT reads it)   (pages dropped; views
-      │    buffer in its place)                    must not be used)
-      └──────────────────────────────────────►
+    MAPPED ──► HANDED ──► RELEASED
+      │     (ORT reads it)   (pages dropped; views
+      │                        must not be used)
+      └─────────────────────►
+
+A weight a pass converts is released once its new form is written (``passes.dq_matmul``); the new
+form is not a weight of this store but a tensor of the output (``passes.sources.OutTensor``: a place
+in a cache entry's weights.bin or in the in-memory buffer), which ORT then owns.
 
 One ``mmap`` is kept per file, not per tensor: Python's ``mmap`` duplicates the file descriptor, so a
 mapping per tensor would run a model with thousands of initializers into the descriptor limit.
@@ -40,7 +44,6 @@ def page_align(n: int) -> int:
 
 class WeightState(str, enum.Enum):
     MAPPED = "mapped"
-    CONVERTED = "converted"
     HANDED = "handed"
     RELEASED = "released"
 
@@ -103,7 +106,6 @@ class WeightRef:
     embedded: bool  # True when the bytes sit inside the .onnx file itself
     state: WeightState = WeightState.MAPPED
     _mapped: Optional[MappedFile] = field(default=None, repr=False)
-    _buffer: Optional[np.ndarray] = field(default=None, repr=False)  # set when CONVERTED
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -120,8 +122,6 @@ class WeightRef:
     def raw(self) -> np.ndarray:
         """The bytes as a flat uint8 view, zero copy."""
         self._check_usable()
-        if self._buffer is not None:
-            return self._buffer.reshape(-1).view(np.uint8)
         assert self._mapped is not None
         return np.frombuffer(self._mapped.mm, dtype=np.uint8, count=self.length, offset=self.offset)
 
@@ -182,12 +182,6 @@ class WeightStore:
     def files(self) -> list[MappedFile]:
         return list(self._files.values())
 
-    def set_converted(self, ref: WeightRef, buffer: np.ndarray) -> None:
-        """Point ``ref`` at a new buffer and give back the source span it was converted from."""
-        self.release(ref)
-        ref._buffer = buffer
-        ref.state = WeightState.CONVERTED
-
     def mark_handed(self, refs: Optional[list[WeightRef]] = None) -> None:
         for ref in refs if refs is not None else self:
             if ref.state is not WeightState.RELEASED:
@@ -198,9 +192,7 @@ class WeightStore:
         if ref.state is WeightState.RELEASED:
             return 0
         freed = 0
-        if ref._buffer is not None:
-            ref._buffer = None
-        elif ref._mapped is not None:
+        if ref._mapped is not None:
             mf = ref._mapped
             freed = mf.drop_pages(ref.offset, ref.length)
             mf.live_spans -= 1

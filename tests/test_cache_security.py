@@ -216,13 +216,14 @@ import os, shutil, sys
 from pathlib import Path
 os.umask(0)
 from ortmem.cache import Cache
-from ortmem.convert import cache_key, convert_cached, settings_from
+from ortmem.convert import cache_key, convert_cached
+from ortmem.ortmodel.settings import session_settings
 from ortmem.loader import load
 shared, victim, attacker = map(Path, sys.argv[1:4])
 root = shared / "converted"
 cache = Cache(root)
-entry, hit, report = convert_cached(load(attacker), settings_from(None), cache)
-key = cache_key(victim, settings_from(None), {"fp16_in_fp32": None})
+entry, hit, report = convert_cached(load(attacker), session_settings(None), cache)
+key = cache_key(victim, session_settings(None), {"fp16_in_fp32": None})
 os.rename(entry.path, root / key)
 for f in [root / key, *(root / key).iterdir()]:
     os.chmod(f, 0o777 if f.is_dir() else 0o666)

@@ -20,7 +20,8 @@ from release_expect import gather_refusal
 
 import ortmem
 from ortmem.cache import Cache
-from ortmem.convert import convert_to, settings_from
+from ortmem.convert import convert_to
+from ortmem.ortmodel.settings import session_settings
 from ortmem.errors import ConversionError
 from ortmem.ortmodel.variants import onnx_type_name
 from ortmem.passes.dq_matmul_match import dq_gather_match
@@ -93,7 +94,7 @@ def test_accuracy_level_follows_the_session_option(tmp_path, level):
 def test_fp16_scales_bit_identical_to_ort(tmp_path, level, cache):
     """On x86-64 ORT runs the MatMulNBits it fuses from an fp16 DQ+MatMul with its fp32 kernel
     (InsertCastTransformer + FuseInitializersTransformer + RemoveDuplicateCastTransformer, see
-    ortmem.passes.dq_matmul.ort_runs_fp16_matmulnbits_in_fp32); ortmem emits that form itself."""
+    ortmem.ortmodel.fp16_kernels.runs_fp16_matmulnbits_in_fp32); ortmem emits that form itself."""
     path = _model(tmp_path, scale_dtype="float16", embedding="quantized")
     so = ort.SessionOptions()
     so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
@@ -108,9 +109,9 @@ def test_embedded_and_external_give_the_same_graph(tmp_path):
     b = _model(tmp_path / "b", storage="external")
     out_a, out_b = tmp_path / "ca", tmp_path / "cb"
     with ortmem.load(a) as m:
-        convert_to(m, out_a, settings_from())
+        convert_to(m, out_a, session_settings())
     with ortmem.load(b) as m:
-        convert_to(m, out_b, settings_from())
+        convert_to(m, out_b, session_settings())
     assert _count_ops(out_a / "model.onnx", "MatMulNBits") == _count_ops(out_b / "model.onnx", "MatMulNBits") > 0
     assert _count_ops(out_a / "model.onnx", "DequantizeLinear") == 0
     ra, rb = (ort.InferenceSession(str(p / "model.onnx")).run(None, FEEDS)[0] for p in (out_a, out_b))
@@ -132,7 +133,7 @@ def test_convert_cli_writes_a_standalone_folder(tmp_path, capsys):
     # refuses to write into a non-empty folder, and leaves it as it was
     with pytest.raises(ConversionError, match="not empty"):
         with ortmem.load(path) as m:
-            convert_to(m, out, settings_from())
+            convert_to(m, out, session_settings())
 
 
 def test_convert_cli_prepack_writes_a_model_plain_ort_loads(tmp_path, capsys):
@@ -175,7 +176,7 @@ def test_unconvertible_patterns_are_left_and_reported(tmp_path):
     assert sess.ortmem_report is None  # nothing converted: the model went to ORT as it was
     assert np.array_equal(sess.run(None, x)[0], ort.InferenceSession(str(path)).run(None, x)[0])
     with ortmem.load(path) as m:
-        from ortmem.passes.dq_matmul import plan_conversion
+        from ortmem.passes.conversion import plan_conversion
 
         plan = plan_conversion(m)
     assert not plan.rewrites and plan.skipped and "block" in plan.skipped[0][1]
@@ -380,14 +381,14 @@ def test_gbq_fp16_cast_form(tmp_path):
     """DQ(fp16) -> Cast(float) -> Gather: GBQ in fp16, the Cast moves onto the gathered rows."""
     path = _model(tmp_path, embedding="quantized", scale_dtype="float16")
     with ortmem.load(path) as m:
-        from ortmem.passes.dq_matmul import plan_conversion
+        from ortmem.passes.conversion import plan_conversion
 
         plan = plan_conversion(m)
     (g,) = plan.gathers
     assert g.candidate.cast and g.candidate.cast_to == onnx.TensorProto.FLOAT
     out = tmp_path / "out"
     with ortmem.load(path) as m:
-        convert_to(m, out, settings_from())
+        convert_to(m, out, session_settings())
     (gbq,) = _gbq_nodes(out / "model.onnx")
     conv = onnx.load(str(out / "model.onnx"), load_external_data=False)
     cast = next(n for n in conv.graph.node if n.op_type == "Cast" and list(n.input) == list(gbq.output))
@@ -398,7 +399,7 @@ def test_gbq_int8_and_int2_tables_are_left_and_reported(tmp_path):
     for wtype in ("int8", "int2"):
         path = _model(tmp_path / wtype, embedding="quantized", weight_type=wtype)
         with ortmem.load(path) as m:
-            from ortmem.passes.dq_matmul import plan_conversion
+            from ortmem.passes.conversion import plan_conversion
 
             plan = plan_conversion(m)
         assert not plan.gathers
@@ -409,12 +410,12 @@ def test_gbq_int8_and_int2_tables_are_left_and_reported(tmp_path):
 def test_gbq_respects_disabled_optimizations(tmp_path):
     path = _model(tmp_path, embedding="quantized")
     with ortmem.load(path) as m:
-        from ortmem.passes.dq_matmul import plan_conversion
+        from ortmem.passes.conversion import plan_conversion
 
-        assert plan_conversion(m, settings_from()).gathers
+        assert plan_conversion(m, session_settings()).gathers
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        assert not plan_conversion(m, settings_from(so)).gathers
+        assert not plan_conversion(m, session_settings(so)).gathers
 
 
 def _hand_gather_models():
@@ -449,7 +450,7 @@ def test_gbq_every_matcher_form_converts_bit_identically(tmp_path, storage):
         want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, feeds)
         out = src.parent / "out"
         with ortmem.load(src) as model:
-            convert_to(model, out, settings_from())
+            convert_to(model, out, session_settings())
         (c,), _ = dq_gather_match(m)
         refused = gather_refusal(onnx_type_name(c.weight_dtype), c.has_zp, onnx_type_name(c.scale_dtype))
         assert len(_gbq_nodes(out / "model.onnx")) == (0 if refused else 1), name
@@ -466,7 +467,7 @@ def test_gbq_table_is_copied_only_by_convert(tmp_path):
     path = _model(tmp_path, embedding="quantized", storage="external")
     out = tmp_path / "out"
     with ortmem.load(path) as m:
-        convert_to(m, out, settings_from())
+        convert_to(m, out, session_settings())
     (gbq,) = _gbq_nodes(out / "model.onnx")
     conv = onnx.load(str(out / "model.onnx"), load_external_data=False)
     table = next(t for t in conv.graph.initializer if t.name == gbq.input[0])
@@ -558,9 +559,9 @@ def _fp16_graphs():
 
 @pytest.mark.parametrize("level", [4, 0])
 def test_fp16_neighbourhoods_bit_identical_to_ort(tmp_path, level):
-    from ortmem.passes.dq_matmul import ort_runs_fp16_matmulnbits_in_fp32
+    from ortmem.ortmodel.fp16_kernels import runs_fp16_matmulnbits_in_fp32
 
-    if not ort_runs_fp16_matmulnbits_in_fp32("MatMul"):
+    if not runs_fp16_matmulnbits_in_fp32("MatMul"):
         pytest.skip("this ORT build keeps the fused fp16 MatMulNBits in fp16 (fp16 MatMul CPU kernel)")
     for name, (m, feeds) in _fp16_graphs().items():
         src = tmp_path / name / "model.onnx"
@@ -570,7 +571,7 @@ def test_fp16_neighbourhoods_bit_identical_to_ort(tmp_path, level):
         so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
         want = ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
         with ortmem.load(src) as model:
-            convert_to(model, src.parent / "out", settings_from(so))
+            convert_to(model, src.parent / "out", session_settings(so))
         conv = onnx.load(str(src.parent / "out" / "model.onnx"), load_external_data=False)
         assert any(n.op_type == "MatMulNBits" for n in conv.graph.node), name
         got = ort.InferenceSession(str(src.parent / "out" / "model.onnx"), so,
@@ -580,7 +581,7 @@ def test_fp16_neighbourhoods_bit_identical_to_ort(tmp_path, level):
 
 def test_fp16_kept_where_the_caller_says_the_ep_runs_fp16(tmp_path):
     """``fp16_in_fp32=False`` (an EP with fp16 kernels) keeps the fp16 node and scales."""
-    from ortmem.passes.dq_matmul import plan_conversion, rewrite_skeleton
+    from ortmem.passes.conversion import plan_conversion, rewrite_skeleton
 
     path = _model(tmp_path, scale_dtype="float16")
     with ortmem.load(path) as m:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ortmem.errors import OrtmemError
-from ortmem.plan.device_map import (
+from ortmem.plan.partition.device_map import (
     EXACT_MAX_MODULES,
     PlanError,
     infer_device_map,

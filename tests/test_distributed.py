@@ -164,3 +164,39 @@ def test_a_killed_stage_actor_is_restarted_once_then_fails_naming_stage_and_node
         pipe.run(None, _feeds(0))
     assert err.value.stage == 1 and err.value.node == "n1"
     assert time.monotonic() - t0 < pipe.timeout_s
+
+
+def test_the_serve_deployment_answers_http_requests_with_the_pipelines_outputs(pipe, split, reference):
+    """Last of the module: the Serve replica places its own stage actors, so ``pipe``'s go first (the
+    nodes' Ray memory holds one copy of the plan). Requests over loopback, two in flight at once."""
+    serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install -e '.[ray-serve]')")
+    import concurrent.futures
+    import socket
+    import urllib.request
+
+    from ortmem.distributed.serving import app
+
+    pipe.shutdown()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(app(str(split[1].out_dir), timeout_s=60), name="parts", route_prefix="/")
+
+        def ask(seed: int) -> dict:
+            body = json.dumps({"inputs": {k: v.tolist() for k, v in _feeds(seed).items()}, "outputs": ["logits"]})
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/", data=body.encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return json.loads(r.read())
+
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            answers = list(ex.map(ask, (1, 2)))
+        for seed, answer in zip((1, 2), answers):
+            got = answer["outputs"]["logits"]
+            want = reference[seed][0]
+            assert got["dtype"] == str(want.dtype) and got["shape"] == list(want.shape)
+            assert np.array_equal(np.asarray(got["data"], dtype=want.dtype), want)
+    finally:
+        serve.shutdown()

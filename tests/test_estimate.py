@@ -10,9 +10,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from ortmem.plan import ort_graph as og
-from ortmem.plan.estimate import estimate, nbits_packed_bytes, sgemm_packed_bytes
-from ortmem.plan.estimate_cli import add_estimate_arguments, main_estimate
+from ortmem.ortmodel import graph_index as og
+from ortmem.plan.estimate import estimate
+from ortmem.plan.estimate.recipe import nbits_packed_bytes, sgemm_packed_bytes
+from ortmem.plan.estimate import add_estimate_arguments, main_estimate
 
 F = TensorProto.FLOAT
 
@@ -275,7 +276,7 @@ def test_loop_carried_state_and_scan_outputs(tmp_path, n_scan, trip, expected):
     loop = next(r for r in e.nodes if r.op == "Loop")
     assert loop.outputs_bytes == (1 + n_scan * trip) * T64K  # scan output shape [trip, 16, 1024] inferred
     if n_scan == 0 and trip == 3:
-        from ortmem.plan.stats import stats
+        from ortmem.plan.estimate.node_stats import stats
         s = stats(p, runs=1)  # ORT's profile agrees (tensor bytes alive per its output sizes)
         assert s.liveness_peak_bytes == expected * T64K
 
@@ -310,7 +311,7 @@ def test_embedded_subgraph_initializer_held_in_node_attributes(tmp_path, rng):
 def test_incomplete_symbolic_inference_writes_nothing_to_the_working_directory(tmp_path, monkeypatch):
     """ORT's ``symbolic_shape_infer`` saves ``sym_shape_infer_temp.onnx`` into the current directory
     whenever it cannot finish; ortmem must give up silently instead (no write the user did not ask for)."""
-    from ortmem.plan.activations import _symbolic
+    from ortmem.plan.estimate.shapes import _symbolic
 
     m = _model([helper.make_node("Mystery", ["x"], ["y"], domain="example.unknown")],
                [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
@@ -325,7 +326,7 @@ def test_activation_rules_match_ort_run(tmp_path, rng):
     """In-place reuse follows ORT 1.31.1's CPU rule (Relu writes into its dying input, Add/Div/Mul never
     do), the erf-form GELU with its bias Add runs as one BiasGelu kernel, Where takes 2x scratch: the
     estimator's activation peak equals the live tensor bytes ``ortmem stats`` measures on a real run."""
-    from ortmem.plan.stats import stats
+    from ortmem.plan.estimate.node_stats import stats
 
     n = 256
     c = lambda name, v: numpy_helper.from_array(np.array(v, np.float32), name)  # noqa: E731

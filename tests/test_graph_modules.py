@@ -11,8 +11,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from model_builders import make_model
 from ortmem.errors import PlanError
-from ortmem.plan.device_map import infer_device_map
-from ortmem.plan.graph_modules import NodeCost, execution_order, group_modules, scope_of
+from ortmem.plan.partition.device_map import infer_device_map
+from ortmem.ortmodel.graph_index import topological_order as execution_order
+from ortmem.plan.partition.graph_modules import NodeCost, group_modules, scope_of
 
 mk = helper.make_node
 F = TensorProto.FLOAT

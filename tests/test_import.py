@@ -34,6 +34,6 @@ def test_lazy_names_resolve_to_their_owners():
 
     for name in ortmem.__all__:
         assert getattr(ortmem, name) is not None
-    assert ortmem.InferenceSession.__module__ == "ortmem.session" and ortmem.estimate.__module__ == "ortmem.plan.estimate"
+    assert ortmem.InferenceSession.__module__ == "ortmem.session" and ortmem.estimate.__module__.startswith("ortmem.plan.estimate.")
     with pytest.raises(AttributeError):
         ortmem.not_a_name  # noqa: B018

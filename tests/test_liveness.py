@@ -1,4 +1,4 @@
-"""ortmem.plan.liveness: live bytes per step over ORT's two orders, the peak, what is alive across it;
+"""ortmem.plan.estimate.liveness: live bytes per step over ORT's two orders, the peak, what is alive across it;
 numbers worked out by hand on small graphs, and the replay checked against ORT's own profile."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from ortmem.plan import activations as act
-from ortmem.plan.liveness import by_order, context, liveness, render
+from ortmem.plan.estimate import activations as act
+from ortmem.plan.estimate.liveness import by_order, context, liveness, render
 
 F, F16, I64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64
 N = 1024  # floats: 4 KiB, a whole number of 256-byte arena granules

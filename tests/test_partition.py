@@ -16,12 +16,12 @@ from onnx import TensorProto, helper, numpy_helper
 import ortmem
 from model_builders import make_model, save, subgraph_model
 from ortmem.onnx_walk import external_data_dict, iter_tensor_sites
-from ortmem.plan import partition as P
-from ortmem.plan import partition_stages as stages
-from ortmem.plan import partition_weights
+from ortmem.plan.partition import driver as P
+from ortmem.plan.partition import stages
+from ortmem.plan.partition import weights as partition_weights
 from ortmem.errors import PlanError
 from ortmem.plan.partition import PartitionPlan, default_provider, partition
-from ortmem.plan.partition_cli import add_partition_arguments, main_partition
+from ortmem.plan.partition import add_partition_arguments, main_partition
 from ortmem.units import parse_bytes
 from ortmem.synth import SynthConfig, write_model
 
@@ -328,8 +328,8 @@ def test_plan_file_round_trips_and_report_says_what_did_not_fit(tiny, tmp_path):
 
 
 def test_stats_csv_replaces_estimated_activations(tiny, tmp_path):
-    from ortmem.plan.ort_graph import unique_node_name
-    from ortmem.plan.stats import NodeStats, write_csv
+    from ortmem.ortmodel.graph_index import unique_node_name
+    from ortmem.plan.estimate.node_stats import NodeStats, write_csv
 
     with ortmem.load(tiny) as m:
         node = next(n for n in m.skeleton.graph.node if n.name == "model.layers.1.mlp.silu")
@@ -429,7 +429,7 @@ def test_cli_writes_a_plan_and_reports_failures(tiny, tmp_path, capsys):
 def test_devices_on_named_nodes(tiny, tmp_path):
     """``node:<NODE>/<device>`` (issue 16): the provider from the local part, the node in plan.json
     for each stage and device, and the bytes each node sends each other node per request."""
-    from ortmem.plan.partition_devices import split_node
+    from ortmem.plan.partition import split_node
 
     assert split_node("node:10.0.0.2/cuda:1") == ("10.0.0.2", "cuda:1")
     assert split_node("node:n1") == ("n1", "cpu") and split_node("cpu:0") == (None, "cpu:0")

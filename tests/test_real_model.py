@@ -320,7 +320,7 @@ def test_fp32_graph_is_the_sentence_encoder(minilm):
 
 
 def test_qdq_model_has_the_patterns_ortmem_rewrites(qdq_model):
-    from ortmem.passes.dq_matmul import plan_conversion
+    from ortmem.passes.conversion import plan_conversion
 
     with ortmem.load(qdq_model) as m:
         plan = plan_conversion(m)

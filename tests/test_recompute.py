@@ -14,8 +14,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from ortmem.plan import recompute as rc
-from ortmem.plan.liveness import analyze, context, load_proto
-from ortmem.plan.recompute_cli import add_recompute_arguments, main_recompute
+from ortmem.plan.estimate.liveness import analyze, context, load_proto
+from ortmem.plan.recompute import add_recompute_arguments, main_recompute
 from ortmem.units import bytes_arg
 from recompute_models import LlamaMaskConfig, llama_shared_mask
 from test_liveness import _i64, _model, long_cast
@@ -245,7 +245,7 @@ def tiny_llama(tmp_path_factory):
 
 
 def test_shared_mask_llama_bit_identical_and_lower(tiny_llama, tmp_path):
-    from ortmem.plan.liveness import ort_optimized
+    from ortmem.plan.estimate.liveness import ort_optimized
 
     S = 1024
     dims = {"batch": 2, "seq": S}

@@ -1,4 +1,4 @@
-"""ortmem.plan.stats: ORT's node-stats CSV round trip, unique names, the initializer column, activations."""
+"""ortmem.plan.estimate.node_stats: ORT's node-stats CSV round trip, unique names, the initializer column, activations."""
 from __future__ import annotations
 
 import argparse
@@ -8,9 +8,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ortmem.plan import ort_graph as og
-from ortmem.plan.estimate_cli import add_stats_arguments, main_stats
-from ortmem.plan.stats import CSV_HEADER, NodeStats, read_csv, stats, write_csv
+from ortmem.ortmodel import graph_index as og
+from ortmem.plan.estimate import add_stats_arguments, main_stats
+from ortmem.plan.estimate.node_stats import CSV_HEADER, NodeStats, read_csv, stats, write_csv
 
 F = TensorProto.FLOAT
 

@@ -1,4 +1,4 @@
-"""Fit the estimator's additive constants from harness measurements; write ortmem/plan/calibration.json.
+"""Fit the estimator's additive constants from harness measurements; write ortmem/plan/estimate/calibration.json.
 
     python bench/estimator/calibrate.py MEASUREMENTS.jsonl MODELS_DIR [--models fp16cast_emb ...]
 

@@ -7,7 +7,7 @@ Memory: medians over the repeats in MEASUREMENTS (bench/estimator/measure.py), a
 ``ort-hygiene``, ``ortmem-warm`` (the hook loading the twin: cold start, or a warm start without
 pre-packed weights; ``ortmem.*``) and ``ortmem-prepacked`` (the default warm start, pre-packed
 weights mapped from the entry; ``ortmem_prepacked.*``). Activations: the estimator's
-``activation_peak_bytes`` vs ``ortmem.plan.stats`` (ORT's arena counters from its profiler) on the
+``activation_peak_bytes`` vs ``ortmem.plan.estimate.node_stats`` (ORT's arena counters from its profiler) on the
 same inputs (``batch`` ``--act-batch``, sequence ``--act-seq``, generated ids). Measured = tensor bytes
 alive per ORT's profiled ``output_size`` (aliases shared); the arena's in-use peak is shown beside it.
 """
@@ -28,7 +28,7 @@ M = 1 << 20
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from ortmem.plan.estimate import estimate
-    from ortmem.plan.stats import stats
+    from ortmem.plan.estimate.node_stats import stats
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("measurements")

@@ -33,7 +33,7 @@ CONFIGS = {
 
 
 def parse_bytes(text: str) -> int:
-    from ortmem.plan.partition_cli import parse_bytes as pb
+    from ortmem.units import parse_bytes as pb
 
     return pb(text)
 

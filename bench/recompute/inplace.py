@@ -6,7 +6,7 @@ One op on a fresh 4 MiB activation (``Relu(x)``, static shapes, ``ORT_DISABLE_AL
 off), ORT's profiler per node: ``mem_bytes_in_use`` after the op minus after the fresh tensor is 0 when
 the op wrote in place and 4 MiB when it allocated; ``mem_in_use_peak`` above ``mem_bytes_in_use`` is
 scratch the kernel took and gave back while it ran. The results are
-``ortmem.plan.activations.ORT_CPU_INPLACE_OPS`` and ``kernel_temporaries`` (onnxruntime 1.31.1:
+``ortmem.plan.estimate.activations.ORT_CPU_INPLACE_OPS`` and ``kernel_temporaries`` (onnxruntime 1.31.1:
 activations and Softmax in place; binary element-wise ops, Neg/Sqrt/Exp/Log/Erf/Abs/Floor/Ceil/
 Reciprocal, Gelu variants, Dropout not; Where takes 2x its output as scratch).
 """

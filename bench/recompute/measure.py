@@ -9,12 +9,12 @@ peak-minimizing order), the original and the rewritten model are measured the sa
 at a time:
 
 Baseline: the model file as given. The plan is made on ORT's optimized graph of it
-(``ortmem.plan.liveness.ort_optimized``), whose node order is the order ORT ran the given file in, so
+(``ortmem.plan.estimate.liveness.ort_optimized``), whose node order is the order ORT ran the given file in, so
 the predicted "original" is that run. For reference the re-saved optimized graph alone (run with
 ``DEFAULT``) is measured too.
 
 * **ORT profiling, arena on, memory patterns off** (in this process, ``ORT_ENABLE_ALL``): the arena's
-  in-use peak of each run above what it held before the run (``ortmem.plan.stats._arena_peak``), max
+  in-use peak of each run above what it held before the run (``ortmem.plan.estimate.node_stats._arena_peak``), max
   over ``--runs`` runs. This is "ORT profiling's arena peak".
 * **ORT defaults** (arena, memory patterns, ``ORT_ENABLE_ALL``), profiling: the first run's in-use peak
   and what the arena holds after ``--runs`` runs (its power-of-two growth and the memory pattern's block).
@@ -62,7 +62,7 @@ def arena_profile(path: str, feeds: dict, *, runs: int, pattern: bool) -> dict[s
     import onnxruntime as ort
 
     from ortmem.plan.recompute import apply_session_changes, recorded_settings
-    from ortmem.plan.stats import _arena_peak
+    from ortmem.plan.estimate.node_stats import _arena_peak
 
     with tempfile.TemporaryDirectory(prefix="ortmem-rc-prof-") as tmp:
         so = ort.SessionOptions()
@@ -118,7 +118,7 @@ def rss(path: str, strategy: str, dims: dict, options: dict, runs: int, repeat: 
 def measure_model(name: str, spec: dict, out_dir: Path, *, variants: list[str], runs: int, repeat: int) -> list[dict]:
     from ortmem.plan import recompute as rc
 
-    from ortmem.plan.liveness import ort_optimized
+    from ortmem.plan.estimate.liveness import ort_optimized
 
     path, dims, options = spec["path"], spec["dims"], spec.get("options", {})
     feeds = _feeds(path, dims, options)

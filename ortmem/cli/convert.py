@@ -20,12 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..convert import convert_to, settings_from
+    from ..convert import convert_to
+    from ..ortmodel.settings import session_settings
     from ..loader import load
     from ..progress import progress_bar
 
     with load(args.input) as model, progress_bar("converting") as bar:
-        report = convert_to(model, Path(args.output), settings_from(accuracy_level=args.accuracy_level), progress=bar)
+        report = convert_to(model, Path(args.output), session_settings(accuracy_level=args.accuracy_level), progress=bar)
     print(report.summary())
     print(f"wrote {Path(args.output) / 'model.onnx'}")
     if args.prepack:

@@ -1,6 +1,6 @@
-"""``ortmem estimate``: predict session-creation and activation memory from metadata alone (owned by ``ortmem.plan.estimate_cli``)."""
+"""``ortmem estimate``: predict session-creation and activation memory from metadata alone (owned by ``ortmem.plan.estimate``)."""
 from .delegation import delegate
 
 NAME = "estimate"
 HELP = "predict session-creation and activation memory from metadata alone"
-add_arguments, run = delegate("ortmem.plan.estimate_cli", "add_estimate_arguments", "main_estimate")
+add_arguments, run = delegate("ortmem.plan.estimate", "add_estimate_arguments", "main_estimate")

@@ -1,6 +1,6 @@
-"""``ortmem recompute``: lower the activation peak: recompute cheap tensors, reorder nodes (owned by ``ortmem.plan.recompute_cli``)."""
+"""``ortmem recompute``: lower the activation peak: recompute cheap tensors, reorder nodes (owned by ``ortmem.plan.recompute``)."""
 from .delegation import delegate
 
 NAME = "recompute"
 HELP = "lower the activation peak: recompute cheap tensors, reorder nodes"
-add_arguments, run = delegate("ortmem.plan.recompute_cli", "add_recompute_arguments", "main_recompute")
+add_arguments, run = delegate("ortmem.plan.recompute", "add_recompute_arguments", "main_recompute")

@@ -3,7 +3,7 @@
 A node's name is the value of its Ray label :data:`NODE_LABEL` (``ray start --labels
 ortmem-node=n1``) or, without one, its IP address. Labels survive a node's restart (its
 Ray node id does not) and tell apart several nodes on one host (test clusters). A device on a node is
-``node:<name>/<device>`` (:func:`ortmem.plan.partition_devices.split_node`); ``--ray auto`` gives
+``node:<name>/<device>`` (:func:`ortmem.plan.partition.split_node`); ``--ray auto`` gives
 every alive node one CPU device whose budget is the node's Ray ``memory`` resource (what actors may
 reserve there: ``ray start --memory``, by default the node's available memory).
 
@@ -21,7 +21,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import ray
 
 from ..errors import PlanError
-from ..plan.partition_plan import PartitionPlan
+from ..plan.partition import PartitionPlan
 
 #: Ray node label that names a node for ortmem (else the node's IP address names it).
 NODE_LABEL = "ortmem-node"

@@ -50,8 +50,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..errors import StageFailedError
 from ..errors import PlanError
-from ..plan.partition_devices import stage_providers
-from ..plan.partition_plan import PartitionPlan
+from ..plan.partition import PartitionPlan, stage_providers
 from .cluster import ClusterNode, check_plan, cluster_nodes, connect, stage_reservations
 from .stage_actor import StageWorker, missing_files
 

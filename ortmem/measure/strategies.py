@@ -249,12 +249,13 @@ def prepare_twin(model_path: str, options: dict, workdir: str) -> str:
     from pathlib import Path
 
     import ortmem
-    from ..convert import convert_to, settings_from
+    from ..convert import convert_to
+    from ..ortmodel.settings import session_settings
 
     out = Path(workdir) / ("twin-" + hashlib.sha1(os.path.abspath(model_path).encode()).hexdigest()[:12])
     if not (out / "model.onnx").exists():
         with ortmem.load(model_path) as model:
-            convert_to(model, out, settings_from(_session_options(options)))
+            convert_to(model, out, session_settings(_session_options(options)))
     return str(out / "model.onnx")
 
 

@@ -68,9 +68,10 @@ def _short(exc: BaseException) -> str:
 def probe_variant(ort: Any, m: onnx.ModelProto, accuracy: int, work: Path, fused_op: str,
                   convert: bool = True) -> dict[str, Any]:
     """Fusion and kernel answers for one model (see the module docstring)."""
-    from ..convert import settings_from, write_converted
+    from ..convert import write_converted
+    from .settings import session_settings
     from ..loader import load
-    from ..passes.dq_matmul import plan_conversion
+    from ..passes.conversion import plan_conversion
     from .release import unrestricted_capabilities
 
     work.mkdir(parents=True, exist_ok=True)
@@ -98,7 +99,7 @@ def probe_variant(ort: Any, m: onnx.ModelProto, accuracy: int, work: Path, fused
     try:
         model = load(src)
         with model:
-            plan = plan_conversion(model, settings_from(accuracy_level=accuracy), capabilities=unrestricted_capabilities())
+            plan = plan_conversion(model, session_settings(accuracy_level=accuracy), capabilities=unrestricted_capabilities())
             if not plan.has_work:
                 answer["ortmem"] = "not converted"
                 return answer
@@ -121,9 +122,10 @@ def probe_variant(ort: Any, m: onnx.ModelProto, accuracy: int, work: Path, fused
 def probe_prepacked(ort: Any, work: Path) -> dict[str, Any]:
     """Does this release save pre-packed MatMulNBits weights to an external file, and does a session on
     the saved model give the QDQ model's outputs? (1.25 saves none; 1.32 re-packs and compares them.)"""
-    from ..convert import settings_from, write_converted
+    from ..convert import write_converted
+    from .settings import session_settings
     from ..loader import load
-    from ..passes.dq_matmul import plan_conversion
+    from ..passes.conversion import plan_conversion
     from ..prepacked import save_prepacked
     from .release import unrestricted_capabilities
 
@@ -137,7 +139,7 @@ def probe_prepacked(ort: Any, work: Path) -> dict[str, Any]:
     out = work / "converted"
     out.mkdir()
     with load(src) as model:
-        write_converted(model, plan_conversion(model, settings_from(accuracy_level=4),
+        write_converted(model, plan_conversion(model, session_settings(accuracy_level=4),
                                                capabilities=unrestricted_capabilities()), out)
     try:
         saved = save_prepacked(out)

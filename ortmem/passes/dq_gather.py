@@ -5,15 +5,15 @@ ONNX Runtime has no DQ+Gather fusion (``docs/ort-fusion-rules.md`` section 9, me
 buffer on every run, to read a handful of rows. ``GatherBlockQuantized``
 (``onnxruntime/contrib_ops/cpu/quantization/gather_block_quantized.cc``) dequantizes only the rows it
 gathers. Which pairs qualify, and what to do with scales and zero points, is decided by
-:func:`ortmem.passes.dq_matmul_match.dq_gather_match`; this module turns its candidates into parts
-of the one :class:`~ortmem.passes.dq_matmul.ConversionPlan`:
+:func:`ortmem.passes.dq_matmul_match.dq_gather_match`; this module turns its candidates into
+rewrites of the one :class:`~ortmem.passes.plan.ConversionPlan`:
 
 * **The table is never copied.** The kernel reads ``data`` in the DQ weight's own layout, so the GBQ
   reads the DQ weight initializer itself. It stays a *carried* tensor: in a cache entry it stays in
   the hard-linked source file, in memory it is borrowed from the source mapping, and only
   ``ortmem convert`` (which must not depend on the source) copies it, file to file in the kernel.
   A uint2 table becomes uint8 with ``bits=2`` (same bytes, dims ``[V, D/4]``): that is an
-  :class:`Alias`, a second initializer over the same bytes, not a copy.
+  :class:`~ortmem.passes.skeleton_edit.Alias`, a second initializer over the same bytes, not a copy.
 * **Scales and zero points** are reused as they are (``as-is``), re-dimensioned over the same bytes
   (``reshape``: an alias), or, when their bytes must change (``expand`` a per-tensor scalar,
   ``zeros`` for uint8 without a zero point, ``repack`` 2-bit zero points along rows), materialized
@@ -39,38 +39,31 @@ from onnx import TensorProto, helper
 from ..dtypes import dtype_info, numel
 from ..errors import ConversionError
 from ..model import Model
-from ..ortmodel.variants import onnx_type_name
+from ..onnx_walk import iter_graphs, node_label
 from ..ortmodel.release import Capabilities
+from ..ortmodel.variants import onnx_type_name
+from ..ortmodel.settings import OrtSettings
 from . import nbits_layout as nb
-from .dq_matmul_match import GatherCandidate, OrtSettings, dq_gather_match
-from .sources import OutTensor, find_initializer, source_bytes
+from .dq_matmul_match import GatherCandidate, dq_gather_match
+from .conversion_plan import DQRewrite
+from .skeleton_edit import MS_DOMAIN, Alias, GraphEdit, external_tensor
+from .sources import OutTensor, find_initializer, skeleton_index, source_bytes
+from .writers import Sink
 
-MS_DOMAIN = "com.microsoft"
 #: ortmem's own policy, not ORT's (ORT never does this rewrite): rewrite only when the user lets ORT
 #: optimize the graph at all. 1 = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC.
 MIN_OPTIMIZATION_LEVEL = 1
 
 
-@dataclass(frozen=True)
-class Alias:
-    """A second initializer ``name`` over the bytes of ``source`` (as seen from ``graph_path``), with
-    another element type or dims: the bytes are shared, whatever the source's placement."""
-
-    graph_path: str
-    name: str
-    source: str
-    data_type: int
-    shape: tuple[int, ...]
-
-
 @dataclass
-class GatherRewrite:
+class GatherRewrite(DQRewrite):
     """One Gather (or DQ -> Cast -> Gather) that becomes a GatherBlockQuantized.
 
     ``data``/``scales``/``zero_points`` are the GBQ input names: an existing initializer, an
     :class:`Alias`, or a tensor in ``made``. ``made`` holds the tensors this rewrite materializes
     into weights.bin (a tensor shared by two Gathers of the same DQ is owned by the first);
     ``reads`` lists the existing initializers whose bytes the GBQ keeps reading (never released).
+    ``cast_index``: the DQ -> Cast -> Gather form's Cast, which goes with the DQ.
     """
 
     candidate: GatherCandidate
@@ -80,13 +73,47 @@ class GatherRewrite:
     aliases: list[Alias] = field(default_factory=list)
     made: list[tuple[str, OutTensor]] = field(default_factory=list)  # ("scales"|"zero_points", tensor)
     reads: list[str] = field(default_factory=list)
+    cast_index: Optional[int] = None
 
     @property
     def made_bytes(self) -> int:
         return sum(t.nbytes for _, t in self.made)
 
+    # -- the rest of what the engine asks of every rewrite (passes.conversion_plan.RuleRewrite)
+    @property
+    def work_bytes(self) -> int:
+        return self.made_bytes
+
     def out_tensors(self) -> list[OutTensor]:
         return [t for _, t in self.made]
+
+    def removed_nodes(self) -> set[int]:
+        """The Gather. Its DQ (and Cast) go only when nothing else reads them (a tied lm_head may)."""
+        return {self.candidate.node_index}
+
+    def droppable_nodes(self) -> set[int]:
+        return {self.candidate.dq_index} | ({self.cast_index} if self.cast_index is not None else set())
+
+    def kept_reads(self) -> list[str]:
+        return self.reads + [a.source for a in self.aliases]
+
+    def convert(self, model: Model, sink: Sink) -> None:
+        """Materialize ``made`` (expanded scales, explicit or repacked zero points) through ``sink``."""
+        if not self.made:
+            return
+        c = self.candidate
+        outs = self.out_tensors()
+        dtypes = [dtype_info(t.data_type).numpy if role == "scales" else np.uint8 for role, t in self.made]
+        with sink:
+            views = sink.views(outs, dtypes)
+            for (role, t), view in zip(self.made, views):
+                flat = view.reshape(-1)
+                if role == "scales":
+                    s = source_bytes(model, c.graph_path, c.scale).view(dtype_info(c.scale_dtype).numpy)
+                    flat[:] = s[0]
+                else:
+                    flat[:] = _zero_point_bytes(c, source_bytes(model, c.graph_path, c.zero_point) if c.zero_point else None)
+            sink.commit(outs, views)
 
 
 # ----------------------------------------------------------------------------- planning
@@ -103,8 +130,6 @@ def plan_gathers(model: Model, settings: OrtSettings, fresh: Callable[[str], str
     ``fresh(base)`` returns an unused tensor name; rejections (the matcher's, and inputs whose bytes
     cannot be read) are appended to ``skipped`` as ``(node, reason)``.
     """
-    from ..onnx_walk import iter_graphs
-
     if not gathers_enabled(settings):
         return []
     if not any(n.op_type == "Gather" for _, g in iter_graphs(model.skeleton.graph) for n in g.node):
@@ -113,6 +138,7 @@ def plan_gathers(model: Model, settings: OrtSettings, fresh: Callable[[str], str
     skipped += [(f"{r.node} -> {r.consumer}", f"not GatherBlockQuantized: {r.reason}") for r in result.rejected]
     rewrites: list[GatherRewrite] = []
     shared: dict[tuple, str] = {}  # (graph, dq index, role) / alias key -> tensor name
+    labels: dict[str, dict[str, int]] = {}  # graph path -> node label -> index (for Casts)
     for c in result.candidates:
         refusal = capabilities.gather_refusal(weight_type=onnx_type_name(c.weight_dtype), has_zp=c.zero_point is not None,
                                               scale_type=onnx_type_name(c.scale_dtype))
@@ -123,7 +149,17 @@ def plan_gathers(model: Model, settings: OrtSettings, fresh: Callable[[str], str
             for name in (c.weight, c.scale, c.zero_point):
                 if name:
                     source_bytes(model, c.graph_path, name)  # every input must be readable (external or raw)
-            rewrites.append(_plan_one(model, c, fresh, shared))
+            cast_index = None
+            if c.cast:
+                if c.graph_path not in labels:
+                    g = skeleton_index(model).graphs[c.graph_path]
+                    labels[c.graph_path] = {node_label(n, i): i for i, n in enumerate(g.node)}
+                cast_index = labels[c.graph_path].get(c.cast)
+                if cast_index is None:
+                    raise ConversionError(f"Cast node {c.cast!r} was not found", tensor=c.weight)
+            r = _plan_one(model, c, fresh, shared)
+            r.cast_index = cast_index
+            rewrites.append(r)
         except ConversionError as e:
             skipped.append((f"{c.dq_node} -> {c.node}", f"not GatherBlockQuantized: {e}"))
     return rewrites
@@ -196,29 +232,6 @@ def _zp_layout(c: GatherCandidate) -> tuple[int, tuple[int, ...], int]:
     return TensorProto.UINT8, packed, numel(packed)
 
 
-# ----------------------------------------------------------------------------- writing
-
-
-def convert_gather(model: Model, r: GatherRewrite, sink) -> None:
-    """Materialize ``r.made`` (expanded scales, explicit or repacked zero points) through ``sink``."""
-
-    if not r.made:
-        return
-    c = r.candidate
-    outs = [t for _, t in r.made]
-    dtypes = [dtype_info(t.data_type).numpy if role == "scales" else np.uint8 for role, t in r.made]
-    with sink:
-        views = sink.views(outs, dtypes)
-        for (role, t), view in zip(r.made, views):
-            flat = view.reshape(-1)
-            if role == "scales":
-                s = source_bytes(model, c.graph_path, c.scale).view(dtype_info(c.scale_dtype).numpy)
-                flat[:] = s[0]
-            else:
-                flat[:] = _zero_point_bytes(c, source_bytes(model, c.graph_path, c.zero_point) if c.zero_point else None)
-        sink.commit(outs, views)
-
-
 def _zero_point_bytes(c: GatherCandidate, raw: Optional[np.ndarray]) -> np.ndarray:
     """The GBQ zero-point bytes for ``expand``/``zeros``/``repack``: logical codes (raw bit patterns,
     no sign interpretation needed) laid out as :func:`_zp_layout` says."""
@@ -244,6 +257,15 @@ def _zero_point_bytes(c: GatherCandidate, raw: Optional[np.ndarray]) -> np.ndarr
 
 
 # ----------------------------------------------------------------------------- the new graph
+
+
+def edit_graph(edit: GraphEdit, rewrites: list[GatherRewrite], location: str, fresh: Callable[[str], str]) -> None:
+    """Replace each rewritten Gather of one graph with its GatherBlockQuantized (and moved Cast); the
+    tensors it materialized point into ``location``; its DQ (and Cast) go once nothing reads them."""
+    for r in rewrites:
+        edit.replace[r.candidate.node_index] = gbq_nodes(r, fresh)
+        edit.add_initializers(external_tensor(t, location) for t in r.out_tensors())
+        edit.droppable |= r.droppable_nodes()
 
 
 def gbq_nodes(r: GatherRewrite, fresh_output: Callable[[str], str]) -> list:

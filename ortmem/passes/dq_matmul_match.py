@@ -48,7 +48,7 @@ read when embedded; for external ones pass ``scalar_reader`` or accept a note on
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Literal, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -56,7 +56,9 @@ import onnx
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, numpy_helper
 
 from ..onnx_walk import node_subgraphs
+from ..ortmodel.graph_index import index_graph
 from ..ortmodel.release import capabilities
+from ..ortmodel.settings import OrtSettings
 
 __all__ = [
     "Candidate",
@@ -201,53 +203,6 @@ class MatchResult(NamedTuple):
     rejected: list[Rejected]
 
 
-@dataclass(frozen=True)
-class OrtSettings:
-    """The session settings ORT's decision depends on, parsed like ORT parses them.
-
-    ``graph_optimization_level`` uses ORT's numbers (``onnxruntime.GraphOptimizationLevel`` values work).
-    ``session_config`` holds ``SessionOptions.add_session_config_entry`` pairs; the keys read are
-    ``session.qdq_matmulnbits_accuracy_level`` (default "4"), ``session.qdq_matmulnbits_block_size``
-    (default "0" = 32; "-1" = least padding) and ``session.disable_quant_qdq``.
-    ``disabled_optimizers`` mirrors ``InferenceSession(disabled_optimizers=...)``: note that the rule name
-    ``DQMatMulToMatMulNBits`` does *not* disable the fusion in 1.31.1 (measured); the transformer name
-    ``QDQSelectorActionTransformer`` does.
-    """
-
-    graph_optimization_level: int = 99
-    session_config: Mapping[str, str] = field(default_factory=dict)
-    disabled_optimizers: frozenset[str] = frozenset()
-
-    @property
-    def accuracy_level(self) -> int:
-        raw = self.session_config.get("session.qdq_matmulnbits_accuracy_level", "4")
-        try:
-            level = int(raw)
-        except ValueError:
-            raise ValueError(f"session.qdq_matmulnbits_accuracy_level={raw!r} is not an integer") from None
-        # qdq_actions.cc DQMatMulToMatMulNBitsAction ctor: ORT_ENFORCE(accuracy_level_ >= 0 && <= 4)
-        if not 0 <= level <= 4:
-            raise ValueError(f"session.qdq_matmulnbits_accuracy_level={level}: ORT fails session creation "
-                             "(MatMulNBits accuracy level must be between 0 and 4)")
-        return level
-
-    @property
-    def block_size_option(self) -> int:
-        raw = self.session_config.get("session.qdq_matmulnbits_block_size", "0")
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(f"session.qdq_matmulnbits_block_size={raw!r} is not an integer") from None
-
-    @property
-    def qdq_enabled(self) -> bool:
-        return (self.session_config.get("session.disable_quant_qdq", "0") != "1"
-                and "QDQSelectorActionTransformer" not in self.disabled_optimizers)
-
-    def enabled(self, transformer: str) -> bool:
-        return transformer not in self.disabled_optimizers
-
-
 def effective_block_size(session_block_size: int, K: int) -> int:
     """MatMulNBits block size ORT uses for a per-tensor/per-channel DQ (qdq_actions.cc ComputeEffectiveBlockSize).
 
@@ -294,63 +249,36 @@ class _Init:
 
 
 class _Graph:
+    """One graph as ORT's ``Graph`` answers the fusion rules' questions, in file order, on the shared
+    index (:class:`ortmem.ortmodel.graph_index.GraphIndex`) plus what only the rules ask: types,
+    opset, initializers as ``_Init`` (sparse ones as metadata stand-ins)."""
+
     def __init__(self, proto: GraphProto, path: str, parent: "_Graph | None", ir_version: int,
                  opset: int, types: dict[str, dict[str, _TypeInfo]]):
+        index = index_graph(proto)
+        self.index = index
         self.proto = proto
         self.path = path
         self.parent = parent
         self.ir_version = ir_version
         self.opset = opset
-        self.nodes: list[NodeProto] = list(proto.node)
+        self.nodes: list[NodeProto] = index.nodes
         self.inputs = {vi.name for vi in proto.input}
         self.outputs = {vi.name for vi in proto.output}
         self.inits: dict[str, _Init] = {t.name: _Init(t) for t in proto.initializer}
         for sp in proto.sparse_initializer:
             meta = TensorProto(name=sp.values.name, data_type=sp.values.data_type, dims=list(sp.dims))
             self.inits[sp.values.name] = _Init(meta)
-        self.constant_nodes: set[int] = set()
-        for i, n in enumerate(self.nodes):
-            if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output:
-                t = _constant_node_tensor(n)
-                if t is not None:
-                    self.inits[n.output[0]] = _Init(t, from_constant_node=True)
-                    self.constant_nodes.add(i)
-        self.producer: dict[str, int] = {}
-        for i, n in enumerate(self.nodes):
-            if i in self.constant_nodes:
-                continue
-            for o in n.output:
-                if o:
-                    self.producer[o] = i
-        self.implicit: dict[int, set[str]] = {}
-        for i, n in enumerate(self.nodes):
-            subs = node_subgraphs(n)
-            if subs:
-                free: set[str] = set()
-                for _, g in subs:
-                    free |= _free_names(g)
-                self.implicit[i] = free
-        # consumers (Graph::GetConsumerNodes counts explicit and implicit users) and edge counts
-        self.consumers: dict[str, list[int]] = {}
-        self.slots: dict[str, list[tuple[int, int]]] = {}  # explicit (node, input index)
-        for i, n in enumerate(self.nodes):
-            if i in self.constant_nodes:
-                continue
-            seen: set[str] = set()
-            for k, name in enumerate(n.input):
-                if not name:
-                    continue
-                self.slots.setdefault(name, []).append((i, k))
-                if name not in seen:
-                    self.consumers.setdefault(name, []).append(i)
-                    seen.add(name)
-            for name in self.implicit.get(i, ()):
-                if name not in seen:
-                    self.consumers.setdefault(name, []).append(i)
-                    seen.add(name)
+        self.constant_nodes: set[int] = set(index.constants)
+        for i, value in index.constants.items():
+            self.inits[self.nodes[i].output[0]] = _Init(value, from_constant_node=True)
+        self.producer: dict[str, int] = index.computed_by
+        # consumers (Graph::GetConsumerNodes counts explicit and implicit users) and explicit slots
+        self.consumers: dict[str, list[int]] = index.readers
+        self.slots: dict[str, list[tuple[int, int]]] = index.consumers  # explicit (node, input index)
         self.types = types.get(path, {})
-        self._topo: dict[int, int] | None = None
         self.attn_adds: set[int] | None = None  # AttentionPatternCache's attn_add_nodes, computed on demand
+        self._topo: dict[int, int] | None = None
 
     # -- naming -------------------------------------------------------------------------------------
     def label(self, i: int) -> str:
@@ -362,15 +290,13 @@ class _Graph:
         """Node::GetOutputEdgesCount contribution of one value: explicit input slots plus implicit users."""
         if not value:
             return 0
-        n = len(self.slots.get(value, ()))
-        n += sum(1 for i, names in self.implicit.items() if value in names)
-        return n
+        return len(self.slots.get(value, ())) + len(self.index.implicit_users.get(value, ()))
 
     def explicit_consumers(self, value: str) -> list[tuple[int, int]]:
         return list(self.slots.get(value, ()))
 
     def implicit_users(self, value: str) -> list[int]:
-        return [i for i, names in self.implicit.items() if value in names]
+        return list(self.index.implicit_users.get(value, ()))
 
     def produces_graph_output(self, i: int) -> bool:
         return any(o in self.outputs for o in self.nodes[i].output if o)
@@ -386,28 +312,7 @@ class _Graph:
         are pushed in ascending index order, so its highest-index producer is finished first.
         """
         if self._topo is None:
-            real = [k for k in range(len(self.nodes)) if k not in self.constant_nodes]
-            inputs_of: dict[int, list[int]] = {}
-            has_out: set[int] = set()
-            for k in real:
-                names = [x for x in self.nodes[k].input if x] + sorted(self.implicit.get(k, ()))
-                prods = sorted({self.producer[x] for x in names if x in self.producer})
-                inputs_of[k] = prods
-                has_out.update(prods)
-            stack: list[tuple[int, bool]] = [(k, False) for k in real if k not in has_out]
-            visited: set[int] = set()
-            order: list[int] = []
-            while stack:
-                k, leave = stack.pop()
-                if leave:
-                    order.append(k)
-                    continue
-                if k in visited:
-                    continue
-                visited.add(k)
-                stack.append((k, True))
-                stack.extend((q, False) for q in inputs_of[k])
-            self._topo = {k: pos for pos, k in enumerate(order)}
+            self._topo = {k: pos for pos, k in enumerate(self.index.ort_order("DEFAULT"))}
         return self._topo.get(i, -1)
 
     def is_local_value(self, name: str) -> bool:
@@ -442,37 +347,6 @@ class _Graph:
         """since_version of an ONNX-domain op at this model's opset (the schema version ORT resolves)."""
         cands = [v for v in versions if v <= self.opset]
         return max(cands) if cands else None
-
-
-def _constant_node_tensor(node: NodeProto) -> TensorProto | None:
-    """The initializer ORT makes from a Constant node (Graph::Graph converts them at load)."""
-    for a in node.attribute:
-        if a.name == "value" and a.type == AttributeProto.TENSOR:
-            return a.t
-        if a.name == "value_float":
-            return TensorProto(data_type=TensorProto.FLOAT, dims=[], float_data=[a.f])
-        if a.name == "value_floats":
-            return TensorProto(data_type=TensorProto.FLOAT, dims=[len(a.floats)], float_data=list(a.floats))
-        if a.name == "value_int":
-            return TensorProto(data_type=TensorProto.INT64, dims=[], int64_data=[a.i])
-        if a.name == "value_ints":
-            return TensorProto(data_type=TensorProto.INT64, dims=[len(a.ints)], int64_data=list(a.ints))
-    return None
-
-
-def _free_names(g: GraphProto) -> set[str]:
-    """Outer-scope names a subgraph uses: ORT makes them implicit inputs of the node that owns it."""
-    defined = {vi.name for vi in g.input} | {t.name for t in g.initializer}
-    defined |= {sp.values.name for sp in g.sparse_initializer}
-    for n in g.node:
-        defined.update(o for o in n.output if o)
-    used: set[str] = set()
-    for n in g.node:
-        used.update(i for i in n.input if i)
-        for _, sg in node_subgraphs(n):
-            used |= _free_names(sg)
-    used.update(vi.name for vi in g.output)
-    return used - defined
 
 
 def _sub_path(parent_path: str, label: str, attr: str) -> str:
@@ -1093,8 +967,8 @@ def _walk(model: ModelProto) -> list[_Graph]:
     def visit(proto: GraphProto, path: str, parent: _Graph | None) -> None:
         g = _Graph(proto, path, parent, model.ir_version, opset, types)
         graphs.append(g)
-        for i, n in enumerate(g.nodes):
-            for attr, sg in node_subgraphs(n):
+        for i, subs in enumerate(g.index.subgraphs):
+            for attr, sg in subs:
                 visit(sg, _sub_path(path, g.label(i), attr), g)
 
     visit(model.graph, "", None)

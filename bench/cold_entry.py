@@ -1,0 +1,87 @@
+"""What building a cache entry costs (a cold start's conversion), and how much of it is digests.
+
+    python bench/cold_entry.py                 # demo model (0.24 GB of int4 codes), 7 fresh processes
+    python bench/cold_entry.py --repeat 11 --size 0.6
+
+Each run converts the model into a new cache folder in a fresh process (``convert_cached``: plan,
+write weights.bin and model.onnx, digest, publish) and reports, as medians and minimums over the runs:
+
+* ``cold_s``: the whole build,
+* ``write_s``: the conversion report's seconds (weights.bin and model.onnx written, and hashed
+  while written where the entry needs their digests),
+* ``read_digest_s``: seconds spent in :func:`ortmem.digest.file_digest`, i.e. reading files to
+  digest them (the sources' content digests; entry files are no longer read back).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+_CHILD = r"""
+import json, sys, tempfile, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from synth_models import synth_model
+import ortmem
+from ortmem import digest
+from ortmem.cache import Cache
+from ortmem.convert import convert_cached
+from ortmem.ortmodel.settings import session_settings
+
+model = synth_model(sys.argv[2])
+spent = [0.0]
+real = digest.file_digest
+
+def timed(*a, **k):
+    t = time.perf_counter()
+    try:
+        return real(*a, **k)
+    finally:
+        spent[0] += time.perf_counter() - t
+
+digest.file_digest = timed
+with tempfile.TemporaryDirectory(dir=sys.argv[3]) as tmp, ortmem.load(model) as m:
+    t = time.perf_counter()
+    entry, hit, report = convert_cached(m, session_settings(), Cache(Path(tmp)))
+    cold = time.perf_counter() - t
+    assert entry is not None and not hit
+print(json.dumps({"cold_s": cold, "write_s": report.seconds, "read_digest_s": spent[0]}))
+"""
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--size", default="demo", help="bench/synth_models.py preset: demo, 0.6, 1.6")
+    args = ap.parse_args(argv)
+    import onnxruntime as ort
+
+    from ortmem.cache import cache_root
+
+    sys.path.insert(0, str(HERE))
+    from synth_models import synth_model
+
+    synth_model(args.size)  # generated once, outside the timed runs
+    runs = []
+    with tempfile.TemporaryDirectory(dir=cache_root()) as work:
+        for _ in range(args.repeat):
+            r = subprocess.run([sys.executable, "-c", _CHILD, str(HERE), args.size, work], capture_output=True,
+                               text=True, check=True, env=os.environ.copy())
+            runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    print(f"onnxruntime {ort.__version__}, model {args.size}, {args.repeat} fresh processes")
+    for key in ("cold_s", "write_s", "read_digest_s"):
+        values = [r[key] for r in runs]
+        print(f"{key:14s} median {statistics.median(values):.3f}  min {min(values):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
