@@ -17,14 +17,19 @@ Only the messages that can hold tensors are descended into (model -> graph/funct
 node -> attribute -> tensor/graph, sparse tensors); every other field is copied as bytes, so
 unknown or future fields survive unchanged. A message whose content did not change is copied as
 one slice, which keeps the skeleton build linear in the size of the graph, not of the weights.
+
+Every tensor the walk leaves inline is screened on the way (:class:`TensorScreen`): its raw_data
+size against dtype x shape, and whether it is external. A clean screen lets the loader skip its
+own pass over the parsed tensors; the screen never decides an error, the loader's exact check does.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Container, Iterator, NamedTuple, Optional
 
-from .errors import CorruptModelError
+from .dtypes import byte_size
+from .errors import CorruptModelError, OrtmemError
 
 VARINT, I64, LEN, SGROUP, EGROUP, I32 = 0, 1, 2, 3, 4, 5
 
@@ -39,9 +44,12 @@ SPARSE_VALUES, SPARSE_INDICES = 1, 2
 TENSOR_DIMS, TENSOR_DATA_TYPE, TENSOR_NAME, TENSOR_RAW_DATA = 1, 2, 8, 9
 TENSOR_EXTERNAL_DATA, TENSOR_DATA_LOCATION = 13, 14
 DATA_LOCATION_EXTERNAL = 1
+_ONE_BYTE = [bytes((b,)) for b in range(0x80)]
 
 
 def encode_varint(value: int) -> bytes:
+    if 0 <= value < 0x80:  # keys and short lengths: every externalized tensor writes a dozen
+        return _ONE_BYTE[value]
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -54,11 +62,13 @@ def encode_varint(value: int) -> bytes:
 
 
 def _key(field_no: int, wire_type: int) -> bytes:
-    return encode_varint((field_no << 3) | wire_type)
+    key = (field_no << 3) | wire_type
+    return _ONE_BYTE[key] if key < 0x80 else encode_varint(key)
 
 
 def encode_len_field(field_no: int, payload: bytes) -> bytes:
-    return _key(field_no, LEN) + encode_varint(len(payload)) + payload
+    n = len(payload)
+    return _key(field_no, LEN) + (_ONE_BYTE[n] if n < 0x80 else encode_varint(n)) + payload
 
 
 def encode_string_entry(field_no: int, key: str, value: str) -> bytes:
@@ -114,8 +124,9 @@ class FileBytes:
         return self._data[key - self._start]
 
 
-@dataclass
-class Field:
+class Field(NamedTuple):
+    """One field of a message (a named tuple: the walk makes one per field it reads in full)."""
+
     number: int
     wire_type: int
     start: int  # first byte of the key
@@ -204,8 +215,82 @@ class WireReader:
                 raise self._corrupt(f"unsupported wire type {wire_type} for field {number}", pos)
             pos = p
 
+    def scan(self, start: int, end: int, actions: "FieldActions", *, screen: Optional["TensorScreen"] = None,
+             short: int = -1) -> Iterator[tuple[int, int, int, int]]:
+        """Yield ``(number, field start, payload start, field end)`` for the length-delimited fields of
+        the message in ``buf[start:end]`` that ``actions`` wants; every other field is checked and
+        skipped without making a Python object for it. Tensor fields whose payload is at most
+        ``short`` bytes are not yielded but handed to ``screen``.
+
+        This is the loop a graph with 1e5 initializers spends its time in, so keys and lengths of up to
+        two bytes are decoded inline (one index per byte) and short tensors are screened in place;
+        anything longer, truncated or malformed goes through :meth:`fields`' checked decoding for that
+        one field, which names the fault.
+        """
+        buf = self.buf
+        windowed = isinstance(buf, FileBytes)
+        direct = windowed or isinstance(buf, bytes)  # the screen compares bytes in place
+        by_key, wanted, tensors = actions.by_key, actions.wanted, actions.tensors
+        tensor_in = screen.tensor_in if screen is not None else None
+        # Positions are relative to the loaded data (buf[base:base + size]) inside the loop.
+        data, base = (b"", start) if windowed else (buf, 0)
+        size = len(data)
+        i, j = start - base, end - base
+        while i < j:
+            if windowed and i + 20 > size:  # 20: a key and a length varint, 10 bytes at most each
+                data, new_base = buf.chunk_at(base + i)
+                i, j, base, size = i + base - new_base, j + base - new_base, new_base, len(data)
+            action = by_key[data[i]] if i + 3 <= size else None
+            if action is not None:
+                n = data[i + 1]
+                p = i + 2
+                if n >= 0x80:
+                    n2 = data[i + 2]
+                    n = (n & 0x7F) | (n2 << 7) if n2 < 0x80 else -1
+                    p = i + 3
+                if n >= 0:
+                    q = p + n
+                    if q > j:
+                        raise self._corrupt(f"field {data[i] >> 3} of {n} bytes runs past the end of its message",
+                                            base + i)
+                    if action == _TENSOR and n <= short:
+                        if q <= size and direct:
+                            tensor_in(data, p, q)
+                        else:
+                            screen.tensor_at(buf, base + p, base + q)
+                    elif action:
+                        yield data[i] >> 3, base + i, base + p, base + q
+                    i = q
+                    continue
+            # Anything else (a long key or length, another wire type, the end of the data): checked path.
+            f = next(self.fields(base + i, end))
+            if f.wire_type == LEN and f.number in wanted:
+                if f.value > short or f.number not in tensors:
+                    yield f.number, f.start, f.payload_start, f.end
+                else:
+                    screen.tensor_at(buf, f.payload_start, f.end)
+            i = f.end - base
+
     def string(self, f: Field) -> str:
         return bytes(self.buf[f.payload_start : f.end]).decode("utf-8", errors="replace")
+
+
+_SKIP, _YIELD, _TENSOR = 0, 1, 2  # what WireReader.scan does with a field
+
+
+class FieldActions:
+    """Which fields of one message kind :meth:`WireReader.scan` yields (``wanted``) and which of those
+    are tensors it may screen in place (``tensors``), with ``by_key``: the action for each one-byte
+    key of a length-delimited field (None for every other byte: the checked path decides)."""
+
+    def __init__(self, wanted: Container[int], tensors: Container[int] = ()):
+        self.wanted = wanted
+        self.tensors = tensors
+        self.by_key: list[Optional[int]] = [None] * 256
+        for key in range(8, 0x80):
+            if key & 7 == LEN:
+                number = key >> 3
+                self.by_key[key] = (_TENSOR if number in tensors else _YIELD) if number in wanted else _SKIP
 
 
 def _varint_from(data: bytes, i: int) -> tuple[Optional[int], int]:
@@ -223,14 +308,178 @@ def _varint_from(data: bytes, i: int) -> tuple[Optional[int], int]:
     return None, i
 
 
+class TensorScreen:
+    """What the walk learned about the tensors it leaves in the skeleton, so the loader can skip the
+    per-tensor pass over the parsed skeleton when there is nothing in it to register or to check.
+
+    ``external`` counts tensors marked EXTERNAL (the loader must check and register each one).
+    ``unconfirmed`` counts inline tensors whose raw_data the screen could not confirm to match dtype x
+    shape: a wrong size, an unknown or STRING type, or bytes it does not read plainly (long varints,
+    groups, a truncated field). The screen never raises: when anything is unconfirmed, the loader
+    checks every inline tensor itself, exactly as ORT will see it, and names the tensor at fault. The
+    screen reads a superset of the tensors the loader checks, so a clean screen means a clean check.
+    """
+
+    def __init__(self) -> None:
+        self.external = 0
+        self.unconfirmed = 0
+        self._sizes: dict[tuple[int, ...], int] = {}  # (data_type, *dims) -> bytes: models repeat a few shapes
+        # The last canonical header seen (the dims and data_type fields' bytes, as protobuf writes them
+        # before the name) and the raw_data size it means: runs of same-shaped tensors (biases, norms,
+        # scales) are confirmed by a byte comparison instead of a field-by-field read.
+        self._header = b"\xff"  # no tensor starts with 0xff (a key needs a field number): matches nothing
+        self._header_size = -1
+
+    def inline(self, data_type: int, dims: list[int], raw_length: int) -> None:
+        """Confirm ``raw_length`` bytes of raw_data for a tensor of ``data_type`` and ``dims`` (varint values)."""
+        if not raw_length:
+            return  # no raw_data (or an empty one): nothing to check, as in the loader
+        key = (data_type, *dims)
+        expected = self._sizes.get(key)
+        if expected is None:
+            expected = self._sizes[key] = _plain_byte_size(data_type, dims)
+        if raw_length != expected:
+            self.unconfirmed += 1
+
+    def tensor_at(self, buf, start: int, end: int) -> None:
+        """Screen the short TensorProto in ``buf[start:end]`` (a :class:`FileBytes` or any buffer)."""
+        if isinstance(buf, FileBytes):
+            data, base = buf.chunk_at(start, end - start)
+        else:  # bytes, mmap or memoryview: a copy of this one short message
+            data, base = bytes(buf[start:end]), start
+        if start < base or end - base > len(data):
+            self.unconfirmed += 1  # longer than a window (inline_max_bytes was raised): leave it to the loader
+            return
+        self.tensor_in(data, start - base, end - base)
+
+    def tensor_in(self, data: bytes, i: int, j: int) -> None:
+        """Screen the TensorProto in ``data[i:j]``."""
+        # Fast path: the learned header, then name (field 8) and raw_data (field 9) ending the message,
+        # each with a length of one or two bytes. The same bytes parse to the same fields.
+        header = self._header
+        k = i + len(header)
+        if data.startswith(header, i) and k + 3 < j and data[k] == _NAME_KEY:
+            n = data[k + 1]
+            if n < 0x80:
+                k += 2 + n
+            elif data[k + 2] < 0x80:
+                k += 3 + ((n & 0x7F) | (data[k + 2] << 7))
+            else:
+                k = j  # a longer name: the general read below
+            if k + 3 < j and data[k] == _RAW_DATA_KEY:
+                n = data[k + 1]
+                if n < 0x80:
+                    k += 2
+                elif data[k + 2] < 0x80:
+                    n = (n & 0x7F) | (data[k + 2] << 7)
+                    k += 3
+                else:
+                    n = j  # a longer length: k + n cannot be j
+                if k + n == j:
+                    if n != self._header_size:
+                        self.unconfirmed += 1
+                    return
+        self._read_fields(data, i, j)
+
+    def _read_fields(self, data: bytes, i: int, j: int) -> None:
+        """The general screen of one tensor in ``data[i:j]``: every field read; learns the header."""
+        start = i
+        name_at = -1  # where the name starts, when only dims and data_type came before it
+        dims: list[int] = []
+        data_type = raw_length = location = 0
+        while i < j:
+            key = data[i]
+            wire_type = key & 7
+            if key >= 0x80 or key < 8 or wire_type not in (VARINT, LEN) or i + 1 >= j:  # long key, field 0, fixed, group
+                self.unconfirmed += 1
+                return
+            if name_at == -1:
+                if key == _NAME_KEY:
+                    name_at = i
+                elif key not in _SHAPE_KEYS:
+                    name_at = -2  # something else before the name: no header to learn
+            elif key in _SHAPE_KEYS:
+                name_at = -2  # shape fields after the name: the header alone does not say the shape
+            value = data[i + 1]
+            if value < 0x80:
+                i += 2
+            else:
+                value, i = _varint_from(data, i + 1)
+                if value is None or i > j:
+                    self.unconfirmed += 1
+                    return
+            if wire_type == LEN:
+                if i + value > j:
+                    self.unconfirmed += 1
+                    return
+                if key == _RAW_DATA_KEY:
+                    raw_length = value
+                elif key == _PACKED_DIMS_KEY and not _unpack_varints(data, i, i + value, dims):
+                    self.unconfirmed += 1
+                    return
+                i += value
+            elif key == _DIMS_KEY:
+                dims.append(value)
+            elif key == _DATA_TYPE_KEY:
+                data_type = value
+            elif key == _DATA_LOCATION_KEY:
+                if value > DATA_LOCATION_EXTERNAL:  # not a DataLocation: protobuf keeps it aside
+                    self.unconfirmed += 1
+                    return
+                location = value
+        if location:
+            self.external += 1
+            return
+        self.inline(data_type, dims, raw_length)
+        if name_at > start and raw_length:
+            # Only dims and data_type before the name, none after: the header alone says the shape.
+            # The fast path checks that the rest is a name and a final raw_data on every use.
+            self._header = bytes(data[start:name_at])
+            self._header_size = self._sizes[(data_type, *dims)]
+
+
+_DIMS_KEY = TENSOR_DIMS << 3 | VARINT
+_PACKED_DIMS_KEY = TENSOR_DIMS << 3 | LEN
+_DATA_TYPE_KEY = TENSOR_DATA_TYPE << 3 | VARINT
+_RAW_DATA_KEY = TENSOR_RAW_DATA << 3 | LEN
+_NAME_KEY = TENSOR_NAME << 3 | LEN
+_SHAPE_KEYS = (_DIMS_KEY, _PACKED_DIMS_KEY, _DATA_TYPE_KEY)
+_DATA_LOCATION_KEY = TENSOR_DATA_LOCATION << 3 | VARINT
+
+
+def _unpack_varints(data, i: int, j: int, out: list[int]) -> bool:
+    """Append the packed varints in ``data[i:j]`` to ``out``; False when they do not end exactly at j."""
+    while i < j:
+        value, i = _varint_from(data, i)
+        if value is None or i > j:
+            return False
+        out.append(value)
+    return True
+
+
+def _plain_byte_size(data_type: int, dims: list[int]) -> int:
+    """raw_data bytes for ``data_type`` x ``dims`` as varint values, or -1 (never equal to a length)
+    for anything the screen leaves to the loader: an unknown or STRING type, a negative or huge dim."""
+    if not 0 < data_type < 1 << 31 or any(not 0 <= d < 1 << 63 for d in dims):
+        return -1
+    try:
+        return byte_size(data_type, dims)
+    except OrtmemError:
+        return -1
+
+
 @dataclass
 class ExternalizeResult:
-    skeleton: bytes
+    """The walk's result: ``skeleton`` is the rewritten ModelProto, or None when nothing was rewritten
+    (the buffer is its own skeleton: the caller parses the file as it is, without a copy made here)."""
+
+    skeleton: Optional[bytes]
     spans: list[TensorSpan] = field(default_factory=list)
+    screen: TensorScreen = field(default_factory=TensorScreen)
 
     @property
     def changed(self) -> bool:
-        return bool(self.spans)
+        return self.skeleton is not None
 
 
 #: Message nesting protobuf accepts (its default recursion limit, which both onnx's Python parser and
@@ -249,6 +498,12 @@ class _Externalizer:
         self.location = location
         self.inline_max_bytes = inline_max_bytes
         self.spans: list[TensorSpan] = []
+        self.screen = TensorScreen()
+        # What every externalized tensor gains first: data_location=EXTERNAL and its location entry.
+        self.external_location = (_key(TENSOR_DATA_LOCATION, VARINT) + encode_varint(DATA_LOCATION_EXTERNAL)
+                                  + encode_string_entry(TENSOR_EXTERNAL_DATA, "location", location))
+        self.offset_key = encode_len_field(1, b"offset")  # the key half of an external_data entry
+        self.length_key = encode_len_field(1, b"length")
         self.depth = 0
         # Which child messages of each message kind can contain tensors, and their kind.
         self.children: dict[str, dict[int, Callable[[int, int], Optional[bytes]]]] = {
@@ -267,6 +522,8 @@ class _Externalizer:
             },
             "sparse": {SPARSE_VALUES: self.tensor, SPARSE_INDICES: self.tensor},
         }
+        self.actions = {kind: FieldActions(handlers, {n for n, h in handlers.items() if h == self.tensor})
+                        for kind, handlers in self.children.items()}
 
     def message(self, kind: str, start: int, end: int) -> Optional[bytes]:
         """Return the rewritten message, or None when it is unchanged (the caller copies the slice)."""
@@ -282,20 +539,18 @@ class _Externalizer:
     def _message(self, kind: str, start: int, end: int) -> Optional[bytes]:
         handlers = self.children[kind]
         pieces: list[bytes] = []
-        changed = False
         copy_from = start  # start of the run of fields copied verbatim
-        for f in self.r.fields(start, end):
-            handler = handlers.get(f.number) if f.wire_type == LEN else None
-            if handler is None or (handler == self.tensor and f.value <= self.inline_max_bytes):
-                continue  # a tensor message this short cannot hold raw_data worth externalizing
-            new = handler(f.payload_start, f.end)
+        # A tensor message no longer than inline_max_bytes cannot hold raw_data worth externalizing:
+        # the scan screens it in place (see TensorScreen) instead of yielding it to self.tensor.
+        fields = self.r.scan(start, end, self.actions[kind], screen=self.screen, short=self.inline_max_bytes)
+        for number, field_start, payload_start, field_end in fields:
+            new = handlers[number](payload_start, field_end)
             if new is None:
                 continue
-            changed = True
-            pieces.append(bytes(self.buf[copy_from : f.start]))
-            pieces.append(encode_len_field(f.number, new))
-            copy_from = f.end
-        if not changed:
+            pieces.append(bytes(self.buf[copy_from:field_start]))
+            pieces.append(encode_len_field(number, new))
+            copy_from = field_end
+        if not pieces:
             return None
         pieces.append(bytes(self.buf[copy_from:end]))
         return b"".join(pieces)
@@ -322,18 +577,16 @@ class _Externalizer:
         return self.message("sparse", start, end)
 
     def tensor(self, start: int, end: int) -> Optional[bytes]:
-        raw: Optional[Field] = None
-        raws: list[Field] = []  # a repeated raw_data field: protobuf keeps the last, so must we
-        name = ""
+        raws: list[Field] = []  # every raw_data field: protobuf keeps the last, so must we
+        name: Optional[Field] = None
         data_type = 0
         dims: list[int] = []
         external = False
         for f in self.r.fields(start, end):
             if f.number == TENSOR_RAW_DATA and f.wire_type == LEN:
-                raw = f
                 raws.append(f)
             elif f.number == TENSOR_NAME and f.wire_type == LEN:
-                name = self.r.string(f)
+                name = f
             elif f.number == TENSOR_DATA_TYPE and f.wire_type == VARINT:
                 data_type = f.value
             elif f.number == TENSOR_DIMS:
@@ -346,23 +599,27 @@ class _Externalizer:
                         dims.append(_signed64(v))
             elif f.number == TENSOR_DATA_LOCATION and f.wire_type == VARINT:
                 external = f.value == DATA_LOCATION_EXTERNAL
-        if raw is None or external or raw.value <= self.inline_max_bytes:
+                if f.value > DATA_LOCATION_EXTERNAL:
+                    self.screen.unconfirmed += 1  # not a DataLocation: the loader judges what protobuf kept
+        if external:
+            self.screen.external += 1
             return None
-        offset, length = raw.payload_start, raw.value
-        self.spans.append(TensorSpan(name, data_type, dims, offset, length))
+        length = raws[-1].value if raws else 0
+        if length <= self.inline_max_bytes:
+            if raws:
+                self.screen.inline(data_type, dims, length)
+            return None
+        offset = raws[-1].payload_start
+        self.spans.append(TensorSpan(self.r.string(name) if name else "", data_type, dims, offset, length))
         kept_parts, pos = [], start
         for f in raws:  # every occurrence goes: an earlier one left beside EXTERNAL is an invalid tensor
             kept_parts.append(bytes(self.buf[pos : f.start]))
             pos = f.end
-        kept = b"".join(kept_parts) + bytes(self.buf[pos:end])
-        return (
-            kept
-            + _key(TENSOR_DATA_LOCATION, VARINT)
-            + encode_varint(DATA_LOCATION_EXTERNAL)
-            + encode_string_entry(TENSOR_EXTERNAL_DATA, "location", self.location)
-            + encode_string_entry(TENSOR_EXTERNAL_DATA, "offset", str(offset))
-            + encode_string_entry(TENSOR_EXTERNAL_DATA, "length", str(length))
-        )
+        kept_parts.append(bytes(self.buf[pos:end]))
+        kept_parts.append(self.external_location)
+        kept_parts.append(encode_len_field(TENSOR_EXTERNAL_DATA, self.offset_key + encode_len_field(2, str(offset).encode())))
+        kept_parts.append(encode_len_field(TENSOR_EXTERNAL_DATA, self.length_key + encode_len_field(2, str(length).encode())))
+        return b"".join(kept_parts)
 
 
 def _signed64(v: int) -> int:
@@ -377,6 +634,4 @@ def externalize_embedded(buf, *, file: str, location: str, inline_max_bytes: int
     Raises :class:`CorruptModelError` naming ``file`` when the bytes are not a well-formed protobuf.
     """
     ex = _Externalizer(buf, file, location, inline_max_bytes)
-    new = ex.model(0, len(buf))
-    skeleton = bytes(buf[:]) if new is None else new
-    return ExternalizeResult(skeleton, ex.spans)
+    return ExternalizeResult(ex.model(0, len(buf)), ex.spans, ex.screen)
