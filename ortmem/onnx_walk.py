@@ -91,3 +91,23 @@ def external_data_dict(tensor: TensorProto) -> dict[str, str]:
 
 def is_external(tensor: TensorProto) -> bool:
     return tensor.data_location == TensorProto.EXTERNAL
+
+
+def declared_dims(tp: onnx.TypeProto) -> tuple[int, list[int | str | None] | None] | None:
+    """A value's declared tensor type as (element type, dims): a dim is an int (``dim_value``), a
+    str (a non-empty ``dim_param``) or None (neither); dims None when no shape is declared (ORT's
+    ``NodeArg::Shape() == nullptr``). None for a value that is not a tensor."""
+    if not tp.HasField("tensor_type"):
+        return None
+    tt = tp.tensor_type
+    if not tt.HasField("shape"):
+        return tt.elem_type, None
+    dims: list[int | str | None] = []
+    for d in tt.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        elif d.HasField("dim_param") and d.dim_param:
+            dims.append(d.dim_param)
+        else:
+            dims.append(None)
+    return tt.elem_type, dims

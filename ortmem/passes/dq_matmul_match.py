@@ -55,7 +55,7 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, numpy_helper
 
-from ..onnx_walk import node_subgraphs
+from ..onnx_walk import declared_dims, node_subgraphs
 from ..ortmodel.graph_index import index_graph
 from ..ortmodel.release import capabilities
 from ..ortmodel.settings import OrtSettings
@@ -396,20 +396,14 @@ def _skeleton_graph(g: GraphProto) -> GraphProto:
 
 
 def _dims(tp: onnx.TypeProto) -> _TypeInfo | None:
-    if not tp.HasField("tensor_type"):
+    declared = declared_dims(tp)
+    if declared is None:
         return None
-    tt = tp.tensor_type
-    if not tt.HasField("shape"):
-        return _TypeInfo(tt.elem_type, None)
-    dims: list[_Dim] = []
-    for d in tt.shape.dim:
-        if d.HasField("dim_value"):
-            dims.append(("v", int(d.dim_value)))
-        elif d.HasField("dim_param") and d.dim_param:
-            dims.append(("p", d.dim_param))
-        else:
-            dims.append(("?", None))
-    return _TypeInfo(tt.elem_type, dims)
+    elem_type, dims = declared
+    if dims is None:
+        return _TypeInfo(elem_type, None)
+    return _TypeInfo(elem_type, [("v", d) if isinstance(d, int) else ("p", d) if d is not None else ("?", None)
+                                 for d in dims])
 
 
 def _collect_types(g: GraphProto, path: str, out: dict[str, dict[str, _TypeInfo]]) -> None:

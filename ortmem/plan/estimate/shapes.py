@@ -12,6 +12,7 @@ import onnx
 from onnx import TensorProto
 
 from ...dtypes import dtype_info
+from ...onnx_walk import declared_dims
 from ...ortmodel import graph_index as og
 
 ARENA_GRANULE = 256
@@ -68,20 +69,11 @@ class Shapes:
 
 
 def shape_of(tp: onnx.TypeProto) -> TensorShape | None:
-    if not tp.HasField("tensor_type"):
+    declared = declared_dims(tp)
+    if declared is None:
         return None
-    tt = tp.tensor_type
-    if not tt.HasField("shape"):
-        return TensorShape(tt.elem_type, None)
-    dims: list[int | str] = []
-    for d in tt.shape.dim:
-        if d.HasField("dim_value"):
-            dims.append(int(d.dim_value))
-        elif d.dim_param:
-            dims.append(d.dim_param)
-        else:
-            dims.append("?")
-    return TensorShape(tt.elem_type, dims)
+    elem_type, dims = declared
+    return TensorShape(elem_type, None if dims is None else ["?" if d is None else d for d in dims])
 
 
 def infer_shapes(skeleton: onnx.ModelProto, root: og.OrtGraph, dims: Mapping[str, int]) -> Shapes:
