@@ -49,8 +49,10 @@ _KEEP: list[Any] = []  # keeps mappings alive for the life of the child
 
 
 def alloc_200(model: str, options: dict) -> Any:
-    """Touch 200 MiB of heap during "creation", free it, then create a trivial session."""
+    """Touch 200 MiB of heap during "creation", free it, then create a trivial session. Held for
+    0.3 s: the parent samples every 10 ms, and on a loaded machine a sample can come late."""
     a = np.ones(200 * MiB // 8)  # np.ones writes every page
+    time.sleep(0.3)
     del a
     return ort.InferenceSession(model)
 
