@@ -82,6 +82,7 @@ class PrepackLater:
         env = dict(os.environ)
         package_parent = str(Path(__file__).resolve().parent.parent)  # the child imports this very ortmem
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+        env.pop("ORTMEM_HOOK", None)  # session_hook.ENV_SWITCH: ortmem's own process is never hooked
         try:
             proc = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(asdict(self))], env=env,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
