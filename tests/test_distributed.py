@@ -172,6 +172,7 @@ def test_the_serve_deployment_answers_http_requests_with_the_pipelines_outputs(p
     serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install -e '.[ray-serve]')")
     import concurrent.futures
     import socket
+    import urllib.error
     import urllib.request
 
     from ortmem.distributed.serving import app
@@ -198,5 +199,11 @@ def test_the_serve_deployment_answers_http_requests_with_the_pipelines_outputs(p
             want = reference[seed][0]
             assert got["dtype"] == str(want.dtype) and got["shape"] == list(want.shape)
             assert np.array_equal(np.asarray(got["data"], dtype=want.dtype), want)
+        for bad in ({"inputs": {"nope": [[1]]}}, {"inputs": _feeds(0)["input_ids"].tolist()},
+                    {"inputs": {"input_ids": [[1, 2]]}, "outputs": ["nope"]}):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/", data=json.dumps(bad).encode())
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=60)
+            assert err.value.code == 400 and "error" in json.loads(err.value.read())
     finally:
         serve.shutdown()

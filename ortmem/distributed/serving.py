@@ -8,7 +8,8 @@ cluster the memory for it first. The stage actors are the replica's own (Ray end
 the process that created it), so they stop with the replica.
 
 The request body is JSON ``{"inputs": {name: nested list}, "outputs": [names] (optional)}``; each
-input is converted to the dtype the pipeline's input declares. The answer is
+input is converted to the dtype the pipeline's input declares. A malformed request (not JSON, an
+unknown input or output, values that do not fit the dtype) is answered 400 with ``{"error": ...}``. The answer is
 ``{"outputs": {name: {"dtype": str, "shape": [...], "data": nested list}}}``: floats go through
 JSON as Python floats (doubles), which hold every float32/float16 value exactly, so a client gets
 the bits the stages computed.
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 from ray import serve
+from starlette.responses import JSONResponse
 
 from .pipeline import RayPipeline
 
@@ -43,14 +45,17 @@ class PartitionedModel:
         self.pipe = RayPipeline(parts, timeout_s=timeout_s, **pipeline_kwargs)
         self.dtypes = {a.name: numpy_dtype(a.type) for a in self.pipe.get_inputs()}
 
-    async def __call__(self, request: Any) -> dict[str, Any]:
-        body = await request.json()
-        unknown = sorted(set(body["inputs"]) - set(self.dtypes))
-        if unknown:
-            return {"error": f"unknown inputs {unknown}; the pipeline takes {sorted(self.dtypes)}"}
-        feeds = {name: np.asarray(value, dtype=self.dtypes[name]) for name, value in body["inputs"].items()}
-        names = body.get("outputs") or [a.name for a in self.pipe.get_outputs()]
-        pending = self.pipe.submit(names, feeds)  # enqueued on the stages now
+    async def __call__(self, request: Any) -> Any:
+        try:
+            body = await request.json()
+            unknown = sorted(set(body["inputs"]) - set(self.dtypes))
+            if unknown:
+                raise ValueError(f"unknown inputs {unknown}; the pipeline takes {sorted(self.dtypes)}")
+            feeds = {name: np.asarray(value, dtype=self.dtypes[name]) for name, value in body["inputs"].items()}
+            names = body.get("outputs") or [a.name for a in self.pipe.get_outputs()]
+            pending = self.pipe.submit(names, feeds)  # enqueued on the stages now (unknown outputs refused)
+        except (ValueError, KeyError, TypeError) as exc:  # a malformed request: the client's to fix
+            return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=400)
         arrays = await asyncio.to_thread(pending.result)  # waits with the pipeline's deadline
         return {"outputs": {n: {"dtype": str(a.dtype), "shape": list(a.shape), "data": a.tolist()}
                             for n, a in zip(names, arrays)}}
