@@ -12,7 +12,7 @@ plain ORT holds, is fixed (independent of the model's size):
   operator schema registry in its C++ extension; the fusion matcher needs inferred shapes to replay
   ORT's MatMulAddFusion conditions exactly, and the registry is never freed.
 
-Each figure is RssAnon (private) and RssFile (shared) growth in KiB, from /proc/self/status.
+Each figure is RssAnon (private) and RssFile (shared) growth in KiB (``ortmem.measure.procfs.read_status``).
 """
 from __future__ import annotations
 
@@ -24,13 +24,10 @@ import sys
 
 _CHILD = r"""
 import json
+from ortmem.measure.procfs import read_status
 def status():
-    out = {}
-    for line in open("/proc/self/status"):
-        k, _, v = line.partition(":")
-        if k in ("RssAnon", "RssFile"):
-            out[k] = int(v.split()[0])
-    return out
+    now = read_status("self")
+    return {k: now[k] >> 10 for k in ("RssAnon", "RssFile")}
 import numpy, onnxruntime
 base = status()
 import ortmem.session, onnx, onnx.helper, onnx.shape_inference

@@ -23,18 +23,10 @@ import numpy as np
 from ray import serve
 from starlette.responses import JSONResponse
 
+from ..measure.inputs import ORT_NUMPY_TYPES
 from .pipeline import RayPipeline
 
-__all__ = ["PartitionedModel", "app", "numpy_dtype"]
-
-#: ORT's type names that are not numpy's (``tensor(float)`` is float32); the rest are the same.
-_ORT_TO_NUMPY = {"float": "float32", "double": "float64", "string": "object"}
-
-
-def numpy_dtype(ort_type: str) -> np.dtype:
-    """``tensor(int64)`` -> ``int64``: the numpy dtype of an ORT input type string."""
-    inner = ort_type.removeprefix("tensor(").removesuffix(")")
-    return np.dtype(_ORT_TO_NUMPY.get(inner, inner))
+__all__ = ["PartitionedModel", "app"]
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=8, ray_actor_options={"num_cpus": 0})
@@ -43,7 +35,7 @@ class PartitionedModel:
 
     def __init__(self, parts: str, timeout_s: float = 60.0, **pipeline_kwargs: Any):
         self.pipe = RayPipeline(parts, timeout_s=timeout_s, **pipeline_kwargs)
-        self.dtypes = {a.name: numpy_dtype(a.type) for a in self.pipe.get_inputs()}
+        self.dtypes = {a.name: ORT_NUMPY_TYPES.get(a.type) for a in self.pipe.get_inputs()}  # None: numpy's guess
 
     async def __call__(self, request: Any) -> Any:
         try:

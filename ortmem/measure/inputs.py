@@ -15,7 +15,8 @@ import numpy as np
 DEFAULT_DIMS: dict[str, int] = {"batch": 1, "seq": 8}
 DEFAULT_INT_HIGH = 100
 
-_ORT_TYPES: dict[str, Any] = {
+#: The numpy scalar type of each ORT value type string (``NodeArg.type``) a feed can have.
+ORT_NUMPY_TYPES: dict[str, Any] = {
     "tensor(float)": np.float32,
     "tensor(float16)": np.float16,
     "tensor(double)": np.float64,
@@ -62,7 +63,7 @@ def make_inputs(session: Any, options: Mapping[str, Any] | None = None) -> dict[
     feeds: dict[str, np.ndarray] = {}
     for meta in session.get_inputs():
         shape = tuple(resolve_dim(d, dims) for d in (meta.shape or []))
-        dtype = _ORT_TYPES.get(meta.type)
+        dtype = ORT_NUMPY_TYPES.get(meta.type)
         if dtype is None:
             raise ValueError(f"cannot generate input {meta.name!r} of type {meta.type}")
         lname = meta.name.lower()
