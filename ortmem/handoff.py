@@ -285,8 +285,8 @@ def _save_prepacked(entry: Entry, convert: ConvertOptions) -> Optional[Path]:
 
 
 def _has_dequantize(model: Model) -> bool:
-    """Cheap pre-check: matching runs ONNX shape inference, whose first call alone costs several MiB
-    (onnx builds its operator schema registry), which a model without DequantizeLinear never needs."""
+    """Cheap pre-check: matching indexes every graph and may have ORT resolve a weightless copy of the
+    model (:mod:`ortmem.ortmodel.value_types`), which a model without DequantizeLinear never needs."""
     return any(n.op_type == "DequantizeLinear" for _, g in iter_graphs(model.skeleton.graph) for n in g.node)
 
 

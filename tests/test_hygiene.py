@@ -172,8 +172,13 @@ def mmapped(n):
     return grew
 
 def kept_after_churn(chunks=160, size=64 << 10):
-    '''Free ~10 MiB of 64 KiB chunks into the top of the heap; bytes the top still holds after.'''
-    ps = [libc.malloc(size) for _ in range(chunks)]
+    '''Free ~10 MiB of 64 KiB chunks into the top of the heap; bytes the top still holds after.
+
+    The list is sized first: grown while the chunks are taken, its array (malloc'd above 512 bytes)
+    could land between them and the top and keep most of them from coalescing back into it.'''
+    ps = [0] * chunks
+    for i in range(chunks):
+        ps[i] = libc.malloc(size)
     for p in reversed(ps):
         libc.free(p)
     return _mallinfo().keepcost

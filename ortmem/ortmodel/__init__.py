@@ -5,7 +5,8 @@ knows what differs between releases; ``probe`` and ``variants``: the tiny-model 
 ``settings``: the session settings ORT's behaviour depends on, read once from ``SessionOptions``.
 ``graph_index``: one graph indexed once (producers, consumers, subgraphs, constants, ORT's execution
 orders). ``external_data``: ORT's rules for external-data entries (keys, offset parsing, markers).
-``fp16_kernels``: whether this build runs fp16 MatMulNBits in fp32 on the CPU.
+``fp16_kernels``: whether this build runs fp16 MatMulNBits in fp32 on the CPU. ``value_types``: value
+types and shapes as the installed ORT's ``Graph::Resolve`` gives them (the fusion rules' shape questions).
 """
 from .release import Capabilities, Release, capabilities, installed, table_capabilities
 

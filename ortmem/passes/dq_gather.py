@@ -133,7 +133,7 @@ def plan_gathers(model: Model, settings: OrtSettings, fresh: Callable[[str], str
     if not gathers_enabled(settings):
         return []
     if not any(n.op_type == "Gather" for _, g in iter_graphs(model.skeleton.graph) for n in g.node):
-        return []  # the matcher's shape inference is not free
+        return []  # the matcher's graph index and value types are not free
     result = dq_gather_match(model.skeleton)
     skipped += [(f"{r.node} -> {r.consumer}", f"not GatherBlockQuantized: {r.reason}") for r in result.rejected]
     rewrites: list[GatherRewrite] = []

@@ -41,7 +41,9 @@ rewrites that can create or destroy the pattern (Identity/Cast elimination betwe
 of a non-DQ weight path), ``session.disable_quant_qdq`` constant folding, execution providers other
 than CPU, and the opt-in ``DQMatMulNBitsFusion`` (``session.enable_dq_matmulnbits_fusion``).
 
-The matcher reads only metadata (TensorProto ``data_type`` and ``dims``, attributes, graph structure).
+The matcher reads only metadata (TensorProto ``data_type`` and ``dims``, attributes, graph structure);
+the types and shapes of activations are the ones the installed ORT resolves
+(:mod:`ortmem.ortmodel.value_types`), asked only when a rule needs one.
 The one exception is ConstantSharing, which compares *values* of single-element initializers: those are
 read when embedded; for external ones pass ``scalar_reader`` or accept a note on the affected candidates.
 """
@@ -53,11 +55,12 @@ from typing import Callable, Iterable, Literal, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import onnx
-from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, numpy_helper
+from onnx import GraphProto, ModelProto, NodeProto, TensorProto, numpy_helper
 
-from ..onnx_walk import declared_dims, node_subgraphs
+from ..onnx_walk import node_subgraphs
 from ..ortmodel.graph_index import index_graph
 from ..ortmodel.release import capabilities
+from ..ortmodel.value_types import Dim, TypeInfo, ValueTypes
 from ..ortmodel.settings import OrtSettings
 
 __all__ = [
@@ -233,15 +236,6 @@ def effective_block_size(session_block_size: int, K: int) -> int:
 # Graph model: what ORT's Graph knows (consumers, edges, constancy, shapes) without weight bytes
 # --------------------------------------------------------------------------------------------------
 
-_Dim = tuple[str, object]  # ("v", int) | ("p", str) | ("?", None)
-
-
-@dataclass
-class _TypeInfo:
-    elem_type: int
-    shape: list[_Dim] | None  # None: no shape known (NodeArg::Shape() == nullptr)
-
-
 @dataclass
 class _Init:
     proto: TensorProto  # for Constant nodes: the attribute tensor (or a metadata stand-in)
@@ -254,7 +248,7 @@ class _Graph:
     opset, initializers as ``_Init`` (sparse ones as metadata stand-ins)."""
 
     def __init__(self, proto: GraphProto, path: str, parent: "_Graph | None", ir_version: int,
-                 opset: int, types: dict[str, dict[str, _TypeInfo]]):
+                 opset: int, types: ValueTypes):
         index = index_graph(proto)
         self.index = index
         self.proto = proto
@@ -276,7 +270,7 @@ class _Graph:
         # consumers (Graph::GetConsumerNodes counts explicit and implicit users) and explicit slots
         self.consumers: dict[str, list[int]] = index.readers
         self.slots: dict[str, list[tuple[int, int]]] = index.consumers  # explicit (node, input index)
-        self.types = types.get(path, {})
+        self.types = types
         self.attn_adds: set[int] | None = None  # AttentionPatternCache's attn_add_nodes, computed on demand
         self._topo: dict[int, int] | None = None
 
@@ -333,12 +327,13 @@ class _Graph:
             return self.parent.constant_initializer(name)
         return None
 
-    def type_of(self, name: str) -> _TypeInfo | None:
+    def type_of(self, name: str) -> TypeInfo | None:
         if name in self.inits:
             t = self.inits[name].proto
-            return _TypeInfo(t.data_type, [("v", int(d)) for d in t.dims])
-        if name in self.types:
-            return self.types[name]
+            return TypeInfo(t.data_type, [("v", int(d)) for d in t.dims])
+        known = self.types.get(self.path, name)
+        if known is not None:
+            return known
         if not self.is_local_value(name) and self.parent is not None:
             return self.parent.type_of(name)
         return None
@@ -356,90 +351,7 @@ def _sub_path(parent_path: str, label: str, attr: str) -> str:
 
 # -- shapes ---------------------------------------------------------------------------------------
 
-_SMALL_TENSOR_BYTES = 4096
-
-
-def _meta_tensor(t: TensorProto) -> TensorProto:
-    """A copy light enough for shape inference: big embedded payloads are dropped (dims/type kept)."""
-    if t.data_location == TensorProto.EXTERNAL or t.ByteSize() <= _SMALL_TENSOR_BYTES:
-        return t
-    return TensorProto(name=t.name, data_type=t.data_type, dims=list(t.dims))
-
-
-def _skeleton_graph(g: GraphProto) -> GraphProto:
-    out = GraphProto(name=g.name)
-    out.input.extend(g.input)
-    out.output.extend(g.output)
-    out.value_info.extend(g.value_info)
-    out.initializer.extend(_meta_tensor(t) for t in g.initializer)
-    for sp in g.sparse_initializer:
-        out.initializer.append(TensorProto(name=sp.values.name, data_type=sp.values.data_type, dims=list(sp.dims)))
-    for n in g.node:
-        m = NodeProto(name=n.name, op_type=n.op_type, domain=n.domain)
-        m.input.extend(n.input)
-        m.output.extend(n.output)
-        for a in n.attribute:
-            if a.type == AttributeProto.GRAPH:
-                m.attribute.append(AttributeProto(name=a.name, type=a.type, g=_skeleton_graph(a.g)))
-            elif a.type == AttributeProto.GRAPHS:
-                b = AttributeProto(name=a.name, type=a.type)
-                b.graphs.extend(_skeleton_graph(s) for s in a.graphs)
-                m.attribute.append(b)
-            elif a.type == AttributeProto.TENSOR:
-                b = AttributeProto(name=a.name, type=a.type)
-                b.t.CopyFrom(_meta_tensor(a.t))
-                m.attribute.append(b)
-            else:
-                m.attribute.append(a)
-        out.node.append(m)
-    return out
-
-
-def _dims(tp: onnx.TypeProto) -> _TypeInfo | None:
-    declared = declared_dims(tp)
-    if declared is None:
-        return None
-    elem_type, dims = declared
-    if dims is None:
-        return _TypeInfo(elem_type, None)
-    return _TypeInfo(elem_type, [("v", d) if isinstance(d, int) else ("p", d) if d is not None else ("?", None)
-                                 for d in dims])
-
-
-def _collect_types(g: GraphProto, path: str, out: dict[str, dict[str, _TypeInfo]]) -> None:
-    m: dict[str, _TypeInfo] = {}
-    for vi in list(g.input) + list(g.value_info) + list(g.output):
-        ti = _dims(vi.type)
-        if ti is not None and (vi.name not in m or (m[vi.name].shape is None and ti.shape is not None)):
-            m[vi.name] = ti
-    out[path] = m
-    for i, n in enumerate(g.node):
-        label = n.name or f"{n.op_type}#{i}"
-        for attr, sg in node_subgraphs(n):
-            _collect_types(sg, _sub_path(path, label, attr), out)
-
-
-def _infer_types(model: ModelProto) -> dict[str, dict[str, _TypeInfo]]:
-    """Shapes as ORT's Graph::Resolve would see them (declared value_info plus ONNX shape inference), per graph path.
-
-    Runs onnx shape inference on a weightless skeleton so that embedded weights are never copied.
-    ORT also infers shapes of com.microsoft ops, which onnx cannot: a value downstream of a contrib op
-    may have a shape in ORT and none here (then this module errs on the side of "no shape").
-    """
-    skel = ModelProto(ir_version=model.ir_version, producer_name=model.producer_name)
-    skel.opset_import.extend(model.opset_import)
-    skel.functions.extend(model.functions)
-    skel.graph.CopyFrom(_skeleton_graph(model.graph))
-    try:
-        inferred = onnx.shape_inference.infer_shapes(skel, check_type=False, strict_mode=False, data_prop=True)
-    except Exception:  # noqa: BLE001 - fall back to what the model declares
-        inferred = skel
-    out: dict[str, dict[str, _TypeInfo]] = {}
-    _collect_types(inferred.graph, "", out)
-    return out
-
-
-def _dim_eq(a: _Dim, b: _Dim) -> bool:
+def _dim_eq(a: Dim, b: Dim) -> bool:
     """ORT's operator== on TensorShapeProto_Dimension: values equal, or identical non-empty params."""
     if a[0] == "v":
         return b[0] == "v" and a[1] == b[1]
@@ -448,11 +360,11 @@ def _dim_eq(a: _Dim, b: _Dim) -> bool:
     return False
 
 
-def _is_vector_of(ti: _TypeInfo | None, n: int) -> bool:
+def _is_vector_of(ti: TypeInfo | None, n: int) -> bool:
     return ti is not None and ti.shape is not None and len(ti.shape) == 1 and ti.shape[0] == ("v", n)
 
 
-def _fmt_shape(ti: _TypeInfo | None) -> str:
+def _fmt_shape(ti: TypeInfo | None) -> str:
     if ti is None or ti.shape is None:
         return "unknown"
     return "[" + ", ".join(str(v) if k != "?" else "?" for k, v in ti.shape) + "]"
@@ -611,7 +523,7 @@ def _matmul_add_fusion_one(g: _Graph, mm_idx: int) -> _AddFusion | None:
         return None
     bs = bias_t.shape
 
-    def one(d: _Dim) -> bool:
+    def one(d: Dim) -> bool:
         return d == ("v", 1)
 
     valid = ((len(bs) == 1 and _dim_eq(bs[0], dim_n))
@@ -783,7 +695,7 @@ def _evaluate(g: _Graph, dq_idx: int, cons_idx: int, slot: int, settings: OrtSet
                 if n_dim is None:
                     raise _Reject("weight_not_constant", f"weight {w_name} is not a constant initializer and has no static N")
             b_const = g.constant_initializer(bias)
-            b_t = (_TypeInfo(b_const[1].proto.data_type, [("v", int(d)) for d in b_const[1].proto.dims])
+            b_t = (TypeInfo(b_const[1].proto.data_type, [("v", int(d)) for d in b_const[1].proto.dims])
                    if b_const else g.type_of(bias))
             if not _is_vector_of(b_t, int(n_dim)):
                 raise _Reject("gemm_bias_shape",
@@ -954,7 +866,7 @@ def _evaluate(g: _Graph, dq_idx: int, cons_idx: int, slot: int, settings: OrtSet
 
 
 def _walk(model: ModelProto) -> list[_Graph]:
-    types = _infer_types(model)
+    types = ValueTypes(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     graphs: list[_Graph] = []
 
