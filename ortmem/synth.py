@@ -75,7 +75,7 @@ _EMBEDDED_LIMIT = 2**31 - 64 * 1024**2  # protobuf's 2 GiB, minus room for the g
 # the largest freed block), so the chunk size is what write_model's RSS keeps.
 _ELEM_CHUNK = 1 << 20
 
-_WTYPES: dict[str, tuple[int, int, bool]] = {  # name: (onnx type, bits, signed)
+WEIGHT_TYPES: dict[str, tuple[int, int, bool]] = {  # name: (onnx type, bits, signed)
     "int2": (TensorProto.INT2, 2, True),
     "uint2": (TensorProto.UINT2, 2, False),
     "int4": (TensorProto.INT4, 4, True),
@@ -114,8 +114,8 @@ class SynthConfig:
     name: str = "synth"
 
     def __post_init__(self) -> None:
-        if self.weight_type not in _WTYPES:
-            raise SynthError(f"weight_type must be one of {sorted(_WTYPES)}, not {self.weight_type!r}")
+        if self.weight_type not in WEIGHT_TYPES:
+            raise SynthError(f"weight_type must be one of {sorted(WEIGHT_TYPES)}, not {self.weight_type!r}")
         if self.scale_dtype not in _SCALE_TYPES:
             raise SynthError(f"scale_dtype must be float32 or float16, not {self.scale_dtype!r}")
         for field, allowed in (("form", ("qdq", "native")), ("storage", ("embedded", "external")),
@@ -172,11 +172,11 @@ class SynthConfig:
     # derived ------------------------------------------------------------------------------------
     @property
     def bits(self) -> int:
-        return _WTYPES[self.weight_type][1]
+        return WEIGHT_TYPES[self.weight_type][1]
 
     @property
     def signed(self) -> bool:
-        return _WTYPES[self.weight_type][2]
+        return WEIGHT_TYPES[self.weight_type][2]
 
     @property
     def opset(self) -> int:
@@ -341,7 +341,7 @@ class _Graph:
 
     def qmatmul(self, x: str, prefix: str, K: int, N: int, gain: float) -> str:
         c = self.c
-        wt, bits, signed = _WTYPES[c.weight_type]
+        wt, bits, signed = WEIGHT_TYPES[c.weight_type]
         st, _ = _SCALE_TYPES[c.scale_dtype]
         bs, kb = c.block_size, -(-K // c.block_size)
         fp16 = c.scale_dtype == "float16"
@@ -406,7 +406,7 @@ class _Graph:
             # Blockwise along hidden (axis=1), the layout com.microsoft GatherBlockQuantized takes as is
             # (quantize_axis=1, int4/uint4 data); ORT has no DQ+Gather fusion, so the table is dequantized
             # on every run in both forms.
-            wt, bits, _ = _WTYPES[c.weight_type]
+            wt, bits, _ = WEIGHT_TYPES[c.weight_type]
             st, sdt = _SCALE_TYPES[c.scale_dtype]
             kbh = -(-H // c.block_size)
             q = lambda: self.quant(name, V, H, 1.0, axis=1)  # noqa: E731

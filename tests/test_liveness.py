@@ -79,16 +79,20 @@ def test_long_lived_cast_is_alive_across_the_peak(tmp_path):
     assert "alive across the peak" in render(lv)
 
 
-def test_orders_differ_and_both_are_reported(tmp_path):
-    # y = Add(Slice(P), Slice(Q)); P = Tile(x, 4) listed last in the file, so DEFAULT (highest index
-    # first) builds P before Q's 32 KiB Tile; PRIORITY_BASED follows the file (Q's chain first)
+def two_branches() -> onnx.ModelProto:
+    """y = Add(Slice(P), Slice(Q)); P = Tile(x, 4) listed last in the file, so DEFAULT (highest index
+    first) builds P before Q's 32 KiB Tile; PRIORITY_BASED follows the file (Q's chain first)."""
     nodes = [helper.make_node("Tile", ["x", "eight"], ["q1"], name="q1"),
              helper.make_node("Slice", ["q1", "zero", "n"], ["q2"], name="q2"),
              helper.make_node("Tile", ["x", "four"], ["p1"], name="p1"),
              helper.make_node("Slice", ["p1", "zero", "n"], ["p2"], name="p2"),
              helper.make_node("Add", ["p2", "q2"], ["y"], name="y")]
-    m = _model(nodes, [helper.make_tensor_value_info("x", F, [N])], [helper.make_tensor_value_info("y", F, [N])],
-               [_i64("eight", [8]), _i64("four", [4]), _i64("zero", [0]), _i64("n", [N])])
+    return _model(nodes, [helper.make_tensor_value_info("x", F, [N])], [helper.make_tensor_value_info("y", F, [N])],
+                  [_i64("eight", [8]), _i64("four", [4]), _i64("zero", [0]), _i64("n", [N])])
+
+
+def test_orders_differ_and_both_are_reported(tmp_path):
+    m = two_branches()
     path = tmp_path / "o.onnx"
     onnx.save(m, path)
     lv = by_order(context(path))

@@ -23,22 +23,16 @@ from onnx import TensorProto, helper, numpy_helper
 from ortmem.errors import ConversionError, TensorShapeError
 from ortmem.passes import nbits_layout as nl
 from ortmem.passes.dq_matmul_match import effective_block_size
+from ortmem.synth import WEIGHT_TYPES  # name: (onnx type, bits, signed)
 
-WTYPES = {  # name: (onnx type, bits, signed)
-    "int2": (TensorProto.INT2, 2, True),
-    "uint2": (TensorProto.UINT2, 2, False),
-    "int4": (TensorProto.INT4, 4, True),
-    "uint4": (TensorProto.UINT4, 4, False),
-    "int8": (TensorProto.INT8, 8, True),
-    "uint8": (TensorProto.UINT8, 8, False),
-}
+
 # int2/uint2 DequantizeLinear needs opset 25; ORT 1.31 runs it with IR 10.
 OPSET, IR = 25, 10
 
 
 # ------------------------------------------------------------------------------------------ helpers
 def _random_case(wname: str, K: int, N: int, bs: int, zp: bool, sdt, seed: int = 0):
-    _, bits, signed = WTYPES[wname]
+    _, bits, signed = WEIGHT_TYPES[wname]
     rng = np.random.default_rng(seed + 7919 * K + 104729 * N + bs)
     lo, hi = (-(1 << (bits - 1)), 1 << (bits - 1)) if signed else (0, 1 << bits)
     kb = -(-K // bs)
@@ -49,7 +43,7 @@ def _random_case(wname: str, K: int, N: int, bs: int, zp: bool, sdt, seed: int =
 
 
 def _qdq_model(wname, w, s, z, K, N, bs, sdt, *, M=3) -> onnx.ModelProto:
-    wt = WTYPES[wname][0]
+    wt = WEIGHT_TYPES[wname][0]
     kb = -(-K // bs)
     et = TensorProto.FLOAT if np.dtype(sdt) == np.float32 else TensorProto.FLOAT16
     inits = [helper.make_tensor("W", wt, [K, N], w.tobytes(), raw=True), numpy_helper.from_array(s, "S")]
@@ -66,7 +60,7 @@ def _qdq_model(wname, w, s, z, K, N, bs, sdt, *, M=3) -> onnx.ModelProto:
 
 
 def _twin_model(wname, w, s, z, K, N, bs, sdt, accuracy, *, M=3) -> onnx.ModelProto:
-    _, bits, signed = WTYPES[wname]
+    _, bits, signed = WEIGHT_TYPES[wname]
     t = nl.dq_to_matmulnbits(w, s, z, K=K, N=N, bits=bits, signed=signed, block_size=bs)
     et = TensorProto.FLOAT if np.dtype(sdt) == np.float32 else TensorProto.FLOAT16
     inits = [numpy_helper.from_array(t.B, "B"), numpy_helper.from_array(t.scales, "S")]
@@ -115,7 +109,7 @@ def _ort_fusion_is_broken(wname: str, N: int) -> bool:
     The 2-bit transpose in MlasQDQTransposeBlockwiseQuantized (onnxruntime/core/mlas/lib/q4_dq.cpp)
     only handles columns packed whole into bytes; for N % 4 != 0 the fused model's outputs differ from
     the unfused DQ+MatMul by O(1) (see test_ort_2bit_fusion_bug_documented)."""
-    return WTYPES[wname][1] == 2 and N % 4 != 0
+    return WEIGHT_TYPES[wname][1] == 2 and N % 4 != 0
 
 
 # ------------------------------------------------------------------------------ pure numpy tests
@@ -138,13 +132,13 @@ def test_pack_codes_matches_onnx_packing(rng):
     np.testing.assert_array_equal(numpy_helper.to_array(t).astype(np.int8), numpy_helper.to_array(raw).astype(np.int8))
 
 
-@pytest.mark.parametrize("wname", list(WTYPES))
+@pytest.mark.parametrize("wname", list(WEIGHT_TYPES))
 @pytest.mark.parametrize("zp", [False, True])
 def test_dequantize_reference_matches_ort_dequantizelinear(wname, zp):
     """The numpy DQ oracle equals ORT's DequantizeLinear kernel (blockwise, tail block) exactly."""
     K, N, bs = 40, 12, 16
     w, s, z = _random_case(wname, K, N, bs, zp, np.float32)
-    wt = WTYPES[wname][0]
+    wt = WEIGHT_TYPES[wname][0]
     inits = [helper.make_tensor("W", wt, [K, N], w.tobytes(), raw=True), numpy_helper.from_array(s, "S")]
     ins = ["W", "S"]
     if zp:
@@ -154,17 +148,17 @@ def test_dequantize_reference_matches_ort_dequantizelinear(wname, zp):
                           [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [K, N])], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR)
     got = _session(m, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL).run(None, {})[0]
-    _, bits, signed = WTYPES[wname]
+    _, bits, signed = WEIGHT_TYPES[wname]
     np.testing.assert_array_equal(nl.dequantize_dq_reference(w, s, z, K, N, bits, signed, bs), got)
 
 
-@pytest.mark.parametrize("wname", list(WTYPES))
+@pytest.mark.parametrize("wname", list(WEIGHT_TYPES))
 @pytest.mark.parametrize("zp", [False, True])
 @pytest.mark.parametrize("K,N,bs", [(64, 8, 16), (41, 12, 16), (300, 16, 128), (100, 5, 32), (257, 3, 256)])
 def test_matmulnbits_reading_equals_dq(wname, zp, K, N, bs):
     """What MatMulNBits decodes from our B/scales/zero points is exactly what the DQ node meant,
     including odd N (generic path) and tail blocks."""
-    _, bits, signed = WTYPES[wname]
+    _, bits, signed = WEIGHT_TYPES[wname]
     w, s, z = _random_case(wname, K, N, bs, zp, np.float32)
     t = nl.dq_to_matmulnbits(w, s, z, K=K, N=N, bits=bits, signed=signed, block_size=bs)
     assert (t.zero_points is None) == (signed and not zp)
@@ -176,7 +170,7 @@ def test_matmulnbits_reading_equals_dq(wname, zp, K, N, bs):
 @pytest.mark.parametrize("wname", ["int4", "uint2", "int8", "int2"])
 def test_chunking_does_not_change_bytes(wname):
     """Tiny scratch budgets force many row and column tiles (and the generic path's chunks)."""
-    _, bits, signed = WTYPES[wname]
+    _, bits, signed = WEIGHT_TYPES[wname]
     for K, N in ((1000, 1024), (333, 72), (77, 1025 if bits == 4 else 1028)):
         w, s, z = _random_case(wname, K, N, 32, True, np.float32)
         shp = nl.matmulnbits_shapes(K, N, bits, 32, True)
@@ -240,10 +234,10 @@ LAYOUT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("wname", list(WTYPES))
+@pytest.mark.parametrize("wname", list(WEIGHT_TYPES))
 @pytest.mark.parametrize("zp", [False, True])
 def test_layout_is_byte_identical_to_ort_fusion(wname, zp, tmp_path):
-    _, bits, signed = WTYPES[wname]
+    _, bits, signed = WEIGHT_TYPES[wname]
     for K, N, bs in LAYOUT_CASES:
         if _ort_fusion_is_broken(wname, N):
             continue
@@ -267,7 +261,7 @@ def test_layout_is_byte_identical_to_ort_fusion(wname, zp, tmp_path):
 @pytest.mark.parametrize("zp", [False, True])
 def test_per_tensor_and_per_channel_expansion_matches_ort(wname, per_channel, zp, tmp_path):
     """Per-tensor / per-channel (axis=1) DQ: ORT expands to blocks of session.qdq_matmulnbits_block_size."""
-    wt, bits, signed = WTYPES[wname]
+    wt, bits, signed = WEIGHT_TYPES[wname]
     K, N = 100, 8
     rng = np.random.default_rng(5)
     lo, hi = (-(1 << (bits - 1)), 1 << (bits - 1)) if signed else (0, 1 << bits)
@@ -302,7 +296,7 @@ def _variants():
     """Full product: bits 2/4/8 x signed/unsigned x zp x f32/f16 scales x K multiple / not multiple
     of bs x bs 16..256 (240 variants, N=24), plus odd N for the generic (non byte-aligned) path."""
     out = []
-    for wname, zp, sdt, tail, bs in itertools.product(WTYPES, [False, True], ["float32", "float16"],
+    for wname, zp, sdt, tail, bs in itertools.product(WEIGHT_TYPES, [False, True], ["float32", "float16"],
                                                       [False, True], [16, 32, 64, 128, 256]):
         K = 2 * bs + (bs // 2 + 3 if tail else 0)
         out.append(pytest.param(wname, zp, sdt, K, 24, bs, id=f"{wname}-{'zp' if zp else 'nozp'}-{sdt}-K{K}-bs{bs}"))

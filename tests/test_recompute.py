@@ -18,7 +18,7 @@ from ortmem.plan.estimate.liveness import analyze, context, load_proto
 from ortmem.plan.recompute import add_recompute_arguments, main_recompute
 from ortmem.units import bytes_arg
 from recompute_models import LlamaMaskConfig, llama_shared_mask
-from test_liveness import _i64, _model, long_cast
+from test_liveness import _i64, _model, long_cast, two_branches
 from compare import assert_same_outputs
 
 F = TensorProto.FLOAT
@@ -211,15 +211,9 @@ def test_order_heuristic_against_exhaustive(tmp_path, seed):
 
 
 def test_order_picks_the_branch_that_frees_first(tmp_path):
-    # as in test_liveness.test_orders_differ...: DEFAULT builds the 16 KiB branch first (40 KiB peak);
-    # the best order builds the 32 KiB one first (36 KiB), which exhaustive search confirms
-    nodes = [helper.make_node("Tile", ["x", "eight"], ["q1"], name="q1"),
-             helper.make_node("Slice", ["q1", "zero", "n"], ["q2"], name="q2"),
-             helper.make_node("Tile", ["x", "four"], ["p1"], name="p1"),
-             helper.make_node("Slice", ["p1", "zero", "n"], ["p2"], name="p2"),
-             helper.make_node("Add", ["p2", "q2"], ["y"], name="y")]
-    m = _model(nodes, [helper.make_tensor_value_info("x", F, [N])], [helper.make_tensor_value_info("y", F, [N])],
-               [_i64("eight", [8]), _i64("four", [4]), _i64("zero", [0]), _i64("n", [N])])
+    # DEFAULT builds the 16 KiB branch first (40 KiB peak); the best order builds the 32 KiB one
+    # first (36 KiB), which exhaustive search confirms
+    m = two_branches()
     path = _save(m, tmp_path, "b.onnx")
     ctx = context(path)
     assert rc.exhaustive_order(ctx)[1] == 36 * KiB
