@@ -47,12 +47,19 @@ def node_subgraphs(node: onnx.NodeProto) -> list[tuple[str, GraphProto]]:
     return out
 
 
+def subgraph_path(path: str, label: str, attribute: str) -> str:
+    """The path of a subgraph (attribute ``attribute`` of the node labelled ``label``) inside the graph
+    at ``path``: "" is the main graph, ``"<node>/<attr>[/...]"`` below it. Every module that keys
+    anything by graph builds the path here, so their keys agree."""
+    return f"{path}/{label}/{attribute}" if path else f"{label}/{attribute}"
+
+
 def iter_graphs(graph: GraphProto, path: str = "") -> Iterator[tuple[str, GraphProto]]:
     """The graph itself and every nested subgraph, depth first, with their paths."""
     yield path, graph
     for i, node in enumerate(graph.node):
         for name, sub in node_subgraphs(node):
-            yield from iter_graphs(sub, f"{path}/{node_label(node, i)}/{name}" if path else f"{node_label(node, i)}/{name}")
+            yield from iter_graphs(sub, subgraph_path(path, node_label(node, i), name))
 
 
 def iter_tensor_sites(model: ModelProto) -> Iterator[TensorSite]:

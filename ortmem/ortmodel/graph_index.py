@@ -51,7 +51,7 @@ from typing import Iterator, Literal, Sequence
 from onnx import GraphProto, ModelProto, NodeProto, TensorProto
 
 from ..errors import PlanError
-from ..onnx_walk import node_subgraphs
+from ..onnx_walk import node_subgraphs, subgraph_path
 
 ExecutionOrder = Literal["DEFAULT", "PRIORITY_BASED"]
 
@@ -488,8 +488,7 @@ def build(graph: GraphProto, path: str = "", parent: OrtGraph | None = None) -> 
     for node in g.nodes:
         node.implicit_inputs = idx.implicit_inputs[node.file_index]
         for name, sg in idx.subgraphs[node.file_index]:
-            sub_path = f"{path}/{node.label}/{name}" if path else f"{node.label}/{name}"
-            node.subgraphs.append((name, build(sg, sub_path, g)))
+            node.subgraphs.append((name, build(sg, subgraph_path(path, node.label, name), g)))
     return g
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
 
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, TypeProto, ValueInfoProto
 
@@ -61,16 +62,20 @@ class TypeInfo:
     shape: list[Dim] | None  # None: no shape known (NodeArg::Shape() == nullptr)
 
 
+def _dim(d: int | str | None) -> Dim:
+    """A dim as the rules compare it: a value, a non-empty name, or unknown."""
+    if isinstance(d, int):
+        return ("v", d)
+    return ("p", d) if d else ("?", None)
+
+
 def type_info(tp: TypeProto) -> TypeInfo | None:
     """A declared ``TypeProto`` as :class:`TypeInfo`; None for a value that is not a tensor."""
     declared = declared_dims(tp)
     if declared is None:
         return None
     elem_type, dims = declared
-    if dims is None:
-        return TypeInfo(elem_type, None)
-    return TypeInfo(elem_type, [("v", d) if isinstance(d, int) else ("p", d) if d is not None else ("?", None)
-                                for d in dims])
+    return TypeInfo(elem_type, None if dims is None else [_dim(d) for d in dims])
 
 
 class ValueTypes:
@@ -79,24 +84,19 @@ class ValueTypes:
 
     def __init__(self, model: ModelProto):
         self._model = model
-        self._ort: dict[str, TypeInfo] | None = None
-        self._ort_tried = False
-        self._onnx: dict[str, dict[str, TypeInfo]] | None = None
 
     def get(self, path: str, name: str) -> TypeInfo | None:
-        if path == "":
-            main = self._ort_types()
-            if main is not None:
-                return main.get(name)
-        if self._onnx is None:
-            self._onnx = onnx_inferred_types(self._model)
-        return self._onnx.get(path, {}).get(name)
+        if path == "" and self._by_ort is not None:
+            return self._by_ort.get(name)
+        return self._by_onnx.get(path, {}).get(name)
 
-    def _ort_types(self) -> dict[str, TypeInfo] | None:
-        if not self._ort_tried:
-            self._ort_tried = True
-            self._ort = ort_resolved_types(self._model)
-        return self._ort
+    @cached_property
+    def _by_ort(self) -> dict[str, TypeInfo] | None:
+        return ort_resolved_types(self._model)
+
+    @cached_property
+    def _by_onnx(self) -> dict[str, dict[str, TypeInfo]]:
+        return onnx_inferred_types(self._model)
 
 
 # -- ORT's Graph::Resolve -----------------------------------------------------------------------------
@@ -132,10 +132,7 @@ def _from_ort(type_name: str, shape: list) -> TypeInfo | None:
         return None
     # The binding gives [] both for a scalar and for an unknown shape; no rule accepts either, so
     # both read as "no shape known".
-    if not shape:
-        return TypeInfo(elem, None)
-    return TypeInfo(elem, [("v", int(d)) if isinstance(d, int) else ("p", d) if isinstance(d, str) and d else ("?", None)
-                           for d in shape])
+    return TypeInfo(elem, [_dim(d) for d in shape] if shape else None)
 
 
 def _is_big(t: TensorProto) -> bool:

@@ -57,7 +57,7 @@ import numpy as np
 import onnx
 from onnx import GraphProto, ModelProto, NodeProto, TensorProto, numpy_helper
 
-from ..onnx_walk import node_subgraphs
+from ..onnx_walk import node_label, node_subgraphs, subgraph_path
 from ..ortmodel.graph_index import index_graph
 from ..ortmodel.release import capabilities
 from ..ortmodel.value_types import Dim, TypeInfo, ValueTypes
@@ -276,8 +276,7 @@ class _Graph:
 
     # -- naming -------------------------------------------------------------------------------------
     def label(self, i: int) -> str:
-        n = self.nodes[i]
-        return n.name or f"{n.op_type}#{i}"
+        return node_label(self.nodes[i], i)
 
     # -- ORT Graph queries --------------------------------------------------------------------------
     def edges(self, value: str) -> int:
@@ -342,11 +341,6 @@ class _Graph:
         """since_version of an ONNX-domain op at this model's opset (the schema version ORT resolves)."""
         cands = [v for v in versions if v <= self.opset]
         return max(cands) if cands else None
-
-
-def _sub_path(parent_path: str, label: str, attr: str) -> str:
-    # same convention as ortmem/onnx_walk.py iter_graphs: "" main graph, "<node>/<attr>[/...]" below
-    return f"{parent_path}/{label}/{attr}" if parent_path else f"{label}/{attr}"
 
 
 # -- shapes ---------------------------------------------------------------------------------------
@@ -875,7 +869,7 @@ def _walk(model: ModelProto) -> list[_Graph]:
         graphs.append(g)
         for i, subs in enumerate(g.index.subgraphs):
             for attr, sg in subs:
-                visit(sg, _sub_path(path, g.label(i), attr), g)
+                visit(sg, subgraph_path(path, g.label(i), attr), g)
 
     visit(model.graph, "", None)
     return graphs
@@ -956,14 +950,14 @@ def _subgraph_matmuls(g: _Graph, user: int, value: str) -> list[tuple[str, str]]
         if value in local:
             return  # shadowed
         for i, n in enumerate(sg.node):
-            label = n.name or f"{n.op_type}#{i}"
+            label = node_label(n, i)
             if n.op_type in ("MatMul", "Gemm") and value in n.input:
                 found.append((path, label))
             for attr, inner in node_subgraphs(n):
-                visit(inner, _sub_path(path, label, attr))
+                visit(inner, subgraph_path(path, label, attr))
 
     for attr, sg in node_subgraphs(g.nodes[user]):
-        visit(sg, _sub_path(g.path, g.label(user), attr))
+        visit(sg, subgraph_path(g.path, g.label(user), attr))
     return found
 
 
