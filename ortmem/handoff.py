@@ -32,16 +32,16 @@ from typing import Optional, Union
 
 import onnx
 
-from .cache import Cache, Entry
+from .cache import MODEL_FILE, Cache, Entry
 from .errors import CacheError, OrtmemError
-from .convert import convert_cached, lookup_converted
+from .convert import convert_cached, lookup_converted, write_converted
 from .inmemory import InMemoryConversion, convert_in_memory
 from .loader import load
 from .model import Model
 from .options import get_config
 from .onnx_walk import is_external, iter_graphs, iter_tensor_sites
 from .passes.conversion import plan_conversion
-from .passes.conversion_plan import ConversionReport
+from .passes.conversion_plan import ConversionPlan, ConversionReport
 from .passes.writers import Progress
 from .ortmodel.settings import OrtSettings
 from .ortmodel.release import capabilities
@@ -70,7 +70,8 @@ class Handoff:
     #: ``model`` is a cache entry's pre-packed model: what to load instead if ORT refuses it.
     fallback: Optional[str] = None
     #: What ortmem did, in a word or two, for reports: "as-is", "mapped", "converted", "cache-hit",
-    #: "pre-packed" (mapped ORT's packed weights, saved earlier or by this start), "in-memory", or
+    #: "pre-packed" (mapped ORT's packed weights, saved earlier or by this start), "in-memory",
+    #: "converted-temporary" (converted into a private folder removed after creation), or
     #: "untouched: <why>".
     action: str = "as-is"
     #: A cold start's packing of ORT's weights, started once the session has run
@@ -131,7 +132,7 @@ class ConvertOptions:
 
     enabled: bool = True
     settings: Optional[OrtSettings] = None
-    cache: Optional[Cache] = None  # None: a private temporary folder, removed after creation
+    cache: Optional[Cache] = None  # None: converted in memory (or a private temporary folder), nothing kept
     progress: Optional[Progress] = None
     fp16_in_fp32: Optional[bool] = None  # None: ask ORT's CPU EP; False when a GPU EP runs fp16 natively
     report: Optional[ConversionReport] = None  # filled in: what was converted (None on a cache hit)
@@ -212,10 +213,36 @@ def _convert(model: Model, convert: ConvertOptions, own_folder: bool) -> Handoff
     plan = plan_conversion(model, settings, carry_unchanged=True, fp16_in_fp32=convert.fp16_in_fp32)
     if not plan.has_work:
         return from_model(model, own_folder=own_folder)
+    if convert.sess_options is not None:
+        return _converted_in_tempdir(model, plan, convert, own_folder)
     memory = convert_in_memory(model, plan, progress=convert.progress, prepacking=settings.prepacking)
     convert.report = ConversionReport.from_plan(plan, memory.seconds)
     model.store.release_all()  # source pages read for conversion go back now
     return Handoff(model=memory.skeleton, config=memory.config, source=model, memory=memory, action="in-memory")
+
+
+def _converted_in_tempdir(model: Model, plan: ConversionPlan, convert: ConvertOptions, own_folder: bool) -> Handoff:
+    """Convert into a private temporary folder that ORT loads by path (removed after creation).
+
+    Taken instead of the in-memory conversion when the caller passed ``SessionOptions``: ORT's only
+    way to borrow in-memory files is to register them on the options object
+    (``add_external_initializers_from_files_in_memory``), a registration that can be neither undone
+    nor kept private (``SessionOptions`` cannot be copied). Left on the caller's object, it made a
+    later plain-ORT session of another model whose data file has the same name read *this* model's
+    weights (issue 20). Unchanged tensors are hard-linked from their source files where possible
+    (copied otherwise); a folder that cannot be written (a full disk) leaves the model to ORT as given.
+    """
+    workdir = Path(tempfile.mkdtemp(prefix="ortmem-convert-", dir=model.folder if own_folder else None))
+    try:
+        convert.report = write_converted(model, plan, workdir, progress=convert.progress, link=True)
+    except OSError as exc:
+        shutil.rmtree(workdir, ignore_errors=True)
+        log.warning("ortmem: could not write the converted model into %s (%s); onnxruntime gets %s as given",
+                    workdir, exc, model.path)
+        convert.report = None
+        return from_model(model, own_folder=own_folder)
+    _consume(model)
+    return Handoff(model=str(workdir / MODEL_FILE), tempdir=workdir, action="converted-temporary")
 
 
 def _cache_hit(path: Path, convert: Optional[ConvertOptions]):
@@ -379,11 +406,12 @@ def _spill(write, convert: Optional[ConvertOptions] = None) -> Handoff:
         path = tempdir / "model.onnx"
         with open(path, "wb") as f:
             write(f)
-        if convert is not None and convert.cache is not None:
-            # a temporary file has no identity worth caching under (and is gone before a background
-            # cache write could read it)
-            convert = dataclasses.replace(convert, cache=None)
-        handoff = _converted_or_as_is(load(path), convert, own_folder=True)
+        # a temporary file has no identity worth caching under (and is gone before a background
+        # cache write could read it)
+        uncached = dataclasses.replace(convert, cache=None) if convert is not None else None
+        handoff = _converted_or_as_is(load(path), uncached, own_folder=True)
+        if convert is not None and uncached is not None:
+            convert.report = uncached.report  # what was converted, for the session's ortmem_report
     except BaseException:
         shutil.rmtree(tempdir, ignore_errors=True)
         raise

@@ -35,7 +35,9 @@ class InferenceSession(ort.InferenceSession):
       exactly where ORT's own rule would for these options, so outputs equal ORT's on the QDQ model;
     - ``cache``: True (default) keeps the converted model in the cache (``$ORTMEM_CACHE_DIR``) so the
       next start converts nothing; a path picks the cache folder; False converts into memory that
-      ORT borrows (no file written; a higher peak, see ``ortmem.inmemory``);
+      ORT borrows (no file written; a higher peak, see ``ortmem.inmemory``), or, when
+      ``sess_options`` are given, into a private temporary folder removed after creation (ORT borrows
+      memory only through buffers registered on the options object, which ortmem never changes);
     - ``trim``: keep glibc from hoarding what conversion and ORT free during creation, and give it
       back afterwards (:func:`ortmem.hygiene.allocator_hygiene`; default True; a no-op off glibc);
     - ``prepacked``: on a cache hit with the CPU EP, load ORT's pre-packed weights saved beside the
@@ -145,7 +147,8 @@ class InferenceSession(ort.InferenceSession):
 
             config[key] = merge_config_value(key, str(value), get_config(user_options, key) if user_options else None)
         with scoped_config(user_options, config) as options:
-            self._ortmem_handoff.register(options)
+            if options is not user_options:  # in-memory files go only on options ortmem made itself
+                self._ortmem_handoff.register(options)
             self._sess_options = options
             previous_order = options.execution_order
             if "execution_order" in changes:

@@ -21,6 +21,8 @@ from release_expect import gather_refusal
 import ortmem
 from ortmem.cache import Cache
 from ortmem.convert import convert_to
+from ortmem.inmemory import convert_in_memory
+from ortmem.passes.conversion import plan_conversion
 from ortmem.ortmodel.settings import session_settings
 from ortmem.errors import ConversionError
 from ortmem.ortmodel.variants import onnx_type_name
@@ -320,12 +322,17 @@ def test_in_memory_releases_what_ort_no_longer_reads(tmp_path):
 
 
 def test_in_memory_keeps_what_ort_still_reads(tmp_path):
-    """With pre-packing disabled ORT reads B on every run: nothing may be released."""
+    """With pre-packing disabled ORT reads B on every run: nothing may be released. Such settings
+    come with the caller's options, which never carry in-memory files (tests/test_caller_options.py):
+    the session converts into a private folder, and the in-memory plan is checked on its own."""
     path = _model(tmp_path, storage="external")
     so = ort.SessionOptions()
     so.add_session_config_entry("session.disable_prepacking", "1")
+    model = ortmem.load(path)
+    plan = plan_conversion(model, session_settings(so))
+    assert plan.rewrites and convert_in_memory(model, plan, prepacking=False).releasable == []
     sess = ortmem.InferenceSession(path, so, cache=False)
-    assert sess._ortmem_handoff.memory.releasable == []
+    assert sess.ortmem_action == "converted-temporary"
     expected = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, FEEDS)[0]
     assert np.array_equal(sess.run(None, FEEDS)[0], expected)
 

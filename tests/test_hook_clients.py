@@ -14,7 +14,7 @@ import pytest
 
 CLIENTS = Path(__file__).parent / "hook_clients"
 #: Actions that mean ortmem created the session (see ortmem.handoff.Handoff.action).
-ORTMEM_ACTIONS = {"as-is", "mapped", "converted", "cache-hit", "pre-packed", "in-memory"}
+ORTMEM_ACTIONS = {"as-is", "mapped", "converted", "cache-hit", "pre-packed", "in-memory", "converted-temporary"}
 
 
 @pytest.mark.parametrize("package, script, sessions", [
