@@ -24,6 +24,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .borrowing import BORROW_KEY, B, SCALES, ZERO_POINTS, matmulnbits_unread_inputs
+from .errors import WeightStateError
 from .model import Model
 from .weights import page_align
 from .passes.conversion import convert_into_memory, rewrite_skeleton
@@ -57,6 +58,11 @@ class InMemoryConversion:
         unchanged tensors are registered too, as read-only mappings: ORT borrows their (aligned)
         tensors in place, exactly as if it had mapped the file itself.
         """
+        if self.released and self.releasable:
+            raise WeightStateError(
+                "the session's converted weights were given back after it was created, so ORT cannot "
+                "create it again (set_providers, an EP fallback): create a new ortmem.InferenceSession, "
+                "or pass cache=True", file=self.name)
         names, views, sizes = [self.name], [np.frombuffer(self.buffer, np.uint8)], [len(self.buffer)]
         for location, mm in self.sources.items():
             names.append(location)
@@ -65,12 +71,19 @@ class InMemoryConversion:
         options.add_external_initializers_from_files_in_memory(names, views, sizes)
 
     def release_unread(self) -> int:
-        """Give back the pages of every tensor ORT no longer reads; returns bytes released."""
+        """Give back the pages of every tensor ORT no longer reads; returns bytes released.
+
+        ``MADV_REMOVE``, not ``MADV_DONTNEED``: the buffer is a shared anonymous mapping (shmem), from
+        which ``DONTNEED`` only unmaps pages while the memory stays allocated (the process's RSS drops,
+        the machine's ``Shmem`` does not: measured 256 MiB kept). ``REMOVE`` frees them; the released
+        ranges then read as zeros, so no session may be created from this buffer again
+        (:meth:`register` refuses).
+        """
         if self.released:
             return 0
         freed = 0
         for offset, length in self.releasable:
-            self.buffer.madvise(mmap.MADV_DONTNEED, offset, length)
+            self.buffer.madvise(mmap.MADV_REMOVE, offset, length)
             freed += length
         self.released = True
         return freed

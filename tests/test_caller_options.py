@@ -131,3 +131,19 @@ def test_hooked_program_with_unusable_cache_keeps_its_options_clean(tmp_path):
     assert done.returncode == 0, done.stderr
     assert_same_outputs([np.load(tmp_path / "a.npy")], _plain(first)[:1])
     assert_same_outputs([np.load(tmp_path / "b.npy")], _plain(second)[:1])
+
+
+def test_in_memory_release_frees_the_pages_and_forbids_a_second_creation(tmp_path):
+    """The released pages are really gone (they read back as zeros: MADV_REMOVE punched them out of
+    the shared mapping; MADV_DONTNEED had left the memory allocated), so re-creating the session from
+    that buffer (``set_providers``) must raise instead of letting ORT read zeros as weights."""
+    first, _ = _two_models(tmp_path)
+    sess = ortmem.InferenceSession(str(first), providers=["CPUExecutionProvider"], cache=False)
+    memory = sess._ortmem_handoff.memory
+    assert memory.released and memory.releasable
+    buf = np.frombuffer(memory.buffer, np.uint8)
+    assert all(not buf[offset:offset + length].any() for offset, length in memory.releasable)
+    del buf
+    assert_same_outputs(sess.run(None, FEEDS), _plain(first))
+    with pytest.raises(ortmem.OrtmemError, match="given back"):
+        sess.set_providers(["CPUExecutionProvider"])
