@@ -29,11 +29,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .session_hook import ENV_OPTIONS, ENV_SWITCH, hook, report
+from .helper_env import ENV_OPTIONS, ENV_SWITCH, SITE_DIR
+from .session_hook import hook, report
 from .measure.procfs import read_status
-
-#: The folder whose ``sitecustomize.py`` installs the hook in child interpreters.
-SITE_DIR = Path(__file__).with_name("hook_site")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

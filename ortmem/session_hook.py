@@ -12,9 +12,13 @@ from ``onnxruntime.InferenceSession`` (they get plain ORT: their overrides expec
 and sessions created through ORT's C/C++ API (see docs/hook.md, where each path is tested).
 
 Safety: a model ortmem cannot help with goes to ORT untouched (bytes under :data:`MIN_BYTES`, a
-provider for which ortmem makes no difference, anything that is neither a path nor bytes), and any
-exception from ortmem's side falls back to plain ORT with one logged warning, so an application sees
-an exception only when plain ORT would have raised it too (the fallback re-raises ORT's own). With
+provider for which ortmem makes no difference, session options ortmem cannot read, anything that is
+neither a path nor ``bytes`` — a ``bytearray`` stays ORT's ``TypeError``), and any exception from
+ortmem's side falls back to plain ORT. Every input plain ORT refuses is refused as plain ORT refuses
+it: ortmem tries without ORT's EP fallback (no "EP Error" banner) and holds its own log records back
+until it has succeeded, and the fallback creates ORT's session outside the failed attempt, so the
+application sees ORT's own exception, unchained, and ORT's own output, once. The one warning is logged
+only when plain ORT then succeeds (tests/test_hook_parity.py compares both, input by input). With
 ``strict=True`` ortmem's exceptions propagate instead. Sessions ortmem itself creates while making
 one (pre-packing, probes) always go to ORT directly: the hook is off inside its own work.
 
@@ -32,13 +36,15 @@ import time
 import types
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_inference_collection as _collection
 
 from .handoff import FUSING_PROVIDERS
+from .helper_env import ENV_OPTIONS, ENV_SWITCH
 from .measure.procfs import read_status
+from .ortmodel.settings import session_settings
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +53,8 @@ ORIGINAL = _collection.InferenceSession
 #: A bytes model smaller than this goes to ORT untouched: spilling it to a file to map its weights
 #: would cost more than the copies it saves.
 MIN_BYTES = 1 << 20
-#: Environment switch read by ``python -m ortmem run`` and by the launcher's sitecustomize in child
-#: interpreters: "1" installs the hook, "0" runs the program plain.
-ENV_SWITCH = "ORTMEM_HOOK"
-#: JSON of :class:`HookOptions` fields, passed by the launcher to child interpreters.
-ENV_OPTIONS = "ORTMEM_HOOK_OPTIONS"
+# ENV_SWITCH ("ORTMEM_HOOK") and ENV_OPTIONS live in ortmem.helper_env, beside the environment of
+# ortmem's helper processes, which must never carry them.
 
 _state_lock = threading.RLock()
 _inside = threading.local()  # set while ortmem creates a session: nested creations go to ORT directly
@@ -165,6 +168,9 @@ def unhook() -> None:
         for namespace, name in _active.rebound:
             if namespace.get(name) is HookedInferenceSession:
                 namespace[name] = ORIGINAL
+        for logger in logging.Logger.manager.loggerDict.values():
+            if isinstance(logger, logging.Logger) and _HOLD in logger.filters:
+                logger.removeFilter(_HOLD)
         _active = None
 
 
@@ -226,36 +232,103 @@ def _create(args: tuple, kwargs: dict) -> Any:
     own = {"convert": opts.convert, "cache": opts.cache, "trim": opts.trim, "prepacked": opts.prepacked}
 
     def make() -> Any:
-        _inside.busy = True
-        try:
-            return InferenceSession(*args, **kwargs, **own)
-        finally:
-            _inside.busy = False
+        return _quiet_attempt(lambda: InferenceSession(*args, **{**kwargs, "enable_fallback": 0}, **own), kwargs)
 
     try:
-        return _record(model, make, lambda s: s._ortmem_handoff.action)
+        return _record(model, make, lambda s: s.ortmem_action)
     except Exception as exc:  # noqa: BLE001 - any failure of ortmem's falls back to ORT
         if opts.strict:
             raise
-        reason = f"fallback: {_one_line(exc)}"
-        log.warning("ortmem hook: %s on %s; creating the session with plain onnxruntime", _one_line(exc), _name(model))
-        return _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: reason)
+        failure = _one_line(exc)  # only the text: the exception would keep ortmem's frames alive
+    return _fall_back(model, args, kwargs, failure)
+
+
+def _quiet_attempt(make: Callable[[], Any], kwargs: dict) -> Any:
+    """Create ortmem's session so that a failure leaves no trace an application could see.
+
+    ORT's EP fallback is off while ortmem tries (else ORT prints its "EP Error" banner and retries on
+    ortmem's model), and ortmem's own log records from this thread are held back: a failure drops
+    them and plain ORT takes over (:func:`_fall_back`); a success emits them and gives the session
+    ORT's EP fallback back as the caller asked for it (``enable_fallback``, ORT's keyword)."""
+    _hold_ortmem_logs()
+    _inside.busy, _inside.held = True, []
+    try:
+        session = make()
+        held = _inside.held
+    finally:
+        _inside.busy, _inside.held = False, None
+    if int(kwargs.get("enable_fallback", 1)) == 1:
+        session.enable_fallback()
+    for record in held:
+        logging.getLogger(record.name).handle(record)
+    return session
+
+
+def _fall_back(model: Any, args: tuple, kwargs: dict, failure: str) -> Any:
+    """Plain ORT's session after ortmem failed. Called outside any ``except`` block, so an exception
+    ORT raises reaches the application exactly as without the hook (nothing chained to it); the one
+    warning is logged only once ORT has succeeded, since when ORT refuses the input too there was
+    nothing to fall back from."""
+    reason = f"fallback: {failure}"
+    session = _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: reason)
+    log.warning("ortmem hook: %s on %s; created the session with plain onnxruntime", failure, _name(model))
+    return session
+
+
+class _HoldInThisThread(logging.Filter):
+    """On ortmem's loggers: while this thread tries ortmem (``_inside.held`` is a list), its records
+    are kept there instead of emitted (see :func:`_quiet_attempt`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        held = getattr(_inside, "held", None)
+        if held is None:
+            return True
+        held.append(record)
+        return False
+
+
+_HOLD = _HoldInThisThread()
+
+
+def _hold_ortmem_logs() -> None:
+    """Put the holding filter on every ortmem logger that exists now (they are made at import, and
+    ``_create`` has imported the session path by then)."""
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if (name == "ortmem" or name.startswith("ortmem.")) and isinstance(logger, logging.Logger):
+            if _HOLD not in logger.filters:
+                logger.addFilter(_HOLD)
 
 
 def _untouched_reason(model: Any, args: tuple, kwargs: dict) -> Optional[str]:
-    if isinstance(model, (bytes, bytearray, memoryview)):
+    if isinstance(model, bytes):  # ORT's own test: a bytearray or memoryview is a TypeError to it
         if len(model) < MIN_BYTES:
             return f"bytes model under {MIN_BYTES >> 20} MiB"
     elif not isinstance(model, (str, os.PathLike)):
         return f"model given as {type(model).__name__}"
-    if _active is not None and _active.options.cache is False and (args[1] if len(args) > 1 else kwargs.get("sess_options")):
+    sess_options = args[1] if len(args) > 1 else kwargs.get("sess_options")
+    if _active is not None and _active.options.cache is False and sess_options:
         # an in-memory conversion registers its buffers on the options ORT is given, for good
         return "cache=False with the caller's SessionOptions (in-memory files would stay registered on them)"
+    refused = _options_refused(sess_options, kwargs)
+    if refused:
+        return refused
     providers = args[2] if len(args) > 2 else kwargs.get("providers")
     names = [p if isinstance(p, str) else p[0] for p in providers or []]
     others = [n for n in names if n not in FUSING_PROVIDERS]
     if others:
         return f"provider {others[0]} (ortmem handles {', '.join(sorted(FUSING_PROVIDERS))})"
+    return None
+
+
+def _options_refused(sess_options: Any, kwargs: dict) -> Optional[str]:
+    """Why ortmem cannot read the session's options, if so: a value ORT itself fails session creation
+    on (an accuracy level that is no integer or out of range), or no options object at all. Left to
+    ORT before anything is made, so ORT's error is printed and raised once, as without the hook."""
+    try:
+        settings = session_settings(sess_options, disabled_optimizers=kwargs.get("disabled_optimizers"))
+        settings.accuracy_level, settings.block_size_option  # noqa: B018 - both parse the raw text
+    except Exception as exc:  # noqa: BLE001 - whatever it is, ORT answers it for the model as given
+        return f"session options ortmem cannot read ({_one_line(exc)})"
     return None
 
 

@@ -195,6 +195,37 @@ def test_ortmem_failure_falls_back_with_one_line_unless_strict(model, monkeypatc
         ort.InferenceSession(str(model[0]))
 
 
+def test_a_fallback_prints_no_ep_error_banner_and_logs_once(model, monkeypatch, capfd, caplog):
+    """ORT's __init__ answers a RuntimeError or ValueError from session creation with its "EP Error"
+    banner on stdout and a retry on the CPU EP: ortmem's attempt must not trigger it (ORT's EP
+    fallback is off while ortmem tries), so a failing attempt shows the application one warning only."""
+    import ortmem.session
+
+    def refuse(*a, **k):
+        raise RuntimeError("injected failure inside session creation")
+
+    monkeypatch.setattr(ortmem.session, "scoped_config", refuse)  # reached from ORT's own __init__
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING, logger="ortmem"), ortmem.hook():
+        s = ort.InferenceSession(str(model[0]))
+    out, err = capfd.readouterr()
+    assert "EP Error" not in out + err, out + err
+    assert type(s) is ORT_CLASS and s._enable_fallback  # ORT's own session, its EP fallback as ORT sets it
+    _check(s, model)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("ortmem")]
+    assert len(lines) == 1 and "injected failure inside session creation" in lines[0], lines
+
+
+def test_a_successful_session_keeps_ort_ep_fallback(model):
+    """ortmem tries with ORT's EP fallback off; the session it returns has it as the caller asked."""
+    with ortmem.hook():
+        default = ort.InferenceSession(str(model[0]))
+        off = ort.InferenceSession(str(model[0]), enable_fallback=0)
+    assert _is_ortmem(default) and _is_ortmem(off)
+    assert default._enable_fallback and not off._enable_fallback
+    assert ORT_CLASS(str(model[0]))._enable_fallback and not ORT_CLASS(str(model[0]), enable_fallback=0)._enable_fallback
+
+
 def test_a_model_ort_refuses_raises_what_ort_raises(tmp_path):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not a model at all" * 10)

@@ -55,6 +55,8 @@ def _run_shadowed() -> None:
             return
 
 
+# ortmem.helper_env.ENV_SWITCH, spelled out: this file runs in every child and imports ortmem only once
+# the child imports onnxruntime. ortmem's own helper processes are started without it (helper_environment).
 if os.environ.get("ORTMEM_HOOK") == "1":
     if "onnxruntime" in sys.modules:
         _install()

@@ -41,6 +41,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from ..helper_env import helper_environment
 from . import procfs
 from .errors import ProbeError, ProbeUnsupported
 from .strategies import Strategy, get_strategy
@@ -150,6 +151,7 @@ def _run_child(spec: dict[str, Any], workdir: str, timeout: float, sample_interv
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # so a timeout can kill the helpers too
+            env=helper_environment(),  # never hooked: the strategy alone decides how the session is made
         )
         sampler = procfs.TreeSampler(proc.pid, sample_interval).start() if sample_interval else None
         try:

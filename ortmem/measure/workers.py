@@ -45,6 +45,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Sequence
 
+from ..helper_env import helper_environment
 from . import procfs
 from .errors import ProbeError
 from .probe import MiB, Prepared, prepare
@@ -251,7 +252,8 @@ def measure_workers(
 
         def start(i: int) -> None:
             p = subprocess.Popen([sys.executable, "-m", "ortmem.measure.worker_child", arg],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[i])
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[i],
+                                 env=helper_environment())  # never hooked: the strategy makes the session
             procs.append(p)
             assert p.stdout is not None
             sel.register(p.stdout, selectors.EVENT_READ, len(procs) - 1)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from ..cache import cache_root
+from ..helper_env import helper_environment
 from .variants import ACCURACY_LEVELS, BLOCK_SWEEP, GATHER_WEIGHT_TYPES, SCALE_TYPES, WEIGHT_TYPES, variant_key
 
 log = logging.getLogger(__name__)
@@ -371,11 +372,16 @@ def well_formed(answers: Any) -> bool:
 
 
 def run_probe(timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
-    """Run :mod:`ortmem.ortmodel.probe` in a fresh interpreter (an ORT crash costs the probe only)."""
-    env = dict(os.environ, ORTMEM_PROBE_CHILD="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", "from ortmem.ortmodel.probe import main; main()"],
-                          capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=tempfile.gettempdir())
+    """Run :mod:`ortmem.ortmodel.probe` in a fresh interpreter (an ORT crash costs the probe only).
+
+    The child is a helper (:func:`ortmem.helper_env.helper_environment`): never hooked, since it must
+    compare ORT's own run of each pattern with ortmem's rewrite, and with a cache folder of its own that
+    goes with it, so nothing it does can leave entries in the user's cache."""
+    with tempfile.TemporaryDirectory(prefix="ortmem-probe-run-") as own:
+        env = helper_environment(cache_dir=os.path.join(own, "cache"), ORTMEM_PROBE_CHILD="1", OMP_NUM_THREADS="1",
+                                 TMPDIR=own)
+        proc = subprocess.run([sys.executable, "-c", "from ortmem.ortmodel.probe import main; main()"],
+                              capture_output=True, text=True, timeout=timeout, env=env, cwd=own)
     if proc.returncode != 0:
         tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
         raise RuntimeError(f"probe exited with {proc.returncode}: {tail[0][:300]}")

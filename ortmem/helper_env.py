@@ -1,0 +1,46 @@
+"""The environment of ortmem's own helper processes: the release probe, the background packer, measurement
+children. One function, so every helper is started the same way.
+
+Why: ``python -m ortmem run`` exports the hook to every Python child of the program it runs (the switch
+below, its options and :data:`SITE_DIR` on ``$PYTHONPATH``). A helper that inherited them would put its
+own ORT sessions through ortmem: the release probe then wrote one cache entry per question into the
+user's cache and compared ortmem's rewrite with itself instead of with ORT's run of the original
+pattern. A helper therefore starts unhooked, imports this very ortmem (not whichever one the program's
+path would find), and, where its job is not the user's cache, gets a private cache folder instead.
+
+This module imports nothing from ortmem: it sits at the bottom of the package with ``errors`` so that
+``ortmodel`` may use it without climbing a layer.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+#: Read by ``python -m ortmem run`` and by the hook's sitecustomize in child interpreters: "1" installs the
+#: hook, "0" runs the program plain.
+ENV_SWITCH = "ORTMEM_HOOK"
+#: JSON of ``session_hook.HookOptions`` fields, passed by the launcher to child interpreters.
+ENV_OPTIONS = "ORTMEM_HOOK_OPTIONS"
+#: The folder whose ``sitecustomize.py`` installs the hook in child interpreters.
+SITE_DIR = Path(__file__).with_name("hook_site")
+#: The folder holding this ``ortmem`` package: first on a helper's ``$PYTHONPATH``.
+PACKAGE_PARENT = Path(__file__).resolve().parent.parent
+#: Where ``ortmem.cache.cache_root`` looks for the cache folder.
+CACHE_DIR_ENV = "ORTMEM_CACHE_DIR"
+
+
+def helper_environment(*, cache_dir: Optional[str] = None, **extra: str) -> dict[str, str]:
+    """``os.environ`` for a helper process: without the hook's switch, options and sitecustomize folder,
+    with this ortmem's parent folder first on ``$PYTHONPATH``; ``cache_dir`` replaces the cache folder
+    (a helper that must not write the user's cache passes a private one); ``extra`` is added as given."""
+    env = dict(os.environ)
+    env.pop(ENV_SWITCH, None)
+    env.pop(ENV_OPTIONS, None)
+    site = os.path.normpath(SITE_DIR)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.normpath(p) != site]
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_PARENT), *(p for p in paths if p != str(PACKAGE_PARENT))])
+    if cache_dir is not None:
+        env[CACHE_DIR_ENV] = cache_dir
+    env.update(extra)
+    return env
