@@ -11,7 +11,7 @@ import json
 import os
 import platform
 import sys
-from typing import Any
+from typing import Any, Optional
 
 
 def report(*, refresh: bool = False) -> dict[str, Any]:
@@ -20,9 +20,10 @@ def report(*, refresh: bool = False) -> dict[str, Any]:
 
     from . import __version__
     from .hygiene import allocator
-    from .ortmodel.release import capabilities
+    from .ortmodel.release import capabilities, table_capabilities
 
     caps = capabilities(refresh=refresh)
+    table = table_capabilities(caps.release) if caps.release.supported else None
     return {
         "ortmem": __version__,
         "python": sys.version.split()[0],
@@ -30,6 +31,8 @@ def report(*, refresh: bool = False) -> dict[str, Any]:
         "onnxruntime": {"version": ort.__version__, "device": ort.get_device(),
                         "providers": ort.get_available_providers()},
         "capabilities": caps.as_dict(),
+        # the record of this release's tested behaviour, beside what its probe decided (None: untested)
+        "table": table.as_dict() if table is not None else None,
         "cache": _cache_health(),
         "allocator_hygiene": allocator() or "inactive (not glibc)",
     }
@@ -58,12 +61,12 @@ def _cache_health() -> dict[str, Any]:
 
 def render(r: dict[str, Any]) -> str:
     caps = r["capabilities"]
-    lo, hi = caps["supported_range"]
+    lo, _ = caps["supported_range"]
     lines = [
         f"ortmem {r['ortmem']}  (Python {r['python']}, {r['platform']})",
         f"onnxruntime {r['onnxruntime']['version']} ({r['onnxruntime']['device']}; build {caps['build']})",
         f"  providers: {', '.join(r['onnxruntime']['providers'])}",
-        f"  supported range {lo}-{hi}.x, tested on {', '.join(caps['tested_releases'])}: "
+        f"  supported {lo} on (decided by the probe), tested on {', '.join(caps['tested_releases'])}: "
         + ("in range" if caps["convert"] or caps["source"] == "probe" else "OUT OF RANGE or not probed"),
         f"capabilities ({caps['source']}): conversion {'on' if caps['convert'] else 'off'}; DQ block sizes fused up to "
         f"{caps['fusion_block_max'] if caps['fusion_block_max'] < 1 << 30 else 'any'}, converted up to "
@@ -73,6 +76,8 @@ def render(r: dict[str, Any]) -> str:
     refused = [(k, v["why"]) for kind in ("matmul", "gather") for k, v in caps[kind].items() if not v["ok"]]
     lines.append(f"  variants left to ORT: {len(refused)}" + (":" if refused else ""))
     lines += [f"    {k}: {why}" for k, why in refused]
+    lines += structure_lines(caps, r.get("table"))
+    lines += variant_table(caps, r.get("table"))
     lines += [f"  note: {n}" for n in caps["notes"]]
     c = r["cache"]
     if c.get("usable"):
@@ -81,6 +86,40 @@ def render(r: dict[str, Any]) -> str:
         lines.append(f"cache {c['path']}: NOT USABLE ({c['problem']}); sessions convert in memory or fall back to ORT")
     lines.append(f"allocator hygiene: {r['allocator_hygiene']}")
     return "\n".join(lines)
+
+
+#: The release-wide facts the probe measures besides the variants (``Capabilities`` fields).
+STRUCTURE_FIELDS = ("fusion_block_max", "convert_block_max", "shared_initializer_guard", "prepacked_save",
+                    "prepacked_validated", "borrows_memory_buffers")
+
+
+def structure_lines(caps: dict[str, Any], table: Optional[dict[str, Any]]) -> list[str]:
+    """The structural rules and release-wide facts: probe, then table ("-" for an untested release)."""
+    def show(value: Any) -> str:
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        return "any" if isinstance(value, int) and value >= 1 << 30 else str(value)
+
+    lines = ["  release facts (probe / table):"]
+    for name in STRUCTURE_FIELDS:
+        lines.append(f"    {name}: {show(caps[name])} / {show(table[name]) if table is not None else '-'}")
+    return lines
+
+
+def variant_table(caps: dict[str, Any], table: Optional[dict[str, Any]]) -> list[str]:
+    """Per variant: what the probe decided (it is what ortmem does) and what the release table records
+    for this release ("-" where the release has no row: untested)."""
+    def word(ok: Optional[bool]) -> str:
+        return "-" if ok is None else ("convert" if ok else "leave")
+
+    keys = [k for kind in ("matmul", "gather") for k in sorted(caps[kind])]
+    width = max((len(k) for k in keys), default=0)
+    lines = [f"  {'variant'.ljust(width)}  probe    table"]
+    for key in keys:
+        kind = key.split(":", 1)[0]
+        recorded = table[kind].get(key, {}).get("ok") if table is not None else None
+        lines.append(f"  {key.ljust(width)}  {word(caps[kind][key]['ok']).ljust(7)}  {word(recorded)}")
+    return lines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

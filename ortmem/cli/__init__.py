@@ -31,10 +31,10 @@ def _version_line() -> str:
     from .. import __version__
     from ..ortmodel.release import SUPPORTED, TESTED_RELEASES, installed
 
-    lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
+    lo = ".".join(map(str, SUPPORTED[0]))
     state = "in range" if installed().supported else "OUT OF RANGE: zero-copy loading only"
-    return (f"ortmem {__version__}; onnxruntime {ort.__version__} ({state}; supported {lo}-{hi}.x, "
-            f"tested {', '.join(TESTED_RELEASES)})")
+    return (f"ortmem {__version__}; onnxruntime {ort.__version__} ({state}; supported {lo} on, decided by its "
+            f"probe; tested {', '.join(TESTED_RELEASES)})")
 
 
 class _Version(argparse.Action):

@@ -22,6 +22,7 @@ and caches the answer. About 130 tiny sessions: 2-5 s on a 2-core VM.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import tempfile
 import traceback
@@ -32,8 +33,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from .variants import (ACCURACY_LEVELS, BLOCK_SWEEP, GATHER_WEIGHT_TYPES, SCALE_TYPES, WEIGHT_TYPES, dq_gather_model,
-                       dq_matmul_model, variant_key)
+from .variants import (ACCURACY_LEVELS, BLOCK_SWEEP, GATHER_WEIGHT_TYPES, SCALE_TYPES, SHARED_WEIGHT_KEY, WEIGHT_TYPES,
+                       dq_gather_model, dq_matmul_model, dq_shared_weight_model, variant_key)
 
 
 def _feeds(m: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -148,7 +149,60 @@ def probe_prepacked(ort: Any, work: Path) -> dict[str, Any]:
     if saved is None:
         return {"saved": False}
     ours = _session(ort, saved, 4).run(None, feeds)
-    return {"saved": True, "reload": "equal" if all(np.array_equal(a, b) for a, b in zip(ours, reference)) else "differs"}
+    return {"saved": True, "reload": "equal" if all(np.array_equal(a, b) for a, b in zip(ours, reference)) else "differs",
+            "validated": _refuses_a_changed_blob(ort, Path(saved))}
+
+
+def _refuses_a_changed_blob(ort: Any, saved: Path) -> bool:
+    """Does ORT read and check saved pre-packed blobs while it creates the session? One byte of the
+    first blob is flipped in a copy of the folder: 1.32 refuses the model (``session_state.cc
+    ValidatePrePackedWeights`` re-packs every buffer and compares), earlier releases map the blob
+    unread. The answer says whether the blobs are resident after creation (the estimator's
+    ``blobs_read_at_create``) and whether a warm start pays a second packing."""
+    copy = saved.parent.with_name(saved.parent.name + "-changed")
+    shutil.copytree(saved.parent, copy)
+    model = onnx.load(str(copy / saved.name), load_external_data=False)
+    for t in model.graph.initializer:
+        ext = {e.key: e.value for e in t.external_data}
+        blob = next((v for k, v in ext.items() if k.startswith("prepacked")), None)
+        if blob is None:
+            continue
+        offset, length, _checksum = blob.split("|")[1].split(";")
+        with open(copy / ext["location"], "r+b") as f:
+            f.seek(int(offset) + int(length) // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        try:
+            _session(ort, copy / saved.name, 4)
+        except Exception:  # noqa: BLE001 - ORT's refusal, whatever its type
+            return True
+        return False
+    return False
+
+
+def probe_borrowing(ort: Any) -> bool:
+    """Does ORT borrow in-memory external data in place under ``session.use_external_initializer_file_buffers_directly``
+    (new in 1.31), instead of copying it at creation? A buffer changed after creation shows in the
+    output only when it was borrowed (``ortmem.inmemory``'s zero-copy path depends on it)."""
+    from ..borrowing import BORROW_KEY
+
+    n = 1024
+    buffer = np.ones(n, np.float32)
+    c = onnx.TensorProto(name="C", data_type=TensorProto.FLOAT, dims=[n], data_location=onnx.TensorProto.EXTERNAL)
+    for key, value in (("location", "buffer.bin"), ("offset", "0"), ("length", str(buffer.nbytes))):
+        c.external_data.add(key=key, value=value)
+    g = helper.make_graph([helper.make_node("Add", ["X", "C"], ["Y"])], "borrow",
+                          [helper.make_tensor_value_info("X", TensorProto.FLOAT, [n])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [n])], [c])
+    m = helper.make_model(g, ir_version=10, opset_imports=[helper.make_opsetid("", 21)])
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    so.add_session_config_entry(BORROW_KEY, "1")
+    so.add_external_initializers_from_files_in_memory(["buffer.bin"], [buffer.view(np.uint8)], [buffer.nbytes])
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    buffer[:] = 2.0
+    return bool(sess.run(None, {"X": np.zeros(n, np.float32)})[0][0] == 2.0)
 
 
 def variants() -> Iterator[tuple[str, onnx.ModelProto, int, str, bool]]:
@@ -161,6 +215,8 @@ def variants() -> Iterator[tuple[str, onnx.ModelProto, int, str, bool]]:
                            dq_matmul_model(wtype, stype, 32, has_zp), acc, "MatMulNBits", True)
     for block in BLOCK_SWEEP:
         yield f"block:{block}", dq_matmul_model("int4", "float", block, False), 4, "MatMulNBits", True
+    # structural rules of ORT's DQ+MatMul fusion: ortmem never converts these, it predicts them
+    yield SHARED_WEIGHT_KEY, dq_shared_weight_model(), 4, "MatMulNBits", False
     for wtype in GATHER_WEIGHT_TYPES:
         for has_zp in (False, True):
             for stype in SCALE_TYPES:
@@ -202,6 +258,10 @@ def run_all() -> dict[str, Any]:
             results["prepacked"] = probe_prepacked(ort, Path(tmp) / "prepacked")
         except Exception as exc:  # noqa: BLE001
             results["prepacked"] = {"saved": False, "probe_error": _short(exc)}
+        try:
+            results["borrows_memory_buffers"] = probe_borrowing(ort)
+        except Exception as exc:  # noqa: BLE001 - a release without the API or the key
+            results["borrows_memory_buffers"], results["borrowing_error"] = False, _short(exc)
     return results
 
 

@@ -5,21 +5,23 @@ Why one place
 ortmem promises outputs equal to ORT's own run of the QDQ model. What ORT fuses and which fused
 kernels it runs correctly differ between releases (block size 512 fuses on 1.32 and not on 1.31; 1.25
 refuses a 2-bit GatherBlockQuantized with zero points; 1.32 re-packs and checks every saved pre-packed
-weight on reload). Every decision that depends on the release is taken here, from two sources that must
-agree:
+weight on reload; 1.28 fuses a 512 block into a kernel that refuses it). Every decision that depends on
+the release is taken here, and it is taken by **the probe**: :mod:`ortmem.ortmodel.probe` run once per
+ORT build and CPU (a subprocess of a few seconds; the answers are cached beside the conversion cache in
+a private folder) measures, bit for bit against that ORT's own run of each pattern, what the installed
+build fuses, runs identically, saves and reloads (:func:`from_probe`). So a release between two tested
+ones, or newer than every tested one, is converted exactly where its probe proves the rewrite
+identical; a question the probe cannot answer leaves the pattern to ORT.
 
-* :data:`RELEASE_TABLE`: what each *tested* release does, measured with :mod:`ortmem.ortmodel.probe` in
-  fresh venvs and cross-read with ORT's source (``docs/ort-releases.md``). A release between two tested
-  ones is expected to behave like the older one;
-* the probe itself, run once per ORT build and CPU (a subprocess of a few seconds; the answer is cached
-  beside the conversion cache in a private folder).
-
-A variant both call convertible is converted; where they disagree ortmem leaves that pattern to ORT and
-says why (``ortmem inspect``, ``ortmem doctor``, the conversion report). A release outside
-:data:`SUPPORTED` gets zero-copy loading only: no conversion, no pre-packed weights, one warning.
+:data:`RELEASE_TABLE` is the record of what each *tested* release's probe measured (cross-read with ORT's
+source, ``docs/ort-releases.md``): docs, ``ortmem doctor`` and the tests compare the probe with it, and a
+disagreement is a note, not a gate. A release older than :data:`SUPPORTED` gets zero-copy loading
+only: no conversion, no pre-packed weights, one warning; one newer than the last tested one gets one
+notice that it is untested.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -37,20 +39,22 @@ from typing import Any, Mapping, Optional
 
 from ..cache import cache_root
 from ..helper_env import helper_environment
-from .variants import ACCURACY_LEVELS, BLOCK_SWEEP, GATHER_WEIGHT_TYPES, SCALE_TYPES, WEIGHT_TYPES, variant_key
+from .variants import (ACCURACY_LEVELS, BLOCK_SWEEP, GATHER_WEIGHT_TYPES, SCALE_TYPES, SHARED_WEIGHT_KEY, WEIGHT_TYPES,
+                       variant_key)
 
 log = logging.getLogger(__name__)
 
-#: Oldest and newest (major, minor) ortmem converts for. 1.25 is the oldest because (a) it is the
-#: oldest release whose DQ+MatMul rule fuses every weight type ortmem writes (2/4/8-bit, signed and
-#: unsigned, zero points, fp16 scales; 1.20-1.24 fuse 4-bit only, probe in docs/ort-releases.md), and
-#: (b) pre-packed weights can be saved and reloaded from an external file (used by warm starts).
-#: Newer releases than the last tested one are not assumed to behave like it.
+#: The oldest (major, minor) ortmem converts for, and the newest it was tested with. 1.25 is the
+#: oldest because (a) it is the oldest release whose DQ+MatMul rule fuses every weight type ortmem
+#: writes (2/4/8-bit, signed and unsigned, zero points, fp16 scales; 1.20-1.24 fuse 4-bit only, probe in
+#: docs/ort-releases.md), and (b) pre-packed weights can be saved and reloaded from an external file
+#: (used by warm starts). A newer release than the last tested one is converted where its own probe
+#: proves the rewrite identical (one notice says it is untested).
 SUPPORTED = ((1, 25), (1, 32))
 #: Releases the suite runs against in CI (``.ci/run``) and whose probe answers make up the table.
-TESTED_RELEASES = ("1.25.1", "1.31.1", "1.32.0")
+TESTED_RELEASES = ("1.25.1", "1.28.0", "1.31.1", "1.32.0")
 #: Bumped whenever the probe asks new questions (old cached answers are then asked again).
-PROBE_FORMAT = 3
+PROBE_FORMAT = 4
 PROBE_TIMEOUT_S = 300
 
 # x86 / arm flags that select MLAS kernels and with them packed layouts and fused kernels.
@@ -99,25 +103,28 @@ def _gather_keys(wtypes: tuple[str, ...], zps=(False, True), stypes=tuple(SCALE_
 #: A rule without an upper block bound.
 UNBOUNDED = 1 << 30
 
-#: Measured with ``python -m ortmem doctor --probe`` in a fresh venv per release (docs/ort-releases.md).
-RELEASE_TABLE: dict[tuple[int, int], ReleaseFacts] = {}
-
-
-def _build_table() -> None:
-    RELEASE_TABLE.update({
-        # 1.25: ORT's own fused 2-bit MatMulNBits with fp16 scales fails at run (matmul_nbits.cc
-        # "nbits_ == 8"); GatherBlockQuantized refuses bits=2 data; the rule fuses any block size but the
-        # kernel is wrong past 256; MatMulNBits writes no pre-packed blobs when a model is saved.
-        (1, 25): ReleaseFacts(fusion_block_max=UNBOUNDED, convert_block_max=256,
-                              matmul_not=_keys("matmul", ("int2", "uint2"), stypes=("float16",)),
-                              gather_not=_gather_keys(("uint2",)), shared_initializer_guard=False,
-                              prepacked_save=False, borrows_memory_buffers=False),
-        # 1.31: the rule stops at 256 (PR #31678).
-        (1, 31): ReleaseFacts(fusion_block_max=256, convert_block_max=256),
-        # 1.32: the bound is gone again and the kernel is right up to the probe's largest block (2048);
-        # saved pre-packed weights are re-packed and compared on reload.
-        (1, 32): ReleaseFacts(fusion_block_max=UNBOUNDED, convert_block_max=2048, prepacked_validated=True),
-    })
+#: What each tested release does, as its probe measured it in a fresh venv (``python -m ortmem doctor
+#: --probe``) and cross-read with ORT's source (docs/ort-releases.md). The record, not a gate: ortmem
+#: does what the installed build's probe shows (:func:`from_probe`); tests/test_release.py checks that
+#: each tested release's probe still agrees with its row.
+RELEASE_TABLE: dict[tuple[int, int], ReleaseFacts] = {
+    # 1.25: ORT's own fused 2-bit MatMulNBits with fp16 scales fails at run (matmul_nbits.cc
+    # "nbits_ == 8"); GatherBlockQuantized refuses bits=2 data; the rule fuses any block size but the
+    # kernel is wrong past 256; MatMulNBits writes no pre-packed blobs when a model is saved.
+    (1, 25): ReleaseFacts(fusion_block_max=UNBOUNDED, convert_block_max=256,
+                          matmul_not=_keys("matmul", ("int2", "uint2"), stypes=("float16",)),
+                          gather_not=_gather_keys(("uint2",)), shared_initializer_guard=False,
+                          prepacked_save=False, borrows_memory_buffers=False),
+    # 1.28: the shared-initializer guard is in; the rule stops at 256 (a 512 block fuses into a kernel
+    # that refuses it, so ORT fails on such a QDQ model); pre-packed blobs are saved and mapped unread;
+    # every 2-bit variant runs; in-memory external data is still copied.
+    (1, 28): ReleaseFacts(fusion_block_max=256, convert_block_max=256, borrows_memory_buffers=False),
+    # 1.31: the rule stops at 256 (PR #31678).
+    (1, 31): ReleaseFacts(fusion_block_max=256, convert_block_max=256),
+    # 1.32: the bound is gone again and the kernel is right up to the probe's largest block (2048);
+    # saved pre-packed weights are re-packed and compared on reload.
+    (1, 32): ReleaseFacts(fusion_block_max=UNBOUNDED, convert_block_max=2048, prepacked_validated=True),
+}
 
 
 @dataclass(frozen=True)
@@ -135,18 +142,16 @@ class Release:
 
     @property
     def supported(self) -> bool:
-        return SUPPORTED[0] <= self.version_tuple[:2] <= SUPPORTED[1]
+        """Not older than the range: newer releases than the last tested one are probed like any other."""
+        return SUPPORTED[0] <= self.version_tuple[:2]
 
     def key(self) -> str:
         blob = json.dumps([PROBE_FORMAT, self.version, self.build, self.cpu_flags, self.machine]).encode()
         return hashlib.sha256(blob).hexdigest()[:24]
 
     def facts(self) -> Optional[ReleaseFacts]:
-        """The table row that applies: this release's (major, minor), else the nearest older tested one."""
-        if not RELEASE_TABLE:
-            _build_table()
-        older = [v for v in RELEASE_TABLE if v <= self.version_tuple[:2]]
-        return RELEASE_TABLE[max(older)] if older and self.supported else None
+        """This release's row of :data:`RELEASE_TABLE` (its (major, minor)), or None for an untested one."""
+        return RELEASE_TABLE.get(self.version_tuple[:2]) if self.supported else None
 
 
 def parse_version(text: str) -> tuple[int, ...]:
@@ -263,22 +268,28 @@ def _variant(kind: str, weight_type: str, has_zp: bool, scale_type: str, accurac
     return variant_key(kind, weight_type, has_zp, scale_type, accuracy if kind == "matmul" else 4)
 
 
-def _all_keys() -> tuple[frozenset[str], frozenset[str]]:
+def all_variant_keys() -> tuple[frozenset[str], frozenset[str]]:
     """Every variant the probe asks about: (DQ+MatMul keys, DQ+Gather keys)."""
     return _keys("matmul", tuple(WEIGHT_TYPES)), _gather_keys(GATHER_WEIGHT_TYPES)
 
 
-def table_capabilities(release: Optional[Release] = None) -> Capabilities:
-    """Capabilities from :data:`RELEASE_TABLE` alone (no probe): what the table expects of ``release``."""
+def outside_range_capabilities(release: Release) -> Capabilities:
+    """A release older than the range: zero-copy loading only, with the one note that says so."""
+    lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
+    note = (f"onnxruntime {release.version} is older than ortmem's range ({lo} on; tested {lo}-{hi}.x): models are "
+            "loaded without copies but not converted, and no pre-packed weights are used")
+    return Capabilities(release, False, 256, 0, notes=(note,))
+
+
+def table_capabilities(release: Optional[Release] = None) -> Optional[Capabilities]:
+    """What :data:`RELEASE_TABLE` recorded for ``release`` (None for a release without a row): the
+    record that docs, ``ortmem doctor`` and the tests compare the probe with, never a gate."""
     release = release or installed()
     facts = release.facts()
     if facts is None:
-        lo, hi = (".".join(map(str, v)) for v in SUPPORTED)
-        note = (f"onnxruntime {release.version} is outside ortmem's tested range {lo}-{hi}.x: models are loaded "
-                "without copies but not converted, and no pre-packed weights are used")
-        return Capabilities(release, False, 256, 0, notes=(note,))
-    mm_keys, ga_keys = _all_keys()
-    why = f"onnxruntime {release.version}: the release table says ORT does not fuse or run this variant identically"
+        return None
+    mm_keys, ga_keys = all_variant_keys()
+    why = f"onnxruntime {release.version}: the release table records that ORT does not fuse or run this variant identically"
     matmul = {k: Verdict(k not in facts.matmul_not, "" if k not in facts.matmul_not else why) for k in mm_keys}
     gather = {k: Verdict(k not in facts.gather_not, "" if k not in facts.gather_not else why) for k in ga_keys}
     return Capabilities(release, True, facts.fusion_block_max, facts.convert_block_max, matmul, gather,
@@ -288,68 +299,87 @@ def table_capabilities(release: Optional[Release] = None) -> Capabilities:
 
 def unrestricted_capabilities(release: Optional[Release] = None) -> Capabilities:
     """Every variant allowed, the widest block bound: what the probe child converts with, so that it
-    checks ortmem's rewrite on every variant whatever the table expects."""
+    checks ortmem's rewrite on every variant, whatever any table expects."""
     release = release or installed()
-    mm_keys, ga_keys = _all_keys()
+    mm_keys, ga_keys = all_variant_keys()
     return Capabilities(release, True, UNBOUNDED, UNBOUNDED, {k: Verdict(True) for k in mm_keys},
                         {k: Verdict(True) for k in ga_keys}, True, False, True, True, source="unrestricted")
 
 
-def reconcile(table: Capabilities, answers: Mapping[str, Any]) -> Capabilities:
-    """Table and probe together: a variant is convertible only where both say so."""
+def probe_verdict(answer: Optional[Mapping[str, Any]], kind: str) -> Verdict:
+    """Convertible only where the probe saw ORT fuse the pattern (DQ+MatMul; ORT has no DQ+Gather fusion
+    to agree with), run its own result, and ortmem's rewrite give bit-identical outputs."""
+    if answer is None:
+        return Verdict(False, "not probed")
+    if answer.get("probe_error"):
+        return Verdict(False, f"the probe failed ({answer['probe_error']})")
+    if kind == "matmul" and not answer.get("fused"):
+        return Verdict(False, "ORT does not fuse it" + (f" ({answer['ort_error']})" if answer.get("ort_error") else ""))
+    if answer.get("reference_error"):
+        return Verdict(False, f"ORT fails to run its own fused model ({answer['reference_error']})")
+    if answer.get("ortmem") != "equal":
+        return Verdict(False, f"ortmem's rewrite: {answer.get('ortmem', 'not run')}")
+    return Verdict(True)
+
+
+def from_probe(release: Release, answers: Mapping[str, Any]) -> Capabilities:
+    """What ortmem may do on ``release``: decided by the probe's measurements on it alone.
+
+    Every variant, the block-size bounds, the shared-initializer guard, pre-packed saving and
+    checking, and in-memory borrowing are what the installed build was seen to do. Where an answer is
+    missing the safe side is taken (not converted, guard assumed, nothing saved): leaving a pattern
+    to ORT can never change an output. The table (:data:`RELEASE_TABLE`) only adds notes where a
+    tested release's row and the probe disagree, and a release newer than the last tested one gets
+    one note saying so.
+    """
     variants = answers.get("variants", {})
-    notes = list(table.notes)
+    mm_keys, ga_keys = all_variant_keys()
 
-    def measured(key: str) -> tuple[bool, str]:
-        a = variants.get(key)
-        if a is None:
-            return False, "not probed"
-        if a.get("probe_error"):
-            return False, f"the probe failed ({a['probe_error']})"
-        if not a.get("fused") and key.startswith("matmul:"):  # ORT has no DQ+Gather fusion to agree with
-            return False, "ORT does not fuse it" + (f" ({a['ort_error']})" if a.get("ort_error") else "")
-        if a.get("reference_error"):
-            return False, f"ORT fails to run its own fused model ({a['reference_error']})"
-        if a.get("ortmem") != "equal":
-            return False, f"ortmem's rewrite: {a.get('ortmem', 'not run')}"
-        return True, ""
-
-    def merge(items: Mapping[str, Verdict]) -> dict[str, Verdict]:
+    def verdicts(keys: frozenset[str], kind: str) -> dict[str, Verdict]:
         out = {}
-        for key, expected in items.items():
-            ok, why = measured(key)
-            if ok and expected.ok:
-                out[key] = Verdict(True)
-            elif not ok:
-                out[key] = Verdict(False, f"onnxruntime {table.release.version} probe: {why}")
-            else:
-                out[key] = Verdict(False, f"onnxruntime {table.release.version}: the probe shows this variant fused and "
-                                          "reproduced, but the release table says otherwise; left to ORT until the "
-                                          "table is checked for this release")
-                notes.append(f"probe and table disagree on {key}")
+        for key in sorted(keys):
+            v = probe_verdict(variants.get(key), kind)
+            out[key] = v if v.ok else Verdict(False, f"onnxruntime {release.version} probe: {v.why}")
         return out
 
     packed = answers.get("prepacked", {})
-    prepacked_save = bool(packed.get("saved") and packed.get("reload") == "equal")
-    if prepacked_save != table.prepacked_save:
-        notes.append(f"pre-packed weights: the probe says {'saved and reloaded' if prepacked_save else 'not usable'} "
-                     f"({packed}), the table {'saved' if table.prepacked_save else 'not saved'}: not used")
-    fused_max, equal_max = probed_block_max(variants, table.fusion_block_max)
-    if fused_max != table.fusion_block_max:
-        notes.append(f"ORT fuses DQ block sizes up to {fused_max} here; the table expects {table.fusion_block_max}")
-    if equal_max < table.convert_block_max:
-        notes.append(f"ortmem's rewrite agrees with ORT up to block size {equal_max} here; the table expects "
-                     f"{table.convert_block_max}")
-    return Capabilities(table.release, table.convert, fused_max, min(equal_max, table.convert_block_max),
-                        merge(table.matmul), merge(table.gather), table.prepacked_save and prepacked_save,
-                        table.prepacked_validated, table.shared_initializer_guard, table.borrows_memory_buffers,
-                        int(answers.get("import_baseline_bytes") or 0), source="probe", notes=tuple(notes))
+    fused_max, equal_max = probed_block_max(variants)
+    shared = variants.get(SHARED_WEIGHT_KEY)
+    caps = Capabilities(
+        release, True, fused_max, equal_max, verdicts(mm_keys, "matmul"), verdicts(ga_keys, "gather"),
+        prepacked_save=bool(packed.get("saved") and packed.get("reload") == "equal"),
+        prepacked_validated=bool(packed.get("validated", False)),
+        # no answer, or ORT left the shared pair alone: the guard holds (the side that converts less)
+        shared_initializer_guard=not (isinstance(shared, dict) and shared.get("fused") is True),
+        borrows_memory_buffers=bool(answers.get("borrows_memory_buffers", False)),
+        import_baseline_bytes=int(answers.get("import_baseline_bytes") or 0), source="probe")
+    return dataclasses.replace(caps, notes=tuple(_notes(caps)))
 
 
-def probed_block_max(variants: Mapping[str, Any], expected_fused: int) -> tuple[int, int]:
+def _notes(caps: Capabilities) -> list[str]:
+    """Where the probe and the table's row for this release disagree (the record is then stale: the
+    probe's answer is what ortmem does), or that the release is newer than every tested one."""
+    release = caps.release
+    if release.version_tuple[:2] > max(RELEASE_TABLE):
+        return [f"onnxruntime {release.version} is newer than the last release ortmem was tested with "
+                f"({TESTED_RELEASES[-1]}): ortmem converts what its probe proves identical on it"]
+    table = table_capabilities(release)
+    if table is None:
+        return []
+    notes = [f"probe and table disagree on {k}" for k, v in caps.matmul.items() if v.ok != table.matmul[k].ok]
+    notes += [f"probe and table disagree on {k}" for k, v in caps.gather.items() if v.ok != table.gather[k].ok]
+    for name in ("fusion_block_max", "convert_block_max", "prepacked_save", "prepacked_validated",
+                 "shared_initializer_guard", "borrows_memory_buffers"):
+        probed, recorded = getattr(caps, name), getattr(table, name)
+        if probed != recorded:
+            notes.append(f"probe and table disagree on {name}: the probe says {probed}, the table {recorded}")
+    return notes
+
+
+def probed_block_max(variants: Mapping[str, Any]) -> tuple[int, int]:
     """(largest swept block size up to which ORT fuses every power of two, largest up to which ortmem's
-    rewrite is also identical). Where ORT fuses the whole sweep, its bound lies beyond and
-    ``expected_fused`` (the table's) stands."""
+    rewrite is also identical). Where ORT fuses the whole sweep its rule has no bound the sweep can
+    see: :data:`UNBOUNDED` (ortmem still converts only up to the second number, which the sweep proved)."""
     fused = equal = 0
     still_equal = True
     for block in BLOCK_SWEEP:
@@ -357,10 +387,10 @@ def probed_block_max(variants: Mapping[str, Any], expected_fused: int) -> tuple[
         if not a.get("fused"):
             break
         fused = block
-        still_equal = still_equal and a.get("ortmem") == "equal"
+        still_equal = still_equal and a.get("ortmem") == "equal" and not a.get("reference_error")
         if still_equal:
             equal = block
-    return (max(fused, expected_fused) if fused == BLOCK_SWEEP[-1] else fused), equal
+    return (UNBOUNDED if fused == BLOCK_SWEEP[-1] else fused), equal
 
 
 def well_formed(answers: Any) -> bool:
@@ -391,7 +421,7 @@ def run_probe(timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
     return answers
 
 
-def _probe_dir() -> Optional[Path]:
+def probe_dir() -> Optional[Path]:
     """A private folder for probe answers: ``$ORTMEM_PROBE_DIR``, else ``.release-probes`` in the cache
     root (the answers depend on the ORT build and CPU only, so fresh-process children and tests with
     private conversion caches share them); None when it cannot be created or trusted."""
@@ -453,28 +483,30 @@ def capabilities(*, refresh: bool = False) -> Capabilities:
     global _current
     if _current is not None and not refresh:
         return _current
-    table = table_capabilities()
-    if not table.convert:
-        _warn_once(table.notes[0])
-        _current = table
-        return table
+    release = installed()
+    if not release.supported:
+        _current = outside_range_capabilities(release)
+        _warn_once(_current.notes[0])
+        return _current
     if os.environ.get("ORTMEM_PROBE_CHILD") == "1":
-        return table  # the probe child converts by the table: it is what is being checked
-    folder = _probe_dir()
-    path = folder / f"{table.release.key()}.json" if folder else None
+        return unrestricted_capabilities(release)  # the probe child checks every rewrite: it is what is measured
+    folder = probe_dir()
+    path = folder / f"{release.key()}.json" if folder else None
     answers = None if (refresh or path is None) else _read_answers(path)
     if answers is None:
-        log.info("ortmem: probing onnxruntime %s (once per build and CPU)", table.release.version)
+        log.info("ortmem: probing onnxruntime %s (once per build and CPU)", release.version)
         try:
             answers = run_probe()
         except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
-            note = f"onnxruntime {table.release.version} could not be probed ({exc}): models are not converted"
+            note = f"onnxruntime {release.version} could not be probed ({exc}): models are not converted"
             _warn_once(note)
-            _current = Capabilities(table.release, False, table.fusion_block_max, 0, notes=(note,))
+            _current = Capabilities(release, False, 256, 0, notes=(note,))
             return _current
         if path is not None:
             _write_answers(path, answers)
-    _current = reconcile(table, answers)
+    _current = from_probe(release, answers)
+    if release.version_tuple[:2] > max(RELEASE_TABLE):
+        _warn_once(_current.notes[0])
     return _current
 
 

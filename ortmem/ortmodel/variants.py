@@ -21,6 +21,8 @@ BLOCK_SWEEP = (16, 32, 64, 128, 256, 512, 1024, 2048)
 ACCURACY_LEVELS = (0, 4)
 #: DQ weight types a DQ+Gather can become GatherBlockQuantized from (uint2 travels as uint8 bits=2).
 GATHER_WEIGHT_TYPES = ("uint2", "int4", "uint4", "uint8")
+#: The probe's answer on :func:`dq_shared_weight_model`: whether ORT fuses DQs whose weight has other consumers.
+SHARED_WEIGHT_KEY = "structure:shared_weight"
 N_COLS = 8  # a multiple of 4, so 2-bit rows are byte aligned (1.31.1 gets 2-bit N % 4 != 0 wrong)
 
 
@@ -104,3 +106,22 @@ def dq_gather_model(wtype: str, stype: str, has_zp: bool, seed: int = 0) -> onnx
     g = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
                           [helper.make_tensor_value_info("Y", f, [3, d])], inits)
     return _model(g, wtype)
+
+
+def dq_shared_weight_model(seed: int = 0) -> onnx.ModelProto:
+    """Two DequantizeLinear nodes reading one int4 weight, each feeding a MatMul: the structural
+    question of the shared-initializer guard (``DQMatMulToMatMulNBits`` rejects a DQ whose weight has
+    other consumers from ORT PR #28326 on). Block 32, float scales, K = 64, N = 8."""
+    rng = np.random.default_rng(seed)
+    block, k, n = 32, 64, N_COLS
+    inits = [_codes(rng, "int4", [k, n]),
+             numpy_helper.from_array(((rng.random((2, n)) + 0.5) / 64).astype(np.float32), "S1"),
+             numpy_helper.from_array(((rng.random((2, n)) + 0.5) / 64).astype(np.float32), "S2")]
+    nodes = [helper.make_node("DequantizeLinear", ["W", "S1"], ["Wd1"], axis=0, block_size=block, name="dq1"),
+             helper.make_node("DequantizeLinear", ["W", "S2"], ["Wd2"], axis=0, block_size=block, name="dq2"),
+             helper.make_node("MatMul", ["A", "Wd1"], ["Y1"], name="mm1"),
+             helper.make_node("MatMul", ["A", "Wd2"], ["Y2"], name="mm2")]
+    g = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [2, k])],
+                          [helper.make_tensor_value_info("Y1", TensorProto.FLOAT, [2, n]),
+                           helper.make_tensor_value_info("Y2", TensorProto.FLOAT, [2, n])], inits)
+    return _model(g, "int4")
