@@ -18,6 +18,11 @@ written through a mapping, so a full disk is a clean ``CacheError``, never a SIG
 Trust (docs/cache-security.md): the root, every entry and every file in it are created private
 (0700/0600, or the source's mode where stricter) and are read only when this user owns them, they
 are not symbolic links, and neither group nor others may write them (:mod:`ortmem.filetrust`).
+:func:`cache_file_problem` is the one check every file read from the cache passes (an entry's files and
+manifest, and every other file in its folder, pre-packed weights included), so a new kind of file
+cannot be read unchecked. A folder that already exists is never re-moded (a user's 0777
+``ORTMEM_CACHE_DIR`` stays 0777 and is then not used; with the sticky bit, as /tmp has, the private
+``converted/`` folder ortmem creates in it is).
 Integrity: the manifest records a full digest of every file (:mod:`ortmem.digest`), checked on
 every lookup in full, sampled or not at all (``verify=``), and in full before anything is derived
 from the entry (pre-packing) and by ``ortmem cache verify``.
@@ -43,7 +48,7 @@ import platformdirs
 from . import digest
 from .errors import CacheError
 from .filetrust import (PRIVATE_FILE_MODE, make_private_dir, open_new, parent_untrusted_reason, read_nofollow,
-                        untrusted_reason, write_new)
+                        stat_untrusted_reason, untrusted_reason, write_new)
 
 log = logging.getLogger(__name__)
 
@@ -131,14 +136,8 @@ class Entry:
         return sum(f.lstat().st_size for f in self.path.iterdir() if f.is_file() and not f.is_symlink())
 
     def owned_bytes(self) -> int:
-        """Disk this entry alone holds: files with no other link (a hard-linked source file stays
-        on disk after the entry goes, so removing the entry would not free it)."""
-        total = 0
-        for f in self.path.iterdir():
-            st = f.lstat()
-            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-                total += st.st_blocks * 512
-        return total
+        """Disk this entry alone holds (:func:`reclaimable_bytes`)."""
+        return reclaimable_bytes(self.path)
 
     def last_used(self) -> float:
         """When a lookup last returned this entry (its manifest's mtime, touched on every hit)."""
@@ -156,6 +155,52 @@ def spot_digest(path: Path, spans: list[tuple[int, int]]) -> str:
     return digest.sampled_digest(path, spans)
 
 
+def cache_file_problem(path: Path, *, size: Optional[int] = None, recorded: Optional[str] = None,
+                       owner_only: bool = True) -> Optional[str]:
+    """Why ``path``, a file in the cache, may not be read, or None.
+
+    The one check every file ortmem reads from its cache passes (an entry's files and manifest,
+    every other file in its folder, the pre-packed weights, their model and manifest), so no kind
+    of file is read unchecked: a symbolic link, a file another user owns (``owner_only``; hard-linked
+    sources keep their owner), one group or others may write (:mod:`ortmem.filetrust`), anything but
+    a regular file, a size other than ``size`` (when given), or content whose full digest is not
+    ``recorded`` (:mod:`ortmem.digest`; when given, and an empty string never matches) is refused.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"{path.name} missing"
+    except OSError as exc:
+        return f"{path.name} cannot be examined: {exc.strerror or exc}"
+    problem = stat_untrusted_reason(st, owner_only=owner_only)
+    if problem:
+        return f"{path.name} {problem}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path.name} is not a regular file"
+    if size is not None and st.st_size != size:
+        return f"{path.name} has the wrong size"
+    if recorded is not None and not digest.matches(path, recorded):
+        return f"{path.name} content changed (full digest)"
+    return None
+
+
+def reclaimable_bytes(path: Path) -> int:
+    """Disk that removing ``path`` (a file, or a folder and all in it) gives back: the allocated
+    blocks of files with no other hard link. Not apparent sizes (a preallocated or sparse file
+    differs) and not hard-linked sources, which stay on disk after the entry goes."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    if stat.S_ISDIR(st.st_mode):
+        try:
+            children = [Path(c.path) for c in os.scandir(path)]
+        except OSError:
+            return 0
+        return sum(reclaimable_bytes(c) for c in children)
+    return st.st_blocks * 512 if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
+
+
 class Cache:
     """Converted models, under ``<cache root>/converted`` unless another folder is given.
 
@@ -165,15 +210,21 @@ class Cache:
 
     def __init__(self, root: Optional[Path] = None, *, verify: str = digest.DEFAULT_VERIFY):
         self.verify_mode = digest.check_mode(verify)
+        problem: Optional[str] = None
         try:
             self.root = Path(root) if root is not None else cache_root() / "converted"
-            make_private_dir(self.root, parents=True)
+            if self.root.parent.is_dir():  # an untrusted parent gets nothing created in it
+                problem = parent_untrusted_reason(self.root)
+            if problem is None:
+                make_private_dir(self.root, parents=True)
         except OSError as exc:
             raise CacheError(f"cache folder cannot be created: {exc.strerror or exc}",
                              file=str(root if root is not None else "<cache root>")) from exc
-        problem = untrusted_reason(self.root) or parent_untrusted_reason(self.root)
+        problem = problem or untrusted_reason(self.root) or parent_untrusted_reason(self.root)
         if problem:
-            raise UntrustedCacheError(f"cache folder {problem}; it is not used", file=str(self.root))
+            raise UntrustedCacheError(f"cache folder {problem}; it is not used (ortmem changes no folder it "
+                                      "did not create: make it private, or give a shared parent the sticky bit)",
+                                      file=str(self.root))
 
     def entry(self, key: str) -> Entry:
         return Entry(key, self.root / key)
@@ -203,12 +254,18 @@ class Cache:
 
         ``mode`` (default: the cache's ``verify``): "full" digests every byte of every file,
         "sampled" the first and last page of every weight span, "off" checks sizes and the skeleton.
+        Every file in the entry's folder, listed in its manifest or not (pre-packed weights, and any
+        file a later kind of entry adds), passes :func:`cache_file_problem`: one symbolic link, file of
+        another user or file others may write, and the whole entry is refused. Names starting with "."
+        are a writer's temporaries, which no reader opens.
         """
         mode = digest.check_mode(mode or self.verify_mode)
-        for what, path in (("entry folder", e.path), (MANIFEST, e.path / MANIFEST)):
-            problem = untrusted_reason(path)
-            if problem:
-                return f"{what} {problem}"
+        problem = untrusted_reason(e.path)
+        if problem:
+            return f"entry folder {problem}"
+        problem = cache_file_problem(e.path / MANIFEST)
+        if problem:
+            return problem
         try:
             m = e.manifest()
         except (OSError, ValueError) as exc:
@@ -219,23 +276,23 @@ class Cache:
         digests = m.get("digests")
         if not isinstance(files, dict) or not isinstance(digests, dict) or MODEL_FILE not in files:
             return "manifest lists no files"
-        for name, size in files.items():
-            p = e.path / str(name)
+        for name in files:
             if os.sep in str(name) or str(name).startswith("."):
                 return f"manifest names {name!r}"
-            problem = untrusted_reason(p, owner_only=not str(name).startswith(SOURCE_LINK_PREFIX))
-            if problem:
-                return f"{name} {problem}"
-            try:
-                st = p.lstat()
-            except OSError:
+        try:
+            present = sorted(n for n in os.listdir(e.path) if not n.startswith("."))
+        except OSError as exc:
+            return f"entry folder unreadable: {exc.strerror or exc}"
+        for name in files:
+            if name not in present:
                 return f"{name} missing"
-            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-                return f"{name} missing or of the wrong size"
-        full = [MODEL_FILE] if mode != "full" else list(files)
-        for name in full:
-            if not digest.matches(e.path / name, digests.get(name)):
-                return f"{name} content changed (full digest)"
+        for name in present:
+            full = name in files and (mode == "full" or name == MODEL_FILE)
+            problem = cache_file_problem(e.path / name, size=files.get(name),
+                                         recorded=digests.get(name, "") if full else None,
+                                         owner_only=not name.startswith(SOURCE_LINK_PREFIX))
+            if problem:
+                return problem
         spans = [tuple(s) for s in m.get("spans", [])]
         if mode == "sampled" and spans and spot_digest(e.weights_path, spans) != m.get("spot_digest"):
             return f"{WEIGHTS_FILE} content changed (sampled digest)"
@@ -298,45 +355,28 @@ class Cache:
             raise
 
     @contextlib.contextmanager
-    def creating(self, key: str) -> Iterator[None]:
-        """Hold the creator lock of ``key`` (blocking): whoever holds it builds or adds to the entry;
-        others wait and then look again.
+    def creating(self, key: str, *, timeout: Optional[float] = None,
+                 inherited_fd: Optional[int] = None) -> Iterator[None]:
+        """Hold the creator lock of ``key``: whoever holds it builds or adds to the entry; others wait
+        (at most ``timeout`` seconds, default :func:`lock_timeout`) and then look again.
 
-        The lock is an ``flock`` on ``<root>/.lock-<key>``, removed by its holder before it lets go,
-        so nothing is left behind; a waiter that then holds a removed file (its inode is no longer
-        the path's) opens the path again. A lock that cannot be taken (no ``flock`` on this
-        filesystem) is skipped, which only costs duplicated work: the atomic rename still decides.
+        Raises :class:`LockBusyError` (naming the lock and its holder's pid) when another process still
+        holds it after ``timeout``: a stopped or starved holder must never stall later starts, so the
+        caller goes on without the entry's new work (loads the entry as it is, converts in memory).
+        ``timeout=0`` never waits. ``inherited_fd``: a descriptor of the lock file already locked by
+        the process that started this one (:mod:`ortmem.prepack_later`), adopted instead of locking anew.
+
+        The lock is an ``flock`` on ``<root>/.lock-<key>``, whose holder writes its pid into it and
+        removes it before it lets go, so nothing is left behind (:func:`acquire_creator_lock`). A lock
+        that cannot be taken at all (no ``flock`` on this filesystem) is skipped, which only costs
+        duplicated work: the atomic rename still decides.
         """
         path = creator_lock_path(self.root, key)
-        while True:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
-            except OSError as exc:
-                log.debug("ortmem: no creator lock for %s (%s)", key, exc)
-                fd = -1
-                break
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError as exc:
-                log.debug("ortmem: flock refused for %s (%s)", key, exc)
-                os.close(fd)
-                fd = -1
-                break
-            try:
-                if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                    break  # locked the file that is still at the path
-            except FileNotFoundError:
-                pass
-            os.close(fd)  # its holder removed it while we waited: lock the current one
+        fd = acquire_creator_lock(path, lock_timeout() if timeout is None else timeout, inherited_fd=inherited_fd)
         try:
             yield
         finally:
-            if fd >= 0:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                os.close(fd)  # releases the lock
+            release_creator_lock(path, fd)
 
     def get_or_build(self, key: str, builder: Callable[[Path], dict[str, Any]]) -> tuple[Entry, bool]:
         """(entry, hit): a verified existing entry, or a freshly built one."""
@@ -351,29 +391,43 @@ class Cache:
                 yield Entry(p.name, p)
 
     def clear(self) -> int:
-        """Remove every entry and leftover temporary folder; returns bytes freed."""
+        """Remove every entry and leftover temporary folder, and every creator lock no live process
+        holds (a held one stays: removing it would let a second creator in); returns the bytes of
+        disk freed (:func:`reclaimable_bytes`)."""
         freed = 0
         for p in list(self.root.iterdir()):
-            if p.is_dir() and not p.is_symlink():
-                freed += sum(f.lstat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+            if p.is_symlink():
+                _unlink_quiet(p)
+            elif is_lock_file(p):
+                remove_unheld_lock(p)
+            elif p.is_dir():
+                freed += reclaimable_bytes(p)
                 self._discard(p)
-            elif p.name.startswith(".") or p.is_symlink():
+            elif p.name.startswith("."):
+                freed += reclaimable_bytes(p)
                 _unlink_quiet(p)
         return freed
 
     def reclaim_stale(self, *, now: Optional[float] = None) -> int:
         """Remove crash leftovers: temporary and trash folders at the root and temporary files and
-        folders inside entries (pre-packing), whose writer is gone (see ``STALE_IDLE_SECONDS``).
-        Called by every writer and by prune/clear; returns how many were removed."""
+        folders inside entries (pre-packing), whose writer is gone (see ``STALE_IDLE_SECONDS``), and
+        creator lock files no live process holds (a creator killed after publishing leaves its lock
+        file behind: :func:`remove_unheld_lock`). Called by every writer and by prune/clear; returns
+        the bytes of disk freed (:func:`reclaimable_bytes`, counted before each removal)."""
         now = time.time() if now is None else now
-        removed = 0
+        freed = 0
         candidates: list[Path] = []
         try:
             top = list(self.root.iterdir())
         except OSError:
             return 0
         for p in top:
-            if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            if is_lock_file(p):
+                if p.is_symlink():
+                    _unlink_quiet(p)
+                else:
+                    remove_unheld_lock(p)
+            elif p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
                 candidates.append(p)
             elif not p.name.startswith(".") and p.is_dir() and not p.is_symlink():
                 try:
@@ -382,22 +436,22 @@ class Cache:
                     continue
         for c in candidates:
             if _is_stale(c, now):
+                freed += reclaimable_bytes(c)
                 if c.is_dir() and not c.is_symlink():
                     shutil.rmtree(c, ignore_errors=True)
                 else:
                     _unlink_quiet(c)
-                removed += 1
-        return removed
+        return freed
 
     def prune(self, max_bytes: int, *, keep: Optional[str] = None) -> int:
         """Discard least recently used entries until what the entries own on disk is at most
-        ``max_bytes`` (``keep``, e.g. the entry just built, is never discarded); returns bytes freed.
-        Crash leftovers are removed first.
+        ``max_bytes`` (``keep``, e.g. the entry just built, is never discarded); returns the bytes of
+        disk freed, crash leftovers (removed first, :meth:`reclaim_stale`) included.
 
         Safe beside live sessions: a discarded entry is renamed away before it is deleted, and a
         process that already mapped its files keeps them until it is done.
         """
-        self.reclaim_stale()
+        freed = self.reclaim_stale()
         known: list[tuple[float, Entry, int]] = []
         for e in self.entries():
             try:
@@ -406,7 +460,7 @@ class Cache:
                 continue
         entries = [e for _, e, _ in sorted(known, key=lambda k: k[0])]
         owned = {e.key: n for _, e, n in known}
-        total, freed = sum(owned.values()), 0
+        total = sum(owned.values())
         for e in entries:
             if total <= max_bytes:
                 break
@@ -426,8 +480,8 @@ class Cache:
 
         freed = self.prune(parse_bytes(limit), keep=keep)
         if freed:
-            log.info("ortmem: cache over ORTMEM_CACHE_MAX_SIZE=%s; removed %.1f MiB of least recently used "
-                     "entries", limit, freed / 2**20)
+            log.info("ortmem: cache limit ORTMEM_CACHE_MAX_SIZE=%s: removed %.1f MiB (least recently used "
+                     "entries, crash leftovers)", limit, freed / 2**20)
         return freed
 
     def _discard(self, path: Path) -> None:
@@ -447,6 +501,143 @@ def creator_lock_path(root: Path, key: str) -> Path:
     """The file :meth:`Cache.creating` locks for ``key``: it exists only while someone holds or waits
     for the lock (its holder removes it), so its presence says that work on the entry is under way."""
     return Path(root) / f".lock-{key}"
+
+
+#: Seconds a start waits for another process's creator lock before going on without it. Long
+#: enough for a multi-GB conversion on a slow disk (a 1.6 GB model converts in 5-13 s on a shared
+#: 2-core VM, docs/benchmarks.md), short enough that a stopped or starved holder costs a bounded delay.
+DEFAULT_LOCK_TIMEOUT = 120.0
+#: Overrides :data:`DEFAULT_LOCK_TIMEOUT` (seconds; 0: never wait).
+LOCK_TIMEOUT_ENV = "ORTMEM_LOCK_TIMEOUT"
+#: Longest pause between two tries of a busy lock (``flock`` itself cannot time out): a waiter takes a
+#: freed lock within this.
+LOCK_POLL_MAX_SECONDS = 0.05
+
+
+class LockBusyError(CacheError):
+    """Another process held a creator lock for longer than the caller would wait."""
+
+    def __init__(self, path: Path, holder: Optional[int], waited: float):
+        self.holder = holder
+        who = f"pid {holder}" if holder is not None else "another process"
+        super().__init__(f"the creator lock is held by {who}; gave up after {waited:g} s "
+                         f"(${LOCK_TIMEOUT_ENV} sets the limit)", file=str(path))
+
+
+def lock_timeout() -> float:
+    """``$ORTMEM_LOCK_TIMEOUT`` seconds, else :data:`DEFAULT_LOCK_TIMEOUT` (an unreadable value is
+    logged once per call and ignored: a typo must not turn the wait into forever or into none)."""
+    text = os.environ.get(LOCK_TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_LOCK_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        log.warning("ortmem: %s=%r is not a number of seconds; waiting at most %g s", LOCK_TIMEOUT_ENV, text,
+                    DEFAULT_LOCK_TIMEOUT)
+        return DEFAULT_LOCK_TIMEOUT
+    return value
+
+
+def lock_holder(path: Path) -> Optional[int]:
+    """The pid its holder wrote into a creator lock file (None: none yet, or the file is gone)."""
+    try:
+        text = read_nofollow(path)[:32].decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def acquire_creator_lock(path: Path, timeout: float, *, inherited_fd: Optional[int] = None) -> int:
+    """Lock ``path`` (``flock``, exclusive) within ``timeout`` seconds; returns the locked descriptor,
+    or -1 where this filesystem has no ``flock`` (the caller goes on unlocked). Raises
+    :class:`LockBusyError` when another process holds it past ``timeout``.
+
+    ``flock`` has no timeout of its own, so a busy lock is tried again after pauses growing to
+    :data:`LOCK_POLL_MAX_SECONDS`. The holder removes the file before it lets go, so a lock taken on
+    a file that is no longer the one at ``path`` is dropped and the path opened again.
+    """
+    deadline = time.monotonic() + max(timeout, 0.0)
+    pause = 0.002
+    fd = _adopted_lock(path, inherited_fd)
+    while fd is None:
+        try:
+            candidate = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except OSError as exc:
+            log.debug("ortmem: no creator lock %s (%s)", path, exc)
+            return -1
+        try:
+            fcntl.flock(candidate, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(candidate)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LockBusyError(path, lock_holder(path), timeout) from None
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, LOCK_POLL_MAX_SECONDS)
+            continue
+        except OSError as exc:
+            log.debug("ortmem: flock refused for %s (%s)", path, exc)
+            os.close(candidate)
+            return -1
+        if _locks_path(candidate, path):
+            fd = candidate
+        else:
+            os.close(candidate)  # its holder removed it meanwhile: lock the file now at the path
+    _write_holder(fd)
+    return fd
+
+
+def release_creator_lock(path: Path, fd: int) -> None:
+    """Remove the lock file (only while it is still the one ``fd`` locks) and let go of the lock."""
+    if fd < 0:
+        return
+    try:
+        if _locks_path(fd, path):
+            os.unlink(path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _adopted_lock(path: Path, fd: Optional[int]) -> Optional[int]:
+    """``fd`` when it is a lock on the file at ``path`` that this process now holds (locking again
+    through a descriptor whose open file already holds the lock succeeds at once); else None."""
+    if fd is None:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if _locks_path(fd, path):
+            return fd
+    except OSError:
+        pass
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    return None
+
+
+def _locks_path(fd: int, path: Path) -> bool:
+    """Whether ``fd`` is the file now at ``path`` (not one its holder removed)."""
+    try:
+        st = os.fstat(fd)
+        now = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+
+
+def _write_holder(fd: int) -> None:
+    """Write this process's pid into the lock it now holds, for the message of whoever waits on it."""
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
 
 
 def open_cache(root: Optional[Path] = None, *, verify: str = digest.DEFAULT_VERIFY) -> Optional[Cache]:
@@ -502,6 +693,31 @@ def _is_stale(path: Path, now: float) -> bool:
         return True
     pid = _writer_pid(path.name)
     return idle > STALE_IDLE_SECONDS and (pid is None or not _pid_alive(pid))
+
+
+def is_lock_file(path: Path) -> bool:
+    """Whether ``path`` is named as a creator lock (:func:`creator_lock_path`, whose name it asks)."""
+    return path.name.startswith(creator_lock_path(path.parent, "").name)
+
+
+def remove_unheld_lock(path: Path) -> bool:
+    """Remove the creator lock file ``path`` when no live process holds its lock; True if removed.
+
+    A creator killed after publishing leaves its lock file, which no one removes otherwise (and
+    whose presence tells :mod:`ortmem.prepack_later` that packing is under way). Safe beside live
+    processes: the lock is taken without waiting, exactly as a creator takes it, and the file removed
+    as its holder removes it (:func:`release_creator_lock`), so a holder keeps its lock and a waiter
+    that opened the old file opens the path again. Where ``flock`` is missing the file stays: who
+    holds it cannot be told there.
+    """
+    try:
+        fd = acquire_creator_lock(path, 0.0)
+    except CacheError:  # held by a live process
+        return False
+    if fd < 0:
+        return False
+    release_creator_lock(path, fd)
+    return True
 
 
 def _unlink_quiet(path: Path) -> None:

@@ -5,7 +5,9 @@ return their outputs (a planted entry, a swapped file, a symlink that turns a wr
 overwrite elsewhere). So the cache trusts a file or folder only when the current user owns it, it
 is not a symbolic link, and neither group nor others may write it; and everything the cache creates
 is private (0700 folders, 0600 files, ``O_EXCL|O_NOFOLLOW``), so an attacker cannot pre-create,
-replace or redirect it. See docs/cache-security.md for the threat model.
+replace or redirect it. A folder that already exists is never re-moded: it may be the user's own
+(``ORTMEM_CACHE_DIR``), and whether it can be trusted is for :func:`untrusted_reason` and
+:func:`parent_untrusted_reason` to say. See docs/cache-security.md for the threat model.
 """
 from __future__ import annotations
 
@@ -21,6 +23,25 @@ PRIVATE_FILE_MODE = 0o600
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
+def owner_uid(st: os.stat_result) -> int:
+    """The uid that owns a file, as every trust check reads it. One function, so a test that cannot
+    chown (not root) can give one chosen file another owner and see it refused
+    (tests/test_cache_security.py::test_an_entry_file_of_another_owner_is_refused)."""
+    return st.st_uid
+
+
+def stat_untrusted_reason(st: os.stat_result, *, owner_only: bool = True) -> Optional[str]:
+    """:func:`untrusted_reason` for a file already ``lstat``-ed (or ``fstat``-ed through an open
+    descriptor, which closes the gap between the check and the read)."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if owner_only and hasattr(os, "geteuid") and owner_uid(st) != os.geteuid():
+        return f"is owned by uid {owner_uid(st)}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
 def untrusted_reason(path: PathLike, *, owner_only: bool = True) -> Optional[str]:
     """None when ``path`` is neither a symlink nor writable by group/others and (``owner_only``)
     belongs to the current user; else why it may not be trusted. A missing path is not trusted."""
@@ -28,13 +49,7 @@ def untrusted_reason(path: PathLike, *, owner_only: bool = True) -> Optional[str
         st = os.lstat(path)
     except OSError as exc:
         return f"cannot be examined: {exc.strerror or exc}"
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symbolic link"
-    if owner_only and hasattr(os, "geteuid") and st.st_uid != os.geteuid():
-        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
+    return stat_untrusted_reason(st, owner_only=owner_only)
 
 
 def parent_untrusted_reason(path: PathLike) -> Optional[str]:
@@ -51,18 +66,16 @@ def parent_untrusted_reason(path: PathLike) -> Optional[str]:
 
 
 def make_private_dir(path: PathLike, *, parents: bool = False) -> None:
-    """Create ``path`` 0700 (ancestors, when created, too); an existing folder owned by this user
-    is tightened to 0700; anything else is left for :func:`untrusted_reason` to refuse."""
+    """Create ``path`` 0700 (ancestors, when created, too). A folder that is already there is left
+    exactly as it is, whoever made it: ortmem never changes the mode of a folder it did not create
+    (a user's 0777 ``ORTMEM_CACHE_DIR`` stays 0777); the caller's trust check then decides whether
+    it may be used (a world-writable folder without the sticky bit may not)."""
     path = Path(path)
     if parents and not path.parent.exists():
         make_private_dir(path.parent, parents=True)
     try:
         os.mkdir(path, PRIVATE_DIR_MODE)
     except FileExistsError:
-        st = os.lstat(path)
-        if stat.S_ISDIR(st.st_mode) and (not hasattr(os, "geteuid") or st.st_uid == os.geteuid()):
-            if stat.S_IMODE(st.st_mode) & 0o077:
-                os.chmod(path, PRIVATE_DIR_MODE)
         return
     os.chmod(path, PRIVATE_DIR_MODE)  # mkdir's mode is masked by the umask; be exact
 

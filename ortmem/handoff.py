@@ -32,7 +32,7 @@ from typing import Optional, Union
 
 import onnx
 
-from .cache import MODEL_FILE, Cache, Entry
+from .cache import MODEL_FILE, Cache, Entry, LockBusyError
 from .errors import CacheError, OrtmemError
 from .convert import convert_cached, lookup_converted, write_converted
 from .inmemory import InMemoryConversion, convert_in_memory
@@ -273,29 +273,43 @@ def _warm_start(entry: Entry, convert: ConvertOptions) -> Optional[Handoff]:
     otherwise be baked into every later session's pre-packed weights).
 
     The packing is normally done by then: the cold start left it to a background process after its
-    session's first run (:mod:`ortmem.prepack_later`), whose lock this start waits on. Otherwise
-    (small weights, no run yet, a packer that failed) this start packs, once, before ORT's session
-    exists, in groups of a few tensors, peaking well under the session itself.
+    session's first run (:mod:`ortmem.prepack_later`). Otherwise (small weights, no run yet, a packer
+    that failed) this start packs, once, under the entry's creator lock, before ORT's session exists,
+    in groups of a few tensors, peaking well under the session itself. It never waits for that lock:
+    whoever holds it (the packer, another worker packing, a process stopped or starved while it
+    packs) may take longer than ORT takes to load the entry itself, so a start that finds the lock
+    taken loads the entry at once ("cache-hit"; a later start maps the pre-packed weights).
     """
     if convert.prepacked and capabilities().prepacked_save:
         mode = convert.cache.verify_mode if convert.cache is not None else "full"
         path = prepacked_model(entry.path, mode)
-        if path is None:
-            if mode != "full" and convert.cache is not None:
-                problem = convert.cache.verify(entry, mode="full")
-                if problem is not None:
-                    log.warning("ortmem: cache entry %s is damaged (%s); rebuilding", entry.path, problem)
-                    convert.cache.discard(entry)
-                    convert.cache_hit = False
-                    return None
-            if convert.cache is not None:
-                with convert.cache.creating(entry.key):  # N workers, or the background packer: one packs
+        if path is None and convert.cache is not None:
+            try:
+                with convert.cache.creating(entry.key, timeout=0):  # N workers, or the background packer: one packs
+                    if _damaged_for_packing(entry, convert, mode):
+                        return None
                     path = prepacked_model(entry.path, mode) or _save_prepacked(entry, convert)
-            else:
-                path = _save_prepacked(entry, convert)
+            except LockBusyError as exc:
+                log.info("ortmem: another process is packing %s (%s); loading the entry itself", entry.path, exc)
+        elif path is None:
+            path = _save_prepacked(entry, convert)
         if path is not None:
             return Handoff(model=str(path), fallback=str(entry.model_path), action="pre-packed")
     return Handoff(model=str(entry.model_path), action="cache-hit")
+
+
+def _damaged_for_packing(entry: Entry, convert: ConvertOptions, mode: str) -> bool:
+    """Check an entry looked up with ``verify="sampled"``/``"off"`` in full before packing from it;
+    a damaged one is discarded (True: the caller converts again)."""
+    if mode == "full" or convert.cache is None:
+        return False
+    problem = convert.cache.verify(entry, mode="full")
+    if problem is None:
+        return False
+    log.warning("ortmem: cache entry %s is damaged (%s); rebuilding", entry.path, problem)
+    convert.cache.discard(entry)
+    convert.cache_hit = False
+    return True
 
 
 def _save_prepacked(entry: Entry, convert: ConvertOptions) -> Optional[Path]:

@@ -20,11 +20,19 @@ So the cold start hands the packing to a separate, niced process (``python -m
 ortmem.prepack_later``) once its session has finished its **first run**: not during creation (it
 would stack on the session's creation peak and compete with ORT for this machine's cores) and not
 before the first request is answered (the first run allocates the session's activations; later runs
-reuse them). The packer holds the entry's creator lock (:meth:`ortmem.cache.Cache.creating`) while
-it packs: a second start that arrives meanwhile waits for it and then maps the result instead of
-packing again; one that arrives before it took the lock packs itself, and the packer then finds the
-files and stops. If the packer fails or is killed, nothing is published (``prepacked.json`` goes
-last) and the next start packs, as before. Its memory is its own process's: the fixed cost of
+reuse them).
+
+One packer per entry, whatever the process layout: the process whose session ran takes the entry's
+creator lock (:meth:`ortmem.cache.Cache.creating`) without waiting *before* it starts the packer and
+hands the locked descriptor to it, so the packer holds the lock from its first instruction to its
+exit. Workers forked after ``--preload`` inherit the cold start's pending packing, and each one's
+first run tries that lock: one wins, the others find it taken (or ``prepacked.json`` published) and
+start nothing. Separate servers on one cache meet at the same lock. A second start that arrives
+while the packer works never waits for it: it loads the entry itself at once (ORT packs on its heap,
+as a plain cache hit), which is faster than waiting for a niced packer; one that arrives before the
+lock was taken packs itself under it, and the packer then finds the files and stops. If the packer
+fails or is killed, nothing is published (``prepacked.json`` goes last), the kernel releases its lock,
+and the next start packs, as before. Its memory is its own process's: the fixed cost of
 Python with onnxruntime plus one group of ``B`` (``ortmem.prepacked.DEFAULT_GROUP_BYTES``), returned
 whole when it exits: 167 MiB at its peak for 1.6 s on the demo model (onnxruntime 1.32.0,
 ``/usr/bin/time -v python -m ortmem.prepack_later ...``), where the session itself peaks at 524 MiB.
@@ -46,7 +54,9 @@ from typing import Optional
 
 import onnxruntime as ort
 
-from .cache import WEIGHTS_FILE, Cache, Entry, creator_lock_path
+from .cache import (WEIGHTS_FILE, Cache, Entry, LockBusyError, acquire_creator_lock, creator_lock_path,
+                    release_creator_lock)
+from .helper_env import helper_environment
 from .prepacked import PREPACKED_MANIFEST, packing_settings, prepacked_model, save_prepacked
 
 log = logging.getLogger(__name__)
@@ -61,6 +71,18 @@ _started: list[subprocess.Popen] = []
 _lock = threading.Lock()
 
 
+def _forget_parents_packers() -> None:
+    """In a forked child: the parent's packers are not this process's to count or wait for, and a
+    lock some other thread of the parent held at the fork would never be released here."""
+    global _lock
+    _lock = threading.Lock()
+    _started.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parents_packers)
+
+
 @dataclass
 class PrepackLater:
     """What the packer needs to pack one entry: where it is, and the options packing depends on."""
@@ -70,31 +92,50 @@ class PrepackLater:
     verify: str = "full"
     config: dict[str, str] = field(default_factory=dict)
     intra_op_num_threads: int = 0
+    #: In the packer: the descriptor of the entry's creator lock, locked by the process that started it.
+    lock_fd: Optional[int] = None
 
     def start(self) -> Optional[subprocess.Popen]:
-        """Start the packer (detached; reaped by a daemon thread); None when the entry is already
-        packed, another process is packing it, or the process cannot be started (logged: the next
-        start packs then)."""
-        if (Path(self.cache_root) / self.key / PREPACKED_MANIFEST).exists():
+        """Start the packer (detached; reaped by a daemon thread) holding the entry's creator lock;
+        None when the entry is already packed, another process holds the lock (packing it, or
+        starting a packer: workers forked after a ``--preload`` share this job), or the process
+        cannot be started (logged: the next start packs then)."""
+        done = Path(self.cache_root) / self.key / PREPACKED_MANIFEST
+        if done.exists():
             return None
-        if creator_lock_path(Path(self.cache_root), self.key).exists():
-            return None  # another process packs it now (workers forked after a --preload share this job)
-        env = dict(os.environ)
-        package_parent = str(Path(__file__).resolve().parent.parent)  # the child imports this very ortmem
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
-        env.pop("ORTMEM_HOOK", None)  # session_hook.ENV_SWITCH: ortmem's own process is never hooked
+        lock = creator_lock_path(Path(self.cache_root), self.key)
         try:
-            proc = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(asdict(self))], env=env,
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    close_fds=True, start_new_session=True)
+            fd = acquire_creator_lock(lock, 0)  # the claim: never waits (-1: no flock on this filesystem)
+        except LockBusyError:
+            return None
+        proc = None
+        try:
+            if not done.exists():  # not published while we took the lock
+                proc = self._spawn(fd)
+        finally:
+            if proc is None or fd < 0:
+                release_creator_lock(lock, fd)
+            else:
+                os.close(fd)  # the packer's copy holds the lock now; it removes the file when done
+        if proc is not None:
+            with _lock:
+                _started.append(proc)  # a process starts one per cold start: kept for wait_background
+            threading.Thread(target=proc.wait, name="ortmem-prepack-reaper", daemon=True).start()
+            log.info("ortmem: packing ORT's weights for %s in the background (pid %d)", self.key, proc.pid)
+        return proc
+
+    def _spawn(self, lock_fd: int) -> Optional[subprocess.Popen]:
+        """The packer process, given ``lock_fd`` (the locked creator lock; -1: none) under the same number."""
+        env = helper_environment()  # unhooked, this very ortmem; its job is the user's cache entry
+        passed = (lock_fd,) if lock_fd >= 0 else ()
+        job = json.dumps({**asdict(self), "lock_fd": lock_fd if passed else None})
+        try:
+            return subprocess.Popen([sys.executable, "-m", __name__, job], env=env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+                                    pass_fds=passed, start_new_session=True)
         except OSError as exc:
             log.info("ortmem: could not start the background packer (%s); the next start packs", exc)
             return None
-        with _lock:
-            _started.append(proc)  # a process starts one per cold start: kept for wait_background
-        threading.Thread(target=proc.wait, name="ortmem-prepack-reaper", daemon=True).start()
-        log.info("ortmem: packing ORT's weights for %s in the background (pid %d)", self.key, proc.pid)
-        return proc
 
 
 def prepack_later_for(entry: Entry, cache: Cache, sess_options: Optional[object]) -> Optional[PrepackLater]:
@@ -129,29 +170,40 @@ def wait_background(timeout: Optional[float] = None) -> bool:
 
 
 def run(job: PrepackLater) -> Optional[Path]:
-    """The packer's work (in the background process): under the entry's creator lock, check the entry
-    in full, then save its pre-packed weights unless another process already did."""
-    if not (Path(job.cache_root) / job.key).is_dir():  # cleared meanwhile: create nothing
+    """The packer's work (in the background process): under the entry's creator lock (handed over by
+    its starter, else taken here without waiting), check the entry in full, then save its pre-packed
+    weights unless another process already did. Another holder of the lock means another process is
+    packing the entry: this one stops at once."""
+    if not Path(job.cache_root).is_dir():  # cleared meanwhile (lock file and all): create nothing
         return None
     cache = Cache(Path(job.cache_root), verify=job.verify)
-    entry = cache.entry(job.key)
-    with cache.creating(job.key):
-        done = prepacked_model(entry.path, job.verify)
-        if done is not None or not entry.path.is_dir():
-            return done
-        problem = cache.verify(entry, mode="full")  # nothing is derived from an entry not checked in full
-        if problem is not None:
-            log.warning("ortmem: not packing %s (%s)", entry.path, problem)
-            return None
-        so = ort.SessionOptions()
-        for k, v in job.config.items():
-            so.add_session_config_entry(k, v)
-        if job.intra_op_num_threads:
-            so.intra_op_num_threads = job.intra_op_num_threads
-        path = save_prepacked(entry.path, sess_options=so)
+    try:  # an entry cleared meanwhile is seen under the lock, which is then let go and its file removed
+        with cache.creating(job.key, timeout=0, inherited_fd=job.lock_fd):
+            path = _pack(cache, job)
+    except LockBusyError as exc:
+        log.info("ortmem: not packing %s: another process is (%s)", job.key, exc)
+        return None
     if path is not None:
         cache.enforce_limit(keep=job.key)  # the entry just grew
     return path
+
+
+def _pack(cache: Cache, job: PrepackLater) -> Optional[Path]:
+    """:func:`run`'s work once it holds the lock."""
+    entry = cache.entry(job.key)
+    done = prepacked_model(entry.path, job.verify)
+    if done is not None or not entry.path.is_dir():
+        return done
+    problem = cache.verify(entry, mode="full")  # nothing is derived from an entry not checked in full
+    if problem is not None:
+        log.warning("ortmem: not packing %s (%s)", entry.path, problem)
+        return None
+    so = ort.SessionOptions()
+    for k, v in job.config.items():
+        so.add_session_config_entry(k, v)
+    if job.intra_op_num_threads:
+        so.intra_op_num_threads = job.intra_op_num_threads
+    return save_prepacked(entry.path, sess_options=so)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -44,7 +44,15 @@ blobs up in the tensor's own file, and reads ``B`` again on every reload), then 
 the entry's ``model.onnx`` with only those ``B`` initializers redirected to ``prepacked.bin`` (every
 other tensor still maps from ``weights.bin``; the graph is the original one, not an ORT-optimized
 dump, so nothing hardware-specific but the blobs is baked in). ``prepacked.json`` is written last
-and records what the blobs are valid for (:func:`prepacked_key_parts`) and a digest.
+and records what the blobs are valid for (:func:`prepacked_key_parts`) and a full digest of each file.
+Before any of them is used, every one (the manifest too) passes the cache's one file check
+(:func:`ortmem.cache.cache_file_problem`: owner, mode, no symbolic link, size, digest).
+
+A full disk: the entry may fit where its pre-packed files do not. ORT then fails with "Failed to write
+... external file", naming no cause; :func:`save_prepacked` tells it by the free space left on the
+entry's filesystem and raises :class:`NoSpaceError` naming the folder, and records in the entry's
+manifest how much was free, so later warm starts do not pack again (each attempt costs a packing
+session) until more than that is free.
 
 Use: ``save_prepacked(entry_dir)`` once (any process; a later call replaces the files with the same
 bytes), then on every warm start ``prepacked_model(entry_dir)`` (None: load ``model.onnx``). The
@@ -54,6 +62,7 @@ converted ``weights.bin`` stays the source of every other tensor; ``prepacked.bi
 from __future__ import annotations
 
 import copy
+import errno
 import hashlib
 import json
 import logging
@@ -71,7 +80,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from . import digest as content_digest
-from .cache import MODEL_FILE, WEIGHTS_FILE, fsync_dir
+from .cache import MANIFEST, MODEL_FILE, WEIGHTS_FILE, Entry, cache_file_problem, fsync_dir
 from .filetrust import PRIVATE_FILE_MODE, make_private_dir, open_new, read_nofollow, write_new
 from .errors import CacheError
 from .options import get_config
@@ -85,7 +94,7 @@ PREPACKED_MODEL = "model.prepacked.onnx"
 PREPACKED_DATA = "prepacked.bin"
 PREPACKED_MANIFEST = "prepacked.json"
 #: Bumped whenever what this module writes changes.
-PREPACKED_FORMAT = 2  # 2: full digests of both files
+PREPACKED_FORMAT = 3  # 2: full digests of both files; 3: every file's digest in ortmem.digest's form
 #: ``B`` bytes packed per throw-away session. The saver's peak is about the session's fixed cost
 #: plus ~3.5x this (``B`` mapped, packed copy kept for saving, the copy ORT writes); a single
 #: larger ``B`` gets a group of its own.
@@ -101,8 +110,22 @@ _SUB_DIR_PREFIX = ".prepack-"
 # it packs every tensor of a session at once (on the demo model's reload it lifts the creation peak
 # from 200 to 459 MiB), so a warm start should not set it either.
 _COPIED_CONFIG = ("mlas.enable_gemm_fastmath_arm64_bfloat16", "mlas.use_kleidiai")
+#: Free bytes below which a failed packing session is put down to a full disk. A write that runs out
+#: of space fills the filesystem to its last block first (a partial write, then ENOSPC), and ORT's
+#: partial file is still there when this is checked; a filesystem with a MiB free did not fill.
+NEARLY_FULL_BYTES = 1 << 20
+#: Key of the entry manifest's record of a packing that found the disk full (:func:`save_prepacked`).
+NO_SPACE_RECORD = "prepacked_no_space"
+#: More free bytes than the failed attempt had before packing is tried again.
+NO_SPACE_RETRY_MARGIN = 1 << 20
+
+
 class PrepackError(CacheError):
     """Pre-packed weights could not be written (a full disk, an ORT failure in a packing session)."""
+
+
+class NoSpaceError(PrepackError):
+    """The entry's filesystem has no room for its pre-packed weights (names the folder)."""
 
 
 # ------------------------------------------------------------------------------------------ key
@@ -163,34 +186,39 @@ def _digest(path: Path, spans: Iterable[tuple[int, int]]) -> str:
     return h.hexdigest()
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(read_nofollow(path)).hexdigest()
-
-
 def verify_prepacked(entry_dir: Path, mode: str = content_digest.DEFAULT_VERIFY) -> Optional[str]:
     """None when ``entry_dir``'s pre-packed model may be used on this machine and ORT; otherwise why
-    not. ``mode`` as the cache's ``verify``: "full" digests every byte of both files (xxh3, about
-    0.05 s/GB, see ortmem.digest), "sampled" checks sampled pages (:func:`_digest`), "off" sizes."""
+    not. Every file (manifest, model, data, the base model it was packed from) passes the cache's one
+    check (:func:`ortmem.cache.cache_file_problem`: owner, mode, no symbolic link, size). ``mode`` as
+    the cache's ``verify``: "full" digests every byte of every file (xxh3, about 0.05 s/GB, see
+    ortmem.digest), "sampled" checks sampled pages of the data (:func:`_digest`), "off" its size; the
+    models are small and always digested in full."""
     entry_dir = Path(entry_dir)
-    try:
-        m = json.loads(read_nofollow(entry_dir / PREPACKED_MANIFEST))
-    except FileNotFoundError:
+    manifest = entry_dir / PREPACKED_MANIFEST
+    if not os.path.lexists(manifest):
         return "no pre-packed weights saved"
+    problem = cache_file_problem(manifest)
+    if problem:
+        return problem
+    try:
+        m = json.loads(read_nofollow(manifest))
     except (OSError, ValueError) as exc:
         return f"{PREPACKED_MANIFEST} unreadable: {exc}"
-    if m.get("key_parts") != prepacked_key_parts():
+    if not isinstance(m, dict) or m.get("key_parts") != prepacked_key_parts():
         return "saved for another onnxruntime version, CPU or format"
-    data, model = entry_dir / PREPACKED_DATA, entry_dir / PREPACKED_MODEL
+    base = str(m.get("base_model", MODEL_FILE))
+    if os.sep in base or base.startswith("."):
+        return f"{PREPACKED_MANIFEST} names {base!r}"
+    digests = m.get("digests") if isinstance(m.get("digests"), dict) else {}
+    data = entry_dir / PREPACKED_DATA
+    checks = ((entry_dir / PREPACKED_MODEL, None, digests.get(PREPACKED_MODEL, "")),
+              (entry_dir / base, None, digests.get(base, "")),
+              (data, m.get("data_size", -1), digests.get(PREPACKED_DATA, "") if mode == "full" else None))
+    for path, size, recorded in checks:
+        problem = cache_file_problem(path, size=size, recorded=recorded)
+        if problem:
+            return problem
     try:
-        if data.stat().st_size != m.get("data_size"):
-            return f"{PREPACKED_DATA} has the wrong size"
-        if _sha256(model) != m.get("model_sha256"):
-            return f"{PREPACKED_MODEL} changed"
-        base = entry_dir / m.get("base_model", MODEL_FILE)
-        if m.get("base_model_sha256") and _sha256(base) != m["base_model_sha256"]:
-            return f"{base.name} changed since the weights were packed"
-        if mode == "full" and not content_digest.matches(data, m.get("data_digest")):
-            return f"{PREPACKED_DATA} content changed (full digest)"
         if mode == "sampled" and _digest(data, [tuple(s) for s in m.get("spans", [])]) != m.get("digest"):
             return f"{PREPACKED_DATA} content changed"
     except OSError as exc:
@@ -399,14 +427,94 @@ def save_prepacked(entry_dir: Path, *, sess_options: Optional[ort.SessionOptions
     only, when given), ``session.disable_prepacking=1`` in
     ``sess_options``, or ORT packs none of them on this CPU). Never holds more than one group of
     ``group_bytes`` of ``B`` (plus its packing) in memory. Raises :class:`PrepackError` (a
-    ``CacheError``) if a packing session fails or the disk fills; the entry is left without
-    pre-packed files then.
+    ``CacheError``) if a packing session fails, :class:`NoSpaceError` if the disk fills; the entry is
+    left without pre-packed files then. A full disk is recorded in the entry's manifest (when the
+    folder is a cache entry) with the free space the attempt had: until more than that is free, later
+    calls raise :class:`NoSpaceError` at once instead of packing again.
     """
-    start = time.perf_counter()
     entry_dir = Path(entry_dir)
-    rep = report if report is not None else PrepackReport(None)
     if not session_settings(sess_options).prepacking:
         return None
+    free = free_bytes(entry_dir)
+    refusal = _known_too_full(entry_dir, free)
+    if refusal:
+        raise NoSpaceError(refusal, file=str(entry_dir))
+    try:
+        path = _pack_and_save(entry_dir, sess_options=sess_options, model_name=model_name,
+                              weights_name=weights_name, group_bytes=group_bytes, report=report)
+    except NoSpaceError:
+        _record_no_space(entry_dir, free)  # after the attempt's files are gone: there is room for it
+        raise
+    if path is not None:
+        _record_no_space(entry_dir, None)
+    return path
+
+
+def free_bytes(folder: Path) -> Optional[int]:
+    """Bytes an unprivileged writer may still use on ``folder``'s filesystem (None: unknown)."""
+    try:
+        st = os.statvfs(folder)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _known_too_full(entry_dir: Path, free: Optional[int]) -> Optional[str]:
+    """Why packing is not tried now: an earlier attempt found the disk full with at least as much
+    free as now (None: try). Only a record for this ORT and CPU counts (other blobs, other sizes)."""
+    record = _entry_manifest(entry_dir).get(NO_SPACE_RECORD)
+    if free is None or not isinstance(record, dict) or record.get("key_parts") != prepacked_key_parts():
+        return None
+    had = record.get("free_bytes")
+    if not isinstance(had, int) or free > had + NO_SPACE_RETRY_MARGIN:
+        return None
+    return (f"no space left on device in {entry_dir} for pre-packed weights: packing found it full with "
+            f"{had / 2**20:.1f} MiB free and is not tried again until more than "
+            f"{(had + NO_SPACE_RETRY_MARGIN) / 2**20:.1f} MiB is ({free / 2**20:.1f} MiB now)")
+
+
+def _entry_manifest(entry_dir: Path) -> dict[str, Any]:
+    """The cache entry's manifest when ``entry_dir`` is an entry whose manifest passes the cache's
+    file check; else {} (a folder outside the cache has none)."""
+    path = entry_dir / MANIFEST
+    if not os.path.lexists(path) or cache_file_problem(path):
+        return {}
+    try:
+        m = json.loads(read_nofollow(path))
+    except (OSError, ValueError):
+        return {}
+    return m if isinstance(m, dict) else {}
+
+
+def _record_no_space(entry_dir: Path, free: Optional[int]) -> None:
+    """Record in the entry's manifest that packing found the disk full with ``free`` bytes free
+    (None: forget an earlier record). Best effort: without the record the next start only tries
+    again."""
+    m = _entry_manifest(entry_dir)
+    if not m or (free is None and NO_SPACE_RECORD not in m):
+        return
+    if free is None:
+        m.pop(NO_SPACE_RECORD)
+    else:
+        m[NO_SPACE_RECORD] = {"free_bytes": free, "key_parts": prepacked_key_parts(), "at": time.time()}
+    try:
+        Entry(entry_dir.name, entry_dir).rewrite_manifest(m)
+    except OSError as exc:
+        log.debug("ortmem: could not record the full disk in %s (%s)", entry_dir, exc)
+
+
+def _no_space(entry_dir: Path, what: str, exc: BaseException) -> NoSpaceError:
+    """The error for a write into ``entry_dir`` that found its filesystem full."""
+    last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+    detail = last.rsplit(" : ", 1)[-1][-300:]  # ORT's own words, without its source location prefix
+    return NoSpaceError(f"no space left on device in {entry_dir}: {what} ({detail})", file=str(entry_dir))
+
+
+def _pack_and_save(entry_dir: Path, *, sess_options: Optional[ort.SessionOptions], model_name: str,
+                   weights_name: Optional[str], group_bytes: int, report: Optional[PrepackReport]) -> Optional[Path]:
+    """:func:`save_prepacked`'s packing and publishing, every temporary file removed on return."""
+    start = time.perf_counter()
+    rep = report if report is not None else PrepackReport(None)
     base_path = entry_dir / model_name
     model = onnx.load(str(base_path), load_external_data=False)
     packables, rep.skipped = _packables(model, entry_dir, weights_name)
@@ -447,6 +555,9 @@ def save_prepacked(entry_dir: Path, *, sess_options: Optional[ort.SessionOptions
                                                 providers=["CPUExecutionProvider"])
                     del sess
                 except Exception as exc:  # ORT raises its own pybind exception types
+                    left = free_bytes(entry_dir)  # before its partial file goes (the finally below)
+                    if left is not None and left < NEARLY_FULL_BYTES:
+                        raise _no_space(entry_dir, "onnxruntime could not write the packed weights", exc) from exc
                     raise PrepackError(f"packing session failed: {exc}", file=str(entry_dir)) from exc
                 finally:
                     _trim()
@@ -503,12 +614,12 @@ def save_prepacked(entry_dir: Path, *, sess_options: Optional[ort.SessionOptions
             "key_parts": prepacked_key_parts(),
             "created": time.time(),
             "base_model": model_name,
-            "base_model_sha256": _sha256(base_path),
-            "model_sha256": _sha256(tmp_model),
             "data_size": tmp_data.stat().st_size,
             "spans": spans,
             "digest": _digest(tmp_data, spans),
-            "data_digest": content_digest.file_digest(tmp_data),
+            "digests": {model_name: content_digest.file_digest(base_path),
+                        PREPACKED_MODEL: content_digest.file_digest(tmp_model),
+                        PREPACKED_DATA: content_digest.file_digest(tmp_data)},
             "tensors": rep.tensors,
             "blob_bytes": rep.blob_bytes,
         }
@@ -525,6 +636,8 @@ def save_prepacked(entry_dir: Path, *, sess_options: Optional[ort.SessionOptions
         rep.model = entry_dir / PREPACKED_MODEL
         return rep.model
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _no_space(entry_dir, "the pre-packed weights could not be written", exc) from exc
         raise PrepackError(f"pre-packed weights could not be written: {exc}", file=str(entry_dir)) from exc
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -24,7 +24,8 @@ import pytest
 
 import ortmem
 from ortmem import prepacked as pp
-from ortmem.cache import Cache, UntrustedCacheError
+from ortmem import filetrust
+from ortmem.cache import SOURCE_LINK_PREFIX, Cache, UntrustedCacheError, creator_lock_path
 from ortmem.cli import main as cli_main
 from ortmem.filetrust import open_new, untrusted_reason, write_new
 from ortmem.loader import load
@@ -501,3 +502,278 @@ ortmem.InferenceSession(sys.argv[1], cache=sys.argv[2], progress=progress)
     assert not any(p.exists() for p in leftovers)
     assert sess.ortmem_report is not None
     _assert_same(sess.run(None, FEEDS), _ort(path))
+
+
+# ------------------------------------------- issue 20: every cache file checked, smaller faults
+#: Every file a warm start reads from an entry with pre-packed weights (besides ``source-*`` links).
+#: ``test_every_entry_file_is_in_the_trust_matrix`` fails when an entry gains a file not listed here.
+ENTRY_FILES = ("manifest.json", "model.onnx", "weights.bin", pp.PREPACKED_MODEL, pp.PREPACKED_DATA,
+               pp.PREPACKED_MANIFEST)
+_OWNER_WAYS = ["fake", pytest.param("chown", marks=pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root"))]
+#: Another user's uid (``nobody``, unless the tests run as ``nobody``).
+OTHER_UID = 65534 if os.geteuid() != 65534 else 65533
+
+
+def _prepacked_entry(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(model, cache, entry): the entry built and its pre-packed weights saved and used once."""
+    path = _model(tmp_path / "m")
+    cache = tmp_path / "cache"
+    ortmem.InferenceSession(path, cache=cache)
+    warm = ortmem.InferenceSession(path, cache=cache)
+    assert warm.ortmem_cache_hit and Path(warm._ortmem_handoff.model).name == pp.PREPACKED_MODEL
+    return path, cache, _entry_dir(warm)
+
+
+def _refused_then_rebuilt(path: Path, cache: Path, name: str, why: str, caplog) -> None:
+    """The next start refuses the tampered entry (one warning naming the file and why), converts
+    afresh with ORT's outputs, and the start after it is warm again on private files."""
+    expected = _ort(path)
+    with caplog.at_level(logging.WARNING, logger="ortmem"):
+        sess = ortmem.InferenceSession(path, cache=cache)
+    assert not sess.ortmem_cache_hit and sess.ortmem_report is not None, f"a tampered {name} was used"
+    assert any(f"{name} {why}" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    _assert_same(sess.run(None, FEEDS), expected)
+
+
+def _warm_again(path: Path, cache: Path) -> None:
+    warm = ortmem.InferenceSession(path, cache=cache)
+    entry = _entry_dir(warm)
+    assert warm.ortmem_cache_hit and Path(warm._ortmem_handoff.model).name == pp.PREPACKED_MODEL
+    for name in ENTRY_FILES:
+        assert untrusted_reason(entry / name) is None, name
+    _assert_same(warm.run(None, FEEDS), _ort(path))
+
+
+@needs_saving
+def test_every_entry_file_is_in_the_trust_matrix(tmp_path):
+    """A new kind of file in an entry must be added to ENTRY_FILES, and so to the tests below."""
+    _, _, entry = _prepacked_entry(tmp_path)
+    names = {p.name for p in entry.iterdir() if not p.name.startswith(SOURCE_LINK_PREFIX)}
+    assert names == set(ENTRY_FILES)
+
+
+@needs_saving
+@pytest.mark.parametrize("name", ENTRY_FILES)
+@pytest.mark.parametrize("way", _OWNER_WAYS)
+def test_an_entry_file_of_another_owner_is_refused(tmp_path, monkeypatch, caplog, name, way):
+    """Issue 20, finding 5: pre-packed files owned by another user were used. Without root, the file
+    gets a fake owner through the one function every trust check reads owners with."""
+    path, cache, entry = _prepacked_entry(tmp_path)
+    target = entry / name
+    with monkeypatch.context() as m:
+        if way == "chown":
+            os.chown(target, OTHER_UID, OTHER_UID)
+        else:
+            st = target.lstat()
+            m.setattr(filetrust, "owner_uid",
+                      lambda s: OTHER_UID if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino) else s.st_uid)
+        _refused_then_rebuilt(path, cache, name, f"is owned by uid {OTHER_UID}", caplog)
+    _warm_again(path, cache)
+
+
+def _writable_by_others(target: Path, spare: Path) -> str:
+    os.chmod(target, 0o666)
+    return "is writable by group or others"
+
+
+def _symlink_to_a_copy(target: Path, spare: Path) -> str:
+    """``target`` replaced by a symbolic link to an identical copy: only the link gives it away."""
+    shutil.copy2(target, spare / target.name)
+    target.unlink()
+    target.symlink_to(spare / target.name)
+    return "is a symbolic link"
+
+
+@needs_saving
+@pytest.mark.parametrize("name", ENTRY_FILES + ("source-",))
+@pytest.mark.parametrize("tamper", [_writable_by_others, _symlink_to_a_copy], ids=["mode-0666", "symlink"])
+def test_an_entry_file_others_may_write_or_a_symlink_is_refused(tmp_path, caplog, name, tamper):
+    """Issue 20, finding 5: pre-packed files with mode 0666 were used."""
+    path, cache, entry = _prepacked_entry(tmp_path)
+    target = next(p for p in sorted(entry.iterdir()) if p.name.startswith(name))
+    data = next(p for p in path.parent.iterdir() if p != path)  # what source-* links are
+    before = stat.S_IMODE(data.stat().st_mode)
+    (tmp_path / "spare").mkdir()
+    why = tamper(target, tmp_path / "spare")
+    try:
+        _refused_then_rebuilt(path, cache, target.name, why, caplog)
+    finally:
+        os.chmod(data, before)  # a source-* link is the user's own model file
+    _warm_again(path, cache)
+
+
+def test_a_users_world_writable_cache_dir_is_left_alone_and_not_used(tmp_path, monkeypatch, caplog):
+    """Issue 20, finding 8: a user's own 0777 ORTMEM_CACHE_DIR was silently made 0700. It keeps its
+    mode; without the sticky bit others could swap what is in it, so it is not used: one warning,
+    conversion in memory, nothing created in it."""
+    root = tmp_path / "mine"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    monkeypatch.setenv("ORTMEM_CACHE_DIR", str(root))
+    path = _model(tmp_path / "m")
+    with caplog.at_level(logging.WARNING, logger="ortmem"):
+        sess = ortmem.InferenceSession(path)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o777
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "without the sticky bit" in warnings[0], warnings
+    assert sess.ortmem_report is not None and not sess.ortmem_cache_hit
+    assert list(root.iterdir()) == []
+    _assert_same(sess.run(None, FEEDS), _ort(path))
+
+
+def test_a_sticky_world_writable_cache_dir_is_used_through_a_private_folder(tmp_path, monkeypatch):
+    """With the sticky bit (as /tmp has) nobody can rename or remove another's files: ortmem keeps its
+    entries in the private folder it creates there, and leaves the folder's own mode alone."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, 0o1777)
+    monkeypatch.setenv("ORTMEM_CACHE_DIR", str(root))
+    path = _model(tmp_path / "m")
+    ortmem.InferenceSession(path)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o1777
+    assert stat.S_IMODE((root / "converted").stat().st_mode) == 0o700
+    again = ortmem.InferenceSession(path)
+    assert again.ortmem_cache_hit and _entry_dir(again).parent == root / "converted"
+    _assert_same(again.run(None, FEEDS), _ort(path))
+
+
+def _hold_lock(cache_dir: Path, key: str) -> subprocess.Popen:
+    """A process that takes ``key``'s creator lock as a creator does and keeps it until stopped."""
+    Cache(cache_dir)
+    child = subprocess.Popen([sys.executable, "-c", r"""
+import sys, time
+from pathlib import Path
+from ortmem.cache import Cache
+with Cache(Path(sys.argv[1])).creating(sys.argv[2]):
+    print("locked", flush=True)
+    time.sleep(120)
+""", str(cache_dir), key], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "locked"
+    return child
+
+
+def _stop(child: subprocess.Popen) -> None:
+    if child.poll() is None:
+        child.kill()
+    child.wait(timeout=30)
+
+
+def test_a_lock_left_by_a_killed_creator_is_pruned(tmp_path):
+    """Issue 20, finding 8: a creator killed after publishing left ``.lock-<key>`` for good (and with
+    it, prepack_later's sign that packing is under way): prune removes a lock file nobody holds."""
+    cache_dir = tmp_path / "cache"
+    lock = creator_lock_path(cache_dir, "k" * 32)
+    child = _hold_lock(cache_dir, "k" * 32)
+    try:
+        os.kill(child.pid, 9)
+    finally:
+        _stop(child)
+    assert lock.exists()  # what the kill leaves
+    Cache(cache_dir).prune(2**40)
+    assert not lock.exists()
+
+
+def test_a_lock_a_live_process_holds_survives_prune_and_clear(tmp_path):
+    """Removing a held lock's file would let a second creator in beside the first."""
+    cache_dir = tmp_path / "cache"
+    lock = creator_lock_path(cache_dir, "k" * 32)
+    child = _hold_lock(cache_dir, "k" * 32)
+    try:
+        Cache(cache_dir).prune(2**40)
+        Cache(cache_dir).clear()
+        assert lock.exists(), "a live creator's lock was removed"
+    finally:
+        _stop(child)
+
+
+def test_prune_reports_the_crash_leftovers_it_frees(tmp_path, monkeypatch, capsys):
+    """Issue 20, finding 8: prune said "0.0 MiB freed" after removing 200 MiB of crash leftovers."""
+    import re
+
+    monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "root"))
+    entry = _entry_dir(ortmem.InferenceSession(_model(tmp_path / "m")))
+    dead = 2**22 + 12345  # above pid_max's default: no such process
+    old = time.time() - 3600
+    leftovers = {entry.parent / f".tmp-{dead}-ab12" / "weights.bin": 8 << 20,
+                 entry / f".{pp.PREPACKED_DATA}.{dead}-ef56": 4 << 20}
+    for f, size in leftovers.items():
+        f.parent.mkdir(exist_ok=True)
+        f.write_bytes(b"\x01" * size)
+        os.utime(f, (old, old))
+        os.utime(f.parent, (old, old))
+    assert cli_main(["cache", "prune", "--max-size", "1GiB"]) == 0
+    freed = float(re.search(r"\(([\d.]+) MiB freed\)", capsys.readouterr().out).group(1))
+    assert not any(f.exists() for f in leftovers) and entry.exists()
+    assert 12.0 <= freed < 12.5
+
+
+_FULL_DISK_CHILD = r"""
+import json, logging, os, sys
+from pathlib import Path
+import numpy as np
+import onnxruntime as ort
+import ortmem
+from ortmem.synth import SynthConfig, write_model
+
+mnt = Path(sys.argv[1])
+messages = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        messages.append(record.getMessage())
+logging.getLogger("ortmem").addHandler(Keep())
+logging.getLogger("ortmem").setLevel(logging.WARNING)
+feeds = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
+(mnt / "m").mkdir()
+model = write_model(SynthConfig.tiny(storage="external"), mnt / "m" / "model.onnx")
+want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, feeds)
+ortmem.InferenceSession(model, cache=mnt / "c")  # the entry fits
+st = os.statvfs(mnt)
+filler = mnt / "filler"
+filler.write_bytes(b"\0" * (st.f_bavail * st.f_frsize - (256 << 10)))  # its pre-packed files will not
+starts = []
+for _ in range(3):
+    if len(starts) == 2:
+        filler.unlink()
+    messages.clear()
+    s = ortmem.InferenceSession(model, cache=mnt / "c")
+    got = s.run(None, feeds)
+    entry = Path(s._ortmem_handoff.model).parent
+    starts.append({"action": s.ortmem_action, "hit": s.ortmem_cache_hit, "entry": str(entry),
+                   "same": all(np.array_equal(a, b) for a, b in zip(got, want)), "log": list(messages),
+                   "record": "prepacked_no_space" in json.loads((entry / "manifest.json").read_text())})
+print(json.dumps(starts))
+"""
+
+
+def _in_small_filesystem(code: str, size: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run ``code`` with a fresh tmpfs of ``size`` mounted at its first argument, in a private mount
+    namespace (nothing stays mounted, whatever happens); skips where no namespace can be made."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) not installed: no small filesystem to fill")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    namespace = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])  # root may mount
+    cmd = [*namespace, "sh", "-c", 'mount -t tmpfs -o size="$1" tmpfs "$2" && shift 2 && exec "$@"',
+           "sh", size, str(mnt), sys.executable, "-c", code, str(mnt)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if r.returncode != 0 and ("unshare" in r.stderr.split(":")[0] or "mount" in r.stderr.split(":")[0]):
+        pytest.skip(f"cannot mount a small filesystem here: {r.stderr.strip()[:200]}")
+    return r
+
+
+@needs_saving
+def test_a_disk_too_full_for_the_prepacked_files_is_named_and_not_retried_each_start(tmp_path):
+    """Issue 20, finding 8: when the entry fits but its pre-packed files do not, every warm start
+    packed again and failed with ORT's "Failed to write ... external file", never naming the full
+    disk. Now: one warning naming the folder and the full disk, no packing again until more is free,
+    and packing once it is; every start's outputs are ORT's."""
+    r = _in_small_filesystem(_FULL_DISK_CHILD, "4m", tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first, second, freed = json.loads(r.stdout.strip().splitlines()[-1])
+    for start in (first, second, freed):
+        assert start["hit"] and start["same"], start
+    for start in (first, second):
+        assert start["action"] == "cache-hit" and start["record"], start
+        assert len(start["log"]) == 1 and f"no space left on device in {start['entry']}" in start["log"][0], start
+    assert "not tried again" in second["log"][0] and "Failed to write" not in second["log"][0]
+    assert freed["action"] == "pre-packed" and not freed["record"] and not freed["log"], freed
