@@ -47,6 +47,7 @@ import platformdirs
 
 from . import digest
 from .errors import CacheError
+from .helper_env import CACHE_DIR_ENV
 from .filetrust import (PRIVATE_FILE_MODE, make_private_dir, open_new, parent_untrusted_reason, read_nofollow,
                         stat_untrusted_reason, untrusted_reason, write_new)
 
@@ -74,7 +75,7 @@ class UntrustedCacheError(CacheError):
 
 def cache_root() -> Path:
     """``$ORTMEM_CACHE_DIR``, else the platform's user cache dir; created private on first use."""
-    root = os.environ.get("ORTMEM_CACHE_DIR")
+    root = os.environ.get(CACHE_DIR_ENV)
     path = Path(root) if root else Path(platformdirs.user_cache_dir("ortmem"))
     make_private_dir(path, parents=True)
     return path

@@ -41,13 +41,13 @@ def report(*, refresh: bool = False) -> dict[str, Any]:
 def _cache_health() -> dict[str, Any]:
     from .cache import Cache, cache_root
     from .errors import CacheError
-    from .filetrust import untrusted_reason
+    from .helper_env import CACHE_DIR_ENV
 
     try:
         root = cache_root()
     except OSError as exc:
-        return {"path": os.environ.get("ORTMEM_CACHE_DIR", "(user cache dir)"), "usable": False, "problem": str(exc)}
-    problems = [p for p in (untrusted_reason(root),) if p]
+        return {"path": os.environ.get(CACHE_DIR_ENV, "(user cache dir)"), "usable": False, "problem": str(exc)}
+    problems = []  # whether the folder can be trusted is the cache's own judgement (Cache() below)
     if not os.access(root, os.W_OK):
         problems.append("not writable")
     try:

@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import platform
-import stat as stat_mod
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from ..cache import cache_root
+from ..filetrust import stat_untrusted_reason
 from ..helper_env import helper_environment
 from .variants import (ACCURACY_LEVELS, BLOCK_SWEEP, GATHER_WEIGHT_TYPES, SCALE_TYPES, SHARED_WEIGHT_KEY, WEIGHT_TYPES,
                        variant_key)
@@ -441,8 +441,8 @@ def probe_dir() -> Optional[Path]:
 
 
 def _private(st: os.stat_result) -> bool:
-    return (not stat_mod.S_ISLNK(st.st_mode) and st.st_uid == os.getuid()
-            and not st.st_mode & (stat_mod.S_IWGRP | stat_mod.S_IWOTH))
+    """The cache's own trust check (:func:`ortmem.filetrust.stat_untrusted_reason`): owner, mode, no link."""
+    return stat_untrusted_reason(st) is None
 
 
 def _read_answers(path: Path) -> Optional[dict[str, Any]]:
