@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever the converted graph for the same input changes (new rewrites, different layouts),
 #: so entries written by an older conversion are never taken for hits.
-CONVERSION_FORMAT = 2
+CONVERSION_FORMAT = 3
 
 
 def write_converted(model: Model, plan: ConversionPlan, out_dir: Path, *, progress: Optional[Progress] = None,
@@ -168,7 +168,11 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
     """(entry, hit, report): the cached conversion of ``model``, built if missing.
 
     Returns ``(None, False, None)`` when nothing in the model is convertible: the caller then hands
-    the original model to ORT.
+    the original model to ORT. Concurrent creators of one entry meet at its creator lock: one builds,
+    the others wait at most :func:`ortmem.cache.lock_timeout` and read its entry. A builder that takes
+    longer (stopped, starved, a slow disk) raises :class:`ortmem.cache.LockBusyError` here, a
+    ``CacheError`` naming the lock and its holder's pid: the caller converts without the cache rather
+    than wait on another process's progress.
     """
     hit = lookup_converted(cache, model.path, settings, fp16_in_fp32)
     if hit is not None:

@@ -21,9 +21,9 @@ Status codes (one rule, both servers):
   32,768 elements but their logits are 64 x 512 x vocabulary floats.
 * **422** well-formed, but values the model cannot take: a dtype or rank or fixed dim other than
   the model declares, one symbolic dim given two sizes, an index outside the table a ``Gather``
-  reads (found in the model's graph: ORT raises on it for ``Gather``, but ``GatherBlockQuantized``,
-  which ortmem's conversion of a quantized embedding makes, answers zeros), and any run ORT refuses
-  with ``INVALID_ARGUMENT`` (:func:`ort_client_error`).
+  reads (found in the model's graph, so the request is refused before ORT runs anything; ORT's
+  ``Gather``, and the index check ortmem's GatherBlockQuantized rewrite puts before it, would raise
+  too), and any run ORT refuses with ``INVALID_ARGUMENT`` (:func:`ort_client_error`).
 
 Anything else that fails while running is the server's fault: a 500 with the traceback logged.
 """
@@ -379,9 +379,10 @@ def predicted_elements(spec: TensorSpec, sizes: Mapping[str, int]) -> int | None
 def gather_index_bounds(model: str | Path) -> dict[str, int]:
     """For each graph input that a main-graph ``Gather`` (or ``GatherBlockQuantized``) uses as its
     indices: the size of the table's gathered axis, from ORT's own resolved types. Indices must lie
-    in ``[-size, size)``. ORT's Gather raises on others, but its GatherBlockQuantized answers zeros,
-    so a server checks them itself. An extra check: a model whose graph cannot be read this way gets
-    none (logged), and ORT's own checks still hold."""
+    in ``[-size, size)``. ORT's Gather raises on others (ORT's GatherBlockQuantized would answer
+    zeros, which is why ortmem's rewrite checks them with a Gather first); the server checks them
+    itself so that a bad request costs no run. An extra check: a model whose graph cannot be read this
+    way gets none (logged), and ORT's own checks still hold."""
     try:
         with load(model) as m:
             graph = m.skeleton.graph

@@ -158,8 +158,8 @@ def test_gunicorn_uvicorn_workers_serve_what_ort_computes(model: str, preload: b
 
 @pytest.fixture(scope="module")
 def quantized_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A quantized embedding: ortmem's conversion gathers it with GatherBlockQuantized, which answers
-    zeros for an out-of-range id where ORT's Gather raises."""
+    """A quantized embedding: ortmem's conversion gathers it with GatherBlockQuantized (behind an
+    index check), and the server refuses an out-of-range id before running anything."""
     config = SynthConfig.tiny(storage="external", name="serve-q", embedding="quantized")
     return str(cached_model(config, tmp_path_factory.mktemp("synth-q")))
 

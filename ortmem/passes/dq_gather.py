@@ -23,10 +23,24 @@ rewrites of the one :class:`~ortmem.passes.plan.ConversionPlan`:
   session creation (``tests/test_convert.py::test_in_memory_never_releases_gbq_inputs`` proves ORT
   reads them at run time).
 
+* **Indices go through a real ONNX Gather first.** ORT's Gather kernel
+  (``onnxruntime/core/providers/cpu/tensor/gather.cc``, ``GatherCopyData``) fails the run with
+  ``INVALID_ARGUMENT`` ("indices element out of data bounds") for an index outside ``[-n, n)``;
+  GatherBlockQuantized (``CopyDataAndDequantize``: ``if (indices_val < -gather_axis_dim ||
+  indices_val >= gather_axis_dim) std::fill_n(..., 0)``) silently writes a row of zeros. ortmem
+  must never turn a failing run into an answer, so the GBQ reads ``Gather(arange(n), indices)``:
+  ORT's own Gather raises exactly where the original model's did, with the same exception, and
+  hands on the in-range indices with negatives normalised (which GBQ would also do, ``indices_val
+  + gather_axis_dim``), so GBQ only ever sees valid rows. The ``arange`` is int32 whatever the
+  indices' type (GBQ takes int32 or int64 indices; the Gather compares int64 ids in int64, so a
+  huge id still fails): ``4 n`` bytes in weights.bin, one per graph and table size, beside a table
+  of ``n x D x bits/8`` (0.4 % of an int4 [32000, 2048] one); per run it costs a gather of the ids
+  themselves. ORT neither folds nor drops it (its indices are not constant);
+  ``tests/test_gather_bounds.py`` holds both the errors and the outputs to plain ORT's.
+
 The rewrite is ortmem's own (ORT would not do it), so it is applied only when ORT would optimize
 the graph at all (``graph_optimization_level >= ORT_ENABLE_BASIC``). Outputs are bit-identical to
-ORT's DQ+Gather, with one documented difference: an out-of-range index yields a zero row where
-ONNX Gather fails the run.
+ORT's DQ+Gather, and so is whether a run fails.
 """
 from __future__ import annotations
 
@@ -63,6 +77,8 @@ class GatherRewrite(DQRewrite):
     :class:`Alias`, or a tensor in ``made``. ``made`` holds the tensors this rewrite materializes
     into weights.bin (a tensor shared by two Gathers of the same DQ is owned by the first);
     ``reads`` lists the existing initializers whose bytes the GBQ keeps reading (never released).
+    ``bounds``: the ``arange`` the indices are gathered from first (see the module docstring), a
+    tensor in ``made`` (shared by every Gather of one graph over an axis of the same size).
     ``cast_index``: the DQ -> Cast -> Gather form's Cast, which goes with the DQ.
     """
 
@@ -71,8 +87,9 @@ class GatherRewrite(DQRewrite):
     scales: str
     zero_points: Optional[str]
     aliases: list[Alias] = field(default_factory=list)
-    made: list[tuple[str, OutTensor]] = field(default_factory=list)  # ("scales"|"zero_points", tensor)
+    made: list[tuple[str, OutTensor]] = field(default_factory=list)  # ("scales"|"zero_points"|"bounds", tensor)
     reads: list[str] = field(default_factory=list)
+    bounds: str = ""
     cast_index: Optional[int] = None
 
     @property
@@ -98,17 +115,20 @@ class GatherRewrite(DQRewrite):
         return self.reads + [a.source for a in self.aliases]
 
     def convert(self, model: Model, sink: Sink) -> None:
-        """Materialize ``made`` (expanded scales, explicit or repacked zero points) through ``sink``."""
+        """Materialize ``made`` (expanded scales, explicit or repacked zero points, the index
+        bounds' arange) through ``sink``."""
         if not self.made:
             return
         c = self.candidate
         outs = self.out_tensors()
-        dtypes = [dtype_info(t.data_type).numpy if role == "scales" else np.uint8 for role, t in self.made]
+        dtypes = [np.uint8 if role == "zero_points" else dtype_info(t.data_type).numpy for role, t in self.made]
         with sink:
             views = sink.views(outs, dtypes)
             for (role, t), view in zip(self.made, views):
                 flat = view.reshape(-1)
-                if role == "scales":
+                if role == "bounds":
+                    flat[:] = np.arange(flat.size, dtype=flat.dtype)
+                elif role == "scales":
                     s = source_bytes(model, c.graph_path, c.scale).view(dtype_info(c.scale_dtype).numpy)
                     flat[:] = s[0]
                 else:
@@ -185,6 +205,7 @@ def _plan_one(model: Model, c: GatherCandidate, fresh: Callable[[str], str], sha
         return shared[key]
 
     V, D = (int(d) for d in find_initializer(model, c.graph_path, c.weight)[1].dims)
+    r.bounds = _bounds(c, (V, D)[c.gather_axis], fresh, shared, r)
     # data: the DQ weight itself; uint2 travels as uint8 bits=2 over the same bytes, [V, D/4]
     if c.data_dtype == c.weight_dtype:
         r.reads.append(c.weight)
@@ -212,6 +233,20 @@ def _plan_one(model: Model, c: GatherCandidate, fresh: Callable[[str], str], sha
         base = f"{c.zero_point}_gbq" if c.zero_point else f"{c.weight}_zero_point_gbq"
         r.zero_points = made("zero_points", base, zp_type, zp_shape, zp_bytes)
     return r
+
+
+def _bounds(c: GatherCandidate, size: int, fresh: Callable[[str], str], shared: dict[tuple, str],
+            r: GatherRewrite) -> str:
+    """The ``arange(size)`` (``size``: the gathered axis of the table) the indices are gathered from
+    before the GBQ (module docstring: ORT's Gather checks indices, GBQ answers zeros). int32 unless
+    the axis outgrows it; one per graph and size, owned (written) by the first rewrite that asks."""
+    data_type = TensorProto.INT32 if size <= np.iinfo(np.int32).max else TensorProto.INT64
+    key = ("bounds", c.graph_path, size, data_type)
+    if key not in shared:
+        shared[key] = fresh(f"ortmem_gather_range_{size}")
+        itemsize = dtype_info(data_type).numpy.itemsize
+        r.made.append(("bounds", OutTensor(shared[key], data_type, (size,), size * itemsize)))
+    return shared[key]
 
 
 def _zp_layout(c: GatherCandidate) -> tuple[int, tuple[int, ...], int]:
@@ -263,17 +298,24 @@ def edit_graph(edit: GraphEdit, rewrites: list[GatherRewrite], location: str, fr
     """Replace each rewritten Gather of one graph with its GatherBlockQuantized (and moved Cast); the
     tensors it materialized point into ``location``; its DQ (and Cast) go once nothing reads them."""
     for r in rewrites:
-        edit.replace[r.candidate.node_index] = gbq_nodes(r, fresh)
+        nodes = gbq_nodes(r, fresh)
+        for n in nodes:
+            n.name = edit.node_name(n.name)
+        edit.replace[r.candidate.node_index] = nodes
         edit.add_initializers(external_tensor(t, location) for t in r.out_tensors())
         edit.droppable |= r.droppable_nodes()
 
 
 def gbq_nodes(r: GatherRewrite, fresh_output: Callable[[str], str]) -> list:
-    """The node(s) that replace the Gather: GBQ, then the moved Cast for the DQ -> Cast -> Gather form."""
+    """The nodes that replace the Gather: the index check (an ONNX Gather over ``arange``, which
+    raises where the original Gather did), the GBQ, then the moved Cast for the DQ -> Cast -> Gather
+    form."""
     c = r.candidate
-    inputs = [r.data, c.indices, r.scales] + ([r.zero_points] if r.zero_points else [])
+    checked = fresh_output(f"{c.indices}_checked")
+    inputs = [r.data, checked, r.scales] + ([r.zero_points] if r.zero_points else [])
     out = fresh_output(f"{c.output}_gbq") if c.cast else c.output
-    nodes = [helper.make_node("GatherBlockQuantized", inputs, [out], name=c.node, domain=MS_DOMAIN,
+    nodes = [helper.make_node("Gather", [r.bounds, c.indices], [checked], name=f"{c.node}/IndexCheck", axis=0),
+             helper.make_node("GatherBlockQuantized", inputs, [out], name=c.node, domain=MS_DOMAIN,
                               gather_axis=c.gather_axis, quantize_axis=c.quantize_axis,
                               block_size=c.block_size, bits=c.bits)]
     if c.cast:

@@ -1143,7 +1143,8 @@ def _gather_evaluate(g: _Graph, dq_idx: int, ga_idx: int, slot: int, cast_idx: i
                      + (", graph output" if dq_out in g.outputs else "") + "): it stays for them")
     if w_const[0] is not g:
         notes.append(f"{w_name} is an outer-scope initializer: GBQ reads it as an implicit input")
-    notes.append("GBQ returns zeros for out-of-range indices where Gather fails")
+    notes.append("GBQ answers zeros for out-of-range indices where Gather fails: the rewrite checks them with a "
+                 "Gather over arange first (ortmem.passes.dq_gather)")
     return GatherCandidate(
         graph_path=g.path, node=g.label(ga_idx), node_index=ga_idx, dq_node=g.label(dq_idx), dq_index=dq_idx,
         weight=w_name, scale=s_name, zero_point=zp_name, weight_dtype=w_type, data_dtype=data_type, bits=bits,
