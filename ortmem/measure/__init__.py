@@ -1,35 +1,55 @@
 """Honest memory measurement: each session creation in a fresh process, sampled from outside.
 
 Public API: :func:`probe` (one strategy, one fresh process), :func:`run_bench` (interleaved
-repeats, medians, table/JSON/plot in :mod:`ortmem.measure.bench`), the strategy registry
-(:mod:`ortmem.measure.strategies`), N worker processes on one model with summed PSS
-(:func:`ortmem.measure.workers.run_workers`, ``ortmem bench --workers``) and a CI gate
+repeats, fastest and medians, table/JSON/plot in :mod:`ortmem.measure.bench`), whole processes timed
+from outside (:func:`ortmem.measure.whole_process.run_whole_process`, ``ortmem bench --whole-process``),
+the strategy registry (:mod:`ortmem.measure.strategies`), N worker processes on one model with summed
+PSS (:func:`ortmem.measure.workers.run_workers`, ``ortmem bench --workers``) and a CI gate
 (:mod:`ortmem.measure.gate`).
 Linux only: elsewhere :class:`ProbeUnsupported` is raised.
+
+Why the names are lazy: the measured child imports ``ortmem.measure.procfs`` and
+``ortmem.measure.strategies`` before its clock starts; an eager package ``__init__`` would load the
+parent's machinery (subprocess, tempfile, json, the probe) into every child's baseline, standard
+library an ortmem session would otherwise have paid for inside its own creation.
+
+``probe`` names both a module and its main function. An eager ``__init__`` bound the function last;
+lazily, the import system binds the *module* to the package whenever ``ortmem.measure.probe`` is first
+imported, so :class:`_Package` turns that binding into the function, as before.
 """
-from .errors import ProbeError, ProbeUnsupported
-from .probe import Prepared, ProbeResult, prepare, probe
-from .strategies import STRATEGIES, Strategy, get_strategy, register
+import sys
+import types
 
-__all__ = [
-    "ProbeError",
-    "ProbeUnsupported",
-    "Prepared",
-    "ProbeResult",
-    "prepare",
-    "probe",
-    "STRATEGIES",
-    "Strategy",
-    "get_strategy",
-    "register",
-    "run_bench",
-]
+from ..lazy import lazy_attributes
+
+#: public name -> module that owns it
+_LAZY = {
+    "ProbeError": ".errors",
+    "ProbeUnsupported": ".errors",
+    "Prepared": ".probe",
+    "ProbeResult": ".probe",
+    "prepare": ".probe",
+    "probe": ".probe",
+    "STRATEGIES": ".strategies",
+    "Strategy": ".strategies",
+    "get_strategy": ".strategies",
+    "register": ".strategies",
+    "run_bench": ".bench",
+    "run_whole_process": ".whole_process",
+}
+
+__all__ = list(_LAZY)
+
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
 
 
-def __getattr__(name: str):
-    # bench pulls in statistics/plotting helpers; keep it out of the measured child's imports.
-    if name == "run_bench":
-        from .bench import run_bench
+class _Package(types.ModuleType):
+    """This package's module type: a submodule bound under a public function's name binds the function."""
 
-        return run_bench
-    raise AttributeError(name)
+    def __setattr__(self, name: str, value: object) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == "." + name:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -6,9 +6,15 @@ identical fresh processes start from the same layout. Round ``i`` therefore pads
 child by the same ``heap_jitter`` (seeded, 0-64 KiB): strategies are compared on equal layouts and
 the repeats sample the distribution instead of one point of it. ``jitter=False`` turns this off.
 
-Why interleave (A B C A B C ...) rather than repeat each strategy in a block: the machine drifts
-(page cache, other tenants, thermal state); interleaving spreads the drift over every strategy
-instead of biasing whichever ran last.
+Why rounds, rotated (A B C, B C A, C A B, ...) rather than each strategy in a block or one fixed
+order: the machine drifts (page cache, other tenants, thermal state), and a fixed order puts each
+strategy after the same other one every round (after its writes, or on the same parity of consecutive
+processes): :mod:`ortmem.measure.stats`. Every probe starts from the same state, writes flushed and no
+earlier probe's background process alive (:mod:`ortmem.measure.settle`, applied in
+:func:`~ortmem.measure.probe.probe`).
+
+``--whole-process`` times each strategy as a whole ``python -c`` process instead
+(:mod:`ortmem.measure.whole_process`); ``--cross-check`` runs both and sets their init ratios side by side.
 
 Results, their JSON schema (``"ortmem.bench/2"``) and the table live in
 :mod:`ortmem.measure.report`; they are re-exported here. ``--workers``/``--workers-sweep`` add a
@@ -38,21 +44,19 @@ from .report import (  # noqa: F401  (re-exported: the bench's public API)
     Stat,
     StrategyResult,
     read_json,
+    render_cross_check,
     render_table,
     to_json_dict,
     write_json,
 )
+from .stats import schedule  # noqa: F401  (re-exported)
 from .strategies import default_strategies, get_strategy
+from .whole_process import run_whole_process
 from .workers import DEFAULT_STRATEGIES as WORKER_STRATEGIES
 from .workers import DEFAULT_SWEEP, run_workers
 
 JITTER_MAX = 64 * 1024
 SYNTH_PRESETS = ("demo", "llama_0_6gb", "llama_1_6gb", "llama_7b")  # SynthConfig class methods
-
-
-def schedule(models: Sequence[str], strategies: Sequence[str], repeat: int) -> list[tuple[str, str, int]]:
-    """Execution order: per model, ``repeat`` rounds, each round every strategy once (A B C A B C)."""
-    return [(m, s, i) for m in models for i in range(repeat) for s in strategies]
 
 
 def environment() -> dict[str, Any]:
@@ -157,7 +161,6 @@ def run_bench(
                 done += 1
                 if any(e.startswith("prepare:") for e in sr.errors):
                     continue
-                _settle()
                 try:
                     r = probe(
                         s,
@@ -233,7 +236,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(default_strategies()) + ")",
     )
     parser.add_argument("--repeat", "-n", type=int, default=3, help="fresh processes per strategy (default 3; 0: only the worker table)")
-    parser.add_argument("--json", metavar="FILE", help="write the report (schema ortmem.bench/1)")
+    parser.add_argument("--json", metavar="FILE", help="write the report (schema ortmem.bench/2)")
     parser.add_argument("--plot", metavar="FILE.png", help="plot resident memory over time")
     parser.add_argument("--memray", action="store_true", help="one extra probe per strategy under memray")
     parser.add_argument("--dim", action="append", type=_kv, default=[], metavar="NAME=N",
@@ -244,6 +247,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-jitter", action="store_true",
                         help="start every repeat from the same heap layout (default: vary it per round)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
+    whole = parser.add_mutually_exclusive_group()
+    whole.add_argument("--whole-process", action="store_true",
+                       help="instead of probes, time each strategy as a whole `python -c` process (wall, CPU, "
+                       "peak RSS from wait4, as /usr/bin/time), -n rounds, plain ORT and a bare `import "
+                       "onnxruntime` always included; fastest and median, ratios to ORT")
+    whole.add_argument("--cross-check", action="store_true",
+                       help="probes and whole processes both, and their init ratios to ORT side by side")
     workers = parser.add_argument_group(
         "workers", "N fresh worker processes on the (first) model, each creating a session and running it; "
         "summed PSS, private and shared, when all are ready (strategies default to "
@@ -279,6 +289,10 @@ def main(args: argparse.Namespace) -> int:
     if args.repeat <= 0 and not counts:
         print("ortmem bench: -n 0 needs --workers or --workers-sweep", file=sys.stderr)
         return 2
+    if args.whole_process and args.plot and not counts:
+        print("ortmem bench: --plot draws the probes' memory over time; --whole-process makes no probes",
+              file=sys.stderr)
+        return 2
     options: dict[str, Any] = {}
     if args.dim:
         options["dims"] = {k: int(v) for k, v in args.dim}
@@ -290,15 +304,22 @@ def main(args: argparse.Namespace) -> int:
         except KeyError as e:
             print(f"ortmem bench: {e.args[0]}", file=sys.stderr)
             return 2
-    if args.repeat > 0:
+    if args.repeat > 0 and not args.whole_process:
         report = run_bench(
             args.models, args.strategies, args.repeat,
             memray=args.memray, progress=not args.quiet, options=options, timeout=args.timeout,
             jitter=not args.no_jitter,
         )
-    else:  # -n 0: the worker table only
-        report = BenchReport(repeat=0, environment=environment(),
+    else:  # -n 0: the worker table only; --whole-process: no probes
+        report = BenchReport(repeat=args.repeat if args.whole_process else 0, environment=environment(),
                              created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    if args.repeat > 0 and (args.whole_process or args.cross_check):
+        say = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+        report.whole_process = [
+            run_whole_process(m, args.strategies or default_strategies(), args.repeat, options=options,
+                              timeout=args.timeout, say=say)
+            for m in args.models
+        ]
     if counts:
         say = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
         worker_strategies = args.strategies if args.strategies and not args.demo else None
@@ -306,6 +327,9 @@ def main(args: argparse.Namespace) -> int:
                                      options=options, timeout=args.timeout, guard=not args.no_memory_guard,
                                      budget=args.memory_budget, say=say)
     print(render_table(report))
+    if args.cross_check and report.whole_process:
+        print()
+        print(render_cross_check(report))
     if args.json:
         write_json(report, args.json)
     if args.plot:
@@ -315,6 +339,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"json: {args.json}")
     failed = any(sr.errors for mr in report.models for sr in mr.strategies.values())
     failed = failed or bool(report.workers and any(r.error for r in report.workers.runs))
+    failed = failed or any(w.errors for w in report.whole_process or [])
     return 1 if failed else 0
 
 
@@ -324,14 +349,6 @@ def _worker_counts(args: argparse.Namespace) -> list[int]:
     if args.workers:
         counts.append(args.workers)
     return sorted(set(counts))
-
-
-def _settle() -> None:
-    """Write back dirty pages before the next probe: a strategy that wrote a converted model leaves
-    gigabytes for the kernel to flush, and on 2 cores that flushing would slow whichever probe runs
-    next (measured: a warm start after a cold one took 6.7-11.6 s instead of ~4.4 s)."""
-    if hasattr(os, "sync"):
-        os.sync()
 
 
 def demo_model() -> str:

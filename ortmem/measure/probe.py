@@ -44,6 +44,7 @@ from typing import Any
 from ..helper_env import helper_environment
 from . import procfs
 from .errors import ProbeError, ProbeUnsupported
+from .settle import Leftovers, flush_writes
 from .strategies import Strategy, get_strategy
 
 MiB = 1024 * 1024
@@ -108,6 +109,13 @@ class ProbeResult:
     background_peak_bytes: int | None = None
     started_unix: float | None = None  # wall-clock start of the child, to check run order
     heap_jitter_bytes: int = 0  # heap padding before imports (see probe())
+    #: Modules first imported during creation, by package (``onnx``, ``ortmem.session``, ...): the lazy
+    #: imports a user's first call pays, measured inside ``create_wall_s`` and the creation peak.
+    create_imports: list[str] = field(default_factory=list)
+    #: Processes the child's tree left running after it exited (re-parented to the bench, see
+    #: :mod:`ortmem.measure.settle`), how long the probe waited for them, and any it had to kill.
+    leftover_pids: list[int] = field(default_factory=list)
+    leftover_wait_s: float | None = None
 
     @property
     def peak_above_baseline_bytes(self) -> int:
@@ -139,11 +147,12 @@ def _check_supported() -> None:
 
 
 def _run_child(spec: dict[str, Any], workdir: str, timeout: float, sample_interval: float | None):
-    """Start the child, optionally sample its tree, wait; return (result dict, samples)."""
+    """Start the child, optionally sample its tree, wait for it and for every process it left behind
+    (:class:`~ortmem.measure.settle.Leftovers`); return (result dict, samples)."""
     result_path = os.path.join(workdir, f"result-{os.getpid()}-{id(spec)}.json")
     log_path = result_path[:-5] + ".log"
     spec = {**spec, "result_path": result_path, "sys_path": [p for p in sys.path if p]}
-    with open(log_path, "w+b") as log:
+    with open(log_path, "w+b") as log, Leftovers() as leftovers:
         t_spawn = time.monotonic()
         proc = subprocess.Popen(
             [sys.executable, "-m", "ortmem.measure._child"],
@@ -165,6 +174,7 @@ def _run_child(spec: dict[str, Any], workdir: str, timeout: float, sample_interv
             rc = None
         finally:
             samples = sampler.stop() if sampler else []
+        left = leftovers.wait(timeout if rc is not None else 0.0)
         log.seek(0)
         tail = log.read()[-8000:].decode("utf-8", "replace")
     try:
@@ -176,6 +186,8 @@ def _run_child(spec: dict[str, Any], workdir: str, timeout: float, sample_interv
             res = json.load(f)
         if "events" in res:
             res["events"]["spawned"] = t_spawn
+        res["leftover_pids"], res["leftover_wait_s"] = left.pids, left.wait_s
+        res["leftover_killed"] = left.killed
         return res, samples
     finally:
         for p in (result_path, log_path):
@@ -258,6 +270,7 @@ def probe(
         }
         if memray:
             spec["memray_path"] = os.path.join(tmp, "creation.memray")
+        flush_writes()  # after the preparation, which may have written a whole cache entry
         raw, samples = _run_child(spec, tmp, timeout, sample_interval)
     res = _assemble(strat, model_path, prepared, options, memray, sample_interval, raw, samples)
     res.started_unix = started
@@ -373,6 +386,9 @@ def _assemble(
         prepare_wall_s=prepared.wall_s if prepared.wall_s else None,
         background_wall_s=raw.get("background_wall_s"),
         background_peak_bytes=background_peak() if background else None,
+        create_imports=list(raw.get("create_imports", [])),
+        leftover_pids=list(raw.get("leftover_pids", [])),
+        leftover_wait_s=raw.get("leftover_wait_s"),
     )
     ar = raw.get("after_run")
     if ar is not None:

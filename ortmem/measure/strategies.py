@@ -14,6 +14,14 @@ child can import them; the registry stores such references, and adding a strateg
     register("twin", "ortmem.twin:create_session", prepare="ortmem.twin:prepare_twin")
 
 Strings that are not registered names but contain ``":"`` are user strategies, imported in the child.
+
+``code`` is the same creation written as a user writes it, for ``ortmem bench --whole-process``
+(:mod:`ortmem.measure.whole_process`), which times ``python -c CODE`` from outside: a template with
+``{model}`` (the model path's ``repr``), ``{so}`` (``"so, "`` when session options were asked for,
+else empty; :func:`whole_process_code` then defines ``so`` first), ``{options}`` (``so``, else a new
+``onnxruntime.SessionOptions()``, for a template that edits them) and ``{cache[KIND]}`` (the ``repr``
+of the strategy's private cache folder, as ``create`` uses it). A strategy without ``code`` is run
+through :func:`resolve` in that process (which then also pays for importing this module).
 """
 from __future__ import annotations
 
@@ -39,6 +47,7 @@ class Strategy:
     prepare_scope: Literal["once", "each"] = "once"
     description: str = ""
     default: bool = False  # measured by ``ortmem bench`` when no --strategy is given
+    code: str | None = None  # ``python -c`` source of the same creation (module docstring)
 
 
 STRATEGIES: dict[str, Strategy] = {}
@@ -68,6 +77,7 @@ def register(
     prepare_scope: Literal["once", "each"] = "once",
     description: str = "",
     default: bool = False,
+    code: str | None = None,
 ) -> Strategy:
     """Add (or replace) a named strategy; returns it."""
     strat = Strategy(
@@ -77,6 +87,7 @@ def register(
         prepare_scope=prepare_scope,
         description=description,
         default=default,
+        code=code,
     )
     STRATEGIES[name] = strat
     return strat
@@ -129,6 +140,36 @@ def _import_file(path: str) -> Any:
     sys.modules[mod_name] = module
     spec.loader.exec_module(module)
     return module
+
+
+# --- whole-process source -------------------------------------------------------------------------
+
+
+class _CacheFolders:
+    """``{cache[KIND]}`` in a ``code`` template: the repr of the bench's cache folder for KIND."""
+
+    def __getitem__(self, kind: str) -> str:
+        return repr(str(_bench_cache(kind)))
+
+
+def whole_process_code(strategy: Strategy, model_path: str, options: dict) -> str:
+    """``python -c`` source creating a session the strategy's way (see the module docstring)."""
+    config = {str(k): str(v) for k, v in (options.get("session_config") or {}).items()}
+    threads = options.get("intra_op_num_threads")
+    prelude = ""
+    if config or threads is not None:
+        lines = ["import onnxruntime", "so = onnxruntime.SessionOptions()"]
+        lines += [f"so.add_session_config_entry({k!r}, {v!r})" for k, v in config.items()]
+        if threads is not None:
+            lines.append(f"so.intra_op_num_threads = {int(threads)}")
+        prelude = "\n".join(lines) + "\n"
+    if strategy.code is None:
+        return (f"from ortmem.measure.strategies import resolve\n"
+                f"resolve({strategy.create!r})({model_path!r}, {options!r})")
+    so = "so, " if prelude else ""
+    options_expr = "so" if prelude else "onnxruntime.SessionOptions()"
+    return prelude + strategy.code.format(model=repr(model_path), so=so, options=options_expr,
+                                          cache=_CacheFolders())
 
 
 # --- built-in strategies -------------------------------------------------------------------------
@@ -281,19 +322,32 @@ def prepare_twin(model_path: str, options: dict, workdir: str) -> str:
     return str(out / "model.onnx")
 
 
-register("ort", create_ort, default=True, description="onnxruntime.InferenceSession(path)")
-register("ort-noopt", create_ort_noopt, description="ORT_DISABLE_ALL optimizations")
-register("ort-hygiene", create_ort_hygiene, description="plain ORT inside ortmem.allocator_hygiene()")
-register("twin", create_ort, prepare=prepare_twin, default=True,
+ORT_CODE = "import onnxruntime as o\no.InferenceSession({model}, {so}providers=['CPUExecutionProvider'])"
+ORTMEM_CODE = ("import ortmem\nortmem.InferenceSession({model}, {so}providers=['CPUExecutionProvider'], "
+               "cache={cache[%s]}%s)")
+
+register("ort", create_ort, default=True, description="onnxruntime.InferenceSession(path)", code=ORT_CODE)
+register("ort-noopt", create_ort_noopt, description="ORT_DISABLE_ALL optimizations",
+         code="import onnxruntime\nso = {options}\n"
+              "so.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL\n"
+              "onnxruntime.InferenceSession({model}, so, providers=['CPUExecutionProvider'])")
+register("ort-hygiene", create_ort_hygiene, description="plain ORT inside ortmem.allocator_hygiene()",
+         code="import onnxruntime as o, ortmem\nwith ortmem.allocator_hygiene():\n"
+              "    o.InferenceSession({model}, {so}providers=['CPUExecutionProvider'])")
+register("twin", create_ort, prepare=prepare_twin, default=True, code=ORT_CODE,
          description="plain ORT on the model converted to native MatMulNBits ahead of time: the floor ORT reaches")
 register("ortmem", create_ortmem, prepare=prepare_cold, prepare_scope="each", default=True,
-         description="ortmem.InferenceSession, cold cache (converts)")
+         description="ortmem.InferenceSession, cold cache (converts)", code=ORTMEM_CODE % ("cold", ""))
 register("ortmem-warm", create_ortmem_warm, prepare=prepare_warm, default=True,
-         description="ortmem.InferenceSession, cache hit")
+         description="ortmem.InferenceSession, cache hit", code=ORTMEM_CODE % ("warm", ""))
 register("ortmem-warm-entry", create_ortmem_warm_entry, prepare=prepare_warm,
-         description="ortmem.InferenceSession, cache hit loading the entry without pre-packed weights")
+         description="ortmem.InferenceSession, cache hit loading the entry without pre-packed weights",
+         code=ORTMEM_CODE % ("warm", ", prepacked=False"))
 register("ortmem-warm1", create_ortmem_warm1, prepare=prepare_warm1, prepare_scope="each",
-         description="ortmem.InferenceSession, first cache hit (saves the pre-packed weights)")
+         description="ortmem.InferenceSession, first cache hit (saves the pre-packed weights)",
+         code=ORTMEM_CODE % ("warm1", ""))
 register("ortmem-start2", create_ortmem_start2, prepare=prepare_start2, prepare_scope="each",
-         description="ortmem.InferenceSession, second start (after a cold start that ran once)")
-register("ortmem-nocache", create_ortmem_nocache, description="ortmem.InferenceSession(cache=False)")
+         description="ortmem.InferenceSession, second start (after a cold start that ran once)",
+         code=ORTMEM_CODE % ("start2", ""))
+register("ortmem-nocache", create_ortmem_nocache, description="ortmem.InferenceSession(cache=False)",
+         code="import ortmem\nortmem.InferenceSession({model}, {so}providers=['CPUExecutionProvider'], cache=False)")

@@ -49,6 +49,7 @@ from ..helper_env import helper_environment
 from . import procfs
 from .errors import ProbeError
 from .probe import MiB, Prepared, prepare
+from .settle import Leftovers, flush_writes
 from .strategies import get_strategy
 from .textable import align
 
@@ -244,7 +245,9 @@ def measure_workers(
     run = WorkersRun(strategy=strat.name, n=n, together=together)
     procs: list[subprocess.Popen] = []
     ready: dict[int, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="ortmem-workers-") as tmp, _UsedMemorySampler() as sampler:
+    flush_writes()  # the same starting state as a probe's (ortmem.measure.settle)
+    with (tempfile.TemporaryDirectory(prefix="ortmem-workers-") as tmp, _UsedMemorySampler() as sampler,
+          Leftovers() as leftovers):
         logs = [open(os.path.join(tmp, f"worker-{i}.log"), "w+b") for i in range(n)]
         sel = selectors.DefaultSelector()
         t0 = time.monotonic()
@@ -313,6 +316,7 @@ def measure_workers(
             sel.close()
             for f in logs:
                 f.close()
+            leftovers.wait(timeout)  # e.g. a cold start's background packer: not into the next run
     run.used_before_bytes, run.peak_used_bytes = sampler.before, sampler.peak
     run.total_pss_bytes = sum(w.pss for w in run.workers)
     run.total_private_bytes = sum(w.private for w in run.workers)

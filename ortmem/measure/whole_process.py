@@ -1,0 +1,292 @@
+"""``ortmem bench --whole-process``: each strategy as a whole ``python -c "..."`` process, timed from outside.
+
+Why: a probe (:mod:`ortmem.measure.probe`) times creation inside a process that has already imported
+numpy and onnxruntime, which is what makes its memory phases exact; a user's process pays everything,
+interpreter start, imports and teardown included. This mode measures what ``/usr/bin/time`` would:
+for every strategy, ``python -c CODE`` (``CODE`` creates the session the strategy's way, as a user
+writes it: :func:`ortmem.measure.strategies.whole_process_code`), its wall time from spawn to reap,
+its CPU (user + sys) and its peak RSS from ``os.wait4``'s rusage (``ru_maxrss``, the number
+``/usr/bin/time`` prints; for a process that waited for children it is the largest of them, as there).
+Nothing runs inside the measured process but the strategy's code.
+
+Why through a small launcher (:data:`LAUNCHER`, ``python -I -S``, ~8 MiB) and not spawned from the
+bench itself: at ``exec`` Linux folds the high-water mark of the memory the new program replaces into
+the process's ``ru_maxrss`` (``exec_mmap``: ``setmax_mm_hiwater_rss``), and that memory is a copy of the
+spawning process's (``fork``) or the spawner's own (``vfork``/``posix_spawn``). Spawned straight from a
+300 MiB parent, ``python -c "import onnxruntime"`` reported 311 MiB; from the launcher, 45 MiB, as
+``/usr/bin/time`` (itself a tiny process) reports 46. The launcher times spawn to reap with
+``perf_counter`` and writes wall, user, sys, ``ru_maxrss`` and the exit code to a file.
+
+Every run starts from the same state (:mod:`ortmem.measure.settle`): a strategy's preparation step
+first (once, or before every run for ``prepare_scope="each"``), then ``os.sync()``, then the process;
+any process its tree leaves behind is waited for before the next one starts. Plain ORT (``ort``) is
+always measured in the same run, as the reference of every ratio, and so is a bare
+``python -c "import onnxruntime"`` (``import-onnxruntime``): wall minus that wall estimates the init
+(``init~``), the number to hold against the bench's own ``init`` column. The order is the bench's
+(:func:`ortmem.measure.stats.schedule`: rounds, each rotated by one), so pairs alternate
+``ort, ortmem | ortmem, ort | ...`` rather than strictly ``ort, ortmem, ort, ortmem``: strict
+alternation would put each strategy on the same parity of consecutive processes, where this VM's
+two-mode ORT init was seen to alternate.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..helper_env import helper_environment
+from .errors import ProbeError
+from .probe import MiB, Prepared, prepare
+from .settle import Leftovers, flush_writes
+from .stats import Stat, metric_modes, modes_text, schedule
+from .strategies import Strategy, get_strategy, whole_process_code
+from .textable import align
+
+#: The reference every ratio is taken against.
+REFERENCE = "ort"
+#: The pseudo-strategy timing ``python -c "import onnxruntime"``: the fixed part of every ORT process.
+BARE = "import-onnxruntime"
+BARE_CODE = "import onnxruntime"
+#: Metrics of one process, each summarised by fastest and median.
+METRICS = ("wall_s", "cpu_s", "peak_bytes")
+
+
+@dataclass
+class ProcessRun:
+    """One whole process: seconds and bytes as ``os.wait4`` reports them."""
+
+    strategy: str
+    round: int
+    wall_s: float
+    user_s: float
+    sys_s: float
+    peak_bytes: int
+    returncode: int
+    started_unix: float
+    leftover_pids: list[int] = field(default_factory=list)
+    leftover_wait_s: float = 0.0
+    prepare_wall_s: float | None = None
+
+    @property
+    def cpu_s(self) -> float:
+        """User plus system CPU, as ``/usr/bin/time``'s two lines added."""
+        return self.user_s + self.sys_s
+
+
+@dataclass
+class WholeProcessReport:
+    """Every whole-process run on one model, per strategy, with the code each one ran."""
+
+    model: str
+    repeat: int
+    order: list[tuple[str, int]] = field(default_factory=list)
+    codes: dict[str, str] = field(default_factory=dict)
+    runs: dict[str, list[ProcessRun]] = field(default_factory=dict)
+    errors: dict[str, list[str]] = field(default_factory=dict)
+
+    def stat(self, strategy: str, metric: str) -> Stat | None:
+        return Stat.of(getattr(r, metric) for r in self.runs.get(strategy, []))
+
+    def init_estimate(self, strategy: str) -> Stat | None:
+        """Wall minus the bare ``import onnxruntime`` wall (fastest - fastest, median - median): what
+        creating the session added to a process that imports onnxruntime anyway."""
+        mine, bare = self.stat(strategy, "wall_s"), self.stat(BARE, "wall_s")
+        if mine is None or bare is None or strategy == BARE:
+            return None
+        return Stat(mine.median - bare.median, mine.fastest - bare.fastest, mine.max - bare.max, mine.n)
+
+    def ratios(self, strategy: str) -> dict[str, dict[str, float]]:
+        """``{metric: {"fastest": x, "median": x}}`` against :data:`REFERENCE` in this same run;
+        ``init_s`` is the ratio of the init estimates."""
+        out: dict[str, dict[str, float]] = {}
+        pairs = [(m, self.stat(strategy, m), self.stat(REFERENCE, m)) for m in METRICS]
+        pairs.append(("init_s", self.init_estimate(strategy), self.init_estimate(REFERENCE)))
+        for metric, a, b in pairs:
+            if a is not None and b is not None and b.fastest > 0 and b.median > 0:
+                out[metric] = {"fastest": a.fastest / b.fastest, "median": a.median / b.median}
+        return out
+
+    def modes(self, strategy: str) -> tuple[list[float], list[float]] | None:
+        return metric_modes((r.wall_s for r in self.runs.get(strategy, [])), "wall_s")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "repeat": self.repeat,
+            "order": [list(o) for o in self.order],
+            "codes": dict(self.codes),
+            "runs": {s: [asdict(r) for r in runs] for s, runs in self.runs.items()},
+            "errors": {s: list(e) for s, e in self.errors.items()},
+            "ratios": {s: self.ratios(s) for s in self.runs},  # derived: from_dict recomputes
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "WholeProcessReport":
+        return cls(
+            model=d["model"],
+            repeat=int(d["repeat"]),
+            order=[tuple(o) for o in d.get("order", [])],
+            codes=dict(d.get("codes", {})),
+            runs={s: [ProcessRun(**r) for r in runs] for s, runs in d.get("runs", {}).items()},
+            errors={s: list(e) for s, e in d.get("errors", {}).items()},
+        )
+
+    def render_table(self) -> str:
+        """Fastest and median of wall, CPU and peak per strategy, the init estimate, ratios to ORT."""
+        header = ["strategy", "wall s", "wall med", "cpu s", "cpu med", "peak MiB", "peak med", "init~ s",
+                  "init~ med", f"wall/{REFERENCE}", f"init~/{REFERENCE}", f"cpu/{REFERENCE}", f"peak/{REFERENCE}",
+                  "flags"]
+        rows = [header]
+        for name in self.runs:
+            rows.append(self._row(name))
+        lines = [f"whole processes: {os.path.basename(self.model)}  ({self.model}), {self.repeat} round(s), "
+                 f"order rotated per round, sync before each; fastest, then median ('med')"]
+        lines += align(rows)
+        lines.append("wall/CPU/peak: os.wait4 of `python -c CODE` (what /usr/bin/time reports); init~: wall minus "
+                     f"the wall of `python -c \"{BARE_CODE}\"` ({BARE}); ratios to {REFERENCE} in this run, "
+                     "fastest over fastest / median over median.")
+        return "\n".join(lines)
+
+    def _row(self, name: str) -> list[str]:
+        wall, cpu, peak = (self.stat(name, m) for m in METRICS)
+        init = self.init_estimate(name)
+        ratios = self.ratios(name)
+        flags = []
+        if (modes := self.modes(name)) is not None:
+            flags.append(f"bimodal wall {modes_text(modes, 1.0, ' s')}")
+        if self.errors.get(name):
+            flags.append(f"{len(self.errors[name])} failed")
+        waited = [r.leftover_wait_s for r in self.runs.get(name, []) if r.leftover_pids]
+        if waited:
+            flags.append(f"left processes, waited {max(waited):.1f} s")
+
+        def pair(metric: str) -> str:
+            r = ratios.get(metric)
+            return "-" if r is None else f"{r['fastest']:.2f}/{r['median']:.2f}"
+
+        return [
+            name,
+            _s(wall, "fastest"), _s(wall, "median"), _s(cpu, "fastest"), _s(cpu, "median"),
+            _mib(peak, "fastest"), _mib(peak, "median"), _s(init, "fastest"), _s(init, "median"),
+            pair("wall_s"), pair("init_s"), pair("cpu_s"), pair("peak_bytes"), ", ".join(flags),
+        ]
+
+
+def _s(st: Stat | None, which: str) -> str:
+    return "-" if st is None else f"{getattr(st, which):.3f}"
+
+
+def _mib(st: Stat | None, which: str) -> str:
+    return "-" if st is None else f"{getattr(st, which) / MiB:.0f}"
+
+
+#: ``python -I -S -c LAUNCHER RESULT_FILE ARGV...``: spawn ARGV from this small process, reap it with
+#: ``wait4``, write "wall user sys maxrss_kib exit_code" to RESULT_FILE (module docstring: why).
+LAUNCHER = """import os, sys, time
+out, argv = sys.argv[1], sys.argv[2:]
+t0 = time.perf_counter()
+pid = os.posix_spawn(argv[0], argv, os.environ)
+_, status, ru = os.wait4(pid, 0)
+wall = time.perf_counter() - t0
+with open(out, "w") as f:
+    f.write(f"{wall!r} {ru.ru_utime!r} {ru.ru_stime!r} {ru.ru_maxrss} {os.waitstatus_to_exitcode(status)}")
+"""
+
+
+def time_process(code: str, *, timeout: float, log_path: str) -> tuple[ProcessRun, str]:
+    """Run ``python -c code`` once (after ``os.sync()``) through :data:`LAUNCHER`, and wait for whatever
+    it leaves running; returns the run (strategy and round left blank) and the tail of its output."""
+    flush_writes()
+    result_path = log_path + ".rusage"
+    with open(log_path, "w+b") as log, Leftovers() as leftovers:
+        started = time.time()
+        launcher = subprocess.Popen([sys.executable, "-I", "-S", "-c", LAUNCHER, result_path, sys.executable,
+                                     "-c", code], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env=helper_environment(), start_new_session=True)
+        try:
+            launcher.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)  # the measured process is in the launcher's group
+            launcher.wait()
+        left = leftovers.wait(timeout if launcher.returncode == 0 else 0.0)
+        log.seek(0)
+        tail = log.read()[-4000:].decode("utf-8", "replace")
+    try:
+        with open(result_path) as f:
+            wall, user, sys_s, maxrss, rc = f.read().split()
+        os.unlink(result_path)
+    except (OSError, ValueError):
+        raise ProbeError(f"whole process timed out after {timeout:.0f} s or its launcher failed "
+                         f"(exit code {launcher.returncode})", stderr=tail, returncode=launcher.returncode)
+    run = ProcessRun(strategy="", round=-1, wall_s=float(wall), user_s=float(user), sys_s=float(sys_s),
+                     peak_bytes=int(maxrss) * 1024, returncode=int(rc), started_unix=started,
+                     leftover_pids=left.pids, leftover_wait_s=left.wait_s)
+    return run, tail
+
+
+def run_whole_process(
+    model: str | os.PathLike,
+    strategies: Sequence[str] | None = None,
+    repeat: int = 5,
+    *,
+    options: dict[str, Any] | None = None,
+    timeout: float = 600.0,
+    say: Callable[[str], None] | None = None,
+) -> WholeProcessReport:
+    """Time each strategy (plus ``ort`` and the bare import) as whole processes, ``repeat`` rounds."""
+    options = dict(options or {})
+    path = os.path.abspath(os.fspath(model))
+    names = list(dict.fromkeys([REFERENCE, *(strategies or ["ortmem"]), BARE]))
+    report = WholeProcessReport(path, repeat, order=[(s, r) for _, s, r in schedule([path], names, repeat)])
+    report.runs = {s: [] for s in names}
+    with tempfile.TemporaryDirectory(prefix="ortmem-whole-") as workdir:
+        prepared: dict[str, Prepared | None] = {}
+        for s in names:
+            prepared[s] = None
+            if s == BARE:
+                report.codes[s] = BARE_CODE
+                continue
+            strat = get_strategy(s)
+            try:
+                if strat.prepare is not None and strat.prepare_scope == "once":
+                    prepared[s] = prepare(strat, path, options=options, workdir=workdir, timeout=timeout)
+                report.codes[s] = whole_process_code(strat, (prepared[s].model_path if prepared[s] else path), options)
+            except ProbeError as e:
+                report.errors.setdefault(s, []).append(f"prepare: {e}")
+        for i, (s, r) in enumerate(report.order, 1):
+            if s not in report.codes:
+                continue
+            try:
+                run = _one(s, get_strategy(s) if s != BARE else None, path, options, report.codes[s], workdir, timeout)
+            except ProbeError as e:
+                report.errors.setdefault(s, []).append(str(e))
+                if say:
+                    say(f"[{i}/{len(report.order)}] whole process {s} #{r + 1}: FAILED {str(e).splitlines()[0]}")
+                continue
+            run.strategy, run.round = s, r
+            report.runs[s].append(run)
+            if say:
+                say(f"[{i}/{len(report.order)}] whole process {s} #{r + 1}: wall {run.wall_s:.3f} s, cpu "
+                    f"{run.cpu_s:.3f} s, peak {run.peak_bytes / MiB:.0f} MiB")
+    return report
+
+
+def _one(name: str, strat: Strategy | None, path: str, options: dict[str, Any], code: str, workdir: str,
+         timeout: float) -> ProcessRun:
+    """One timed process, after the strategy's per-run preparation if it has one."""
+    prep_wall = None
+    if strat is not None and strat.prepare is not None and strat.prepare_scope == "each":
+        prepared = prepare(strat, path, options=options, workdir=workdir, timeout=timeout)
+        prep_wall = prepared.wall_s
+        code = whole_process_code(strat, prepared.model_path, options)
+    run, tail = time_process(code, timeout=timeout, log_path=os.path.join(workdir, f"{name}.log"))
+    if run.returncode != 0:
+        raise ProbeError(f"whole process {name} failed with exit code {run.returncode}", stderr=tail,
+                         returncode=run.returncode)
+    run.prepare_wall_s = prep_wall
+    return run
