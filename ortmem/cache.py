@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -216,7 +217,7 @@ class Cache:
             self.root = Path(root) if root is not None else cache_root() / "converted"
             if self.root.parent.is_dir():  # an untrusted parent gets nothing created in it
                 problem = parent_untrusted_reason(self.root)
-            if problem is None:
+            if problem is None and not self.root.is_dir():  # an existing one (read-only, say) is not touched
                 make_private_dir(self.root, parents=True)
         except OSError as exc:
             raise CacheError(f"cache folder cannot be created: {exc.strerror or exc}",
@@ -230,6 +231,14 @@ class Cache:
     def entry(self, key: str) -> Entry:
         return Entry(key, self.root / key)
 
+    @functools.cached_property
+    def writable(self) -> bool:
+        """Whether this process may create files in the cache folder. False for a cache deployed
+        read-only (``ortmem prepare`` at build time, a read-only mount or another user's folder at
+        run time): lookups then write nothing (no recency, no manifest update) and nothing is left
+        to build in the background."""
+        return os.access(self.root, os.W_OK | os.X_OK)
+
     def lookup(self, key: str, *, verify: Optional[str] = None) -> Optional[Entry]:
         """The verified entry for ``key``, or None (a broken one is moved aside for rebuilding)."""
         e = self.entry(key)
@@ -237,10 +246,11 @@ class Cache:
             return None
         problem = self.verify(e, mode=verify)
         if problem is None:
-            try:
-                os.utime(e.path / MANIFEST, follow_symlinks=False)  # recency for prune()
-            except OSError:
-                pass
+            if self.writable:  # a read-only cache (deployed by `ortmem prepare`) is never written
+                try:
+                    os.utime(e.path / MANIFEST, follow_symlinks=False)  # recency for prune(), best effort
+                except OSError:
+                    pass
             return e
         log.warning("ortmem: cache entry %s is unusable (%s); rebuilding", e.path, problem)
         self._discard(e.path)
@@ -275,8 +285,9 @@ class Cache:
             return "manifest from another format or key"
         files = m.get("files")
         digests = m.get("digests")
-        if not isinstance(files, dict) or not isinstance(digests, dict) or MODEL_FILE not in files:
-            return "manifest lists no files"
+        if not isinstance(files, dict) or not isinstance(digests, dict) or (MODEL_FILE not in files
+                                                                          and m.get("marker") is not True):
+            return "manifest lists no files"  # only a marker (a decision, no model: ortmem.prepared_cache) has none
         for name in files:
             if os.sep in str(name) or str(name).startswith("."):
                 return f"manifest names {name!r}"

@@ -105,51 +105,81 @@ def private_mode(source: Path) -> int:
         return PRIVATE_FILE_MODE
 
 
-def _source_identities(model: Model) -> list[dict[str, Any]]:
-    return [file_identity(Path(f)) for f in sorted({str(w.file) for w in model.weights} | {str(model.path.resolve())})]
+def _source_paths(model: Model) -> list[Path]:
+    return [Path(f) for f in sorted({str(w.file) for w in model.weights} | {str(model.path.resolve())})]
 
 
 def lookup_converted(cache: Cache, model_path: Path, settings: OrtSettings,
                      fp16_in_fp32: Optional[bool] = None) -> Optional[Entry]:
     """A verified entry for this model and these settings whose sources are unchanged, or None."""
-    entry = cache.lookup(cache_key(model_path, settings, {"fp16_in_fp32": fp16_in_fp32}))
+    return lookup_sourced(cache, cache_key(model_path, settings, {"fp16_in_fp32": fp16_in_fp32}))
+
+
+def lookup_sourced(cache: Cache, key: str) -> Optional[Entry]:
+    """:meth:`Cache.lookup`, then the sources the entry's manifest records (:func:`source_record`):
+    an entry whose source changed is discarded (None). The manifest update that follows a confirmed
+    content (a source's new ctime) is best effort: a read-only cache only digests again next time."""
+    entry = cache.lookup(key)
     if entry is None:
         return None
     try:
         manifest = entry.manifest()
-        recorded = manifest.get("sources", [])
-        current = [file_identity(Path(s["path"])) for s in recorded]
-        verdicts = [same_source(r, c) for r, c in zip(recorded, current)]
-    except (OSError, KeyError, TypeError, ValueError, AttributeError):
-        verdicts = [False]
-    if not recorded or False in verdicts:  # a source file was edited (even with its mtime restored) or replaced
-        log.info("ortmem: a source of cache entry %s changed; rebuilding", entry.path)
+    except (OSError, ValueError):
+        manifest = {}
+    manifest = manifest if isinstance(manifest, dict) else {}
+    problem, update = sources_problem(manifest)
+    if problem is not None:
+        log.info("ortmem: %s of cache entry %s; rebuilding", problem, entry.path)
         cache.discard(entry)
         return None
-    racy = manifest.get("source_digests")
-    if racy is not None:
-        if not isinstance(racy, list) or len(racy) != len(recorded) or not all(
-                digest.matches(Path(s["path"]), d) for s, d in zip(recorded, racy)):
-            log.info("ortmem: a source of cache entry %s changed within its timestamp tick; rebuilding", entry.path)
-            cache.discard(entry)
-            return None
-    update: dict[str, Any] = {}
-    if None in verdicts:  # only ctime moved: another entry's link/unlink, or an in-place edit? Ask the content.
-        content = manifest.get("source_content")
-        if not (isinstance(content, list) and len(content) == len(recorded)
-                and all(digest.matches(Path(s["path"]), d) for s, d, v in zip(recorded, content, verdicts) if v is None)):
-            log.info("ortmem: a source of cache entry %s changed in place; rebuilding", entry.path)
-            cache.discard(entry)
-            return None
-        update["sources"] = current  # same bytes: record the new identity so the next start needs no digest
-    if racy is not None and not _racy(current):  # content confirmed and now stat can tell any later edit
-        update["source_digests"] = None
-    if update:
+    if update and cache.writable:
         try:
             entry.rewrite_manifest({k: v for k, v in {**manifest, **update}.items() if v is not None})
         except OSError:
             pass
     return entry
+
+
+def sources_problem(manifest: dict[str, Any]) -> tuple[Optional[str], dict[str, Any]]:
+    """(why the sources recorded by :func:`source_record` no longer hold, or None; the manifest fields
+    to rewrite so the next check needs no digest, a value None meaning "drop the field")."""
+    try:
+        recorded = manifest.get("sources", [])
+        current = [file_identity(Path(s["path"])) for s in recorded]
+        verdicts = [same_source(r, c) for r, c in zip(recorded, current)]
+    except (OSError, KeyError, TypeError, ValueError, AttributeError):
+        verdicts = [False]
+    if not recorded or False in verdicts:
+        return "a source was edited (even with its mtime restored) or replaced", {}
+    pinned = manifest.get("source_digests")
+    if pinned is not None:
+        if not isinstance(pinned, list) or len(pinned) != len(recorded) or not all(
+                digest.matches(Path(s["path"]), d) for s, d in zip(recorded, pinned)):
+            return "a source changed within its timestamp tick", {}
+    update: dict[str, Any] = {}
+    if None in verdicts:  # only ctime moved: another entry's link/unlink, or an in-place edit? Ask the content.
+        content = manifest.get("source_content")
+        if not (isinstance(content, list) and len(content) == len(recorded)
+                and all(digest.matches(Path(s["path"]), d) for s, d, v in zip(recorded, content, verdicts) if v is None)):
+            return "a source changed in place", {}
+        update["sources"] = current  # same bytes: record the new identity so the next start needs no digest
+    if pinned is not None and not racy(current):  # content confirmed and now stat can tell any later edit
+        update["source_digests"] = None
+    return None, update
+
+
+def source_record(paths: list[Path]) -> dict[str, Any]:
+    """What an entry records of the files it was made from, for :func:`sources_problem`: their
+    identities; a content digest of each, kept for good and checked only when a source's ctime moved
+    with everything else equal (another entry's hard link, or an edit with mtime set back; ~0.1 s/GB,
+    read from the page cache the builder just filled); and for a source written just now the same
+    digests as ``source_digests``, checked on every lookup until stat alone can vouch for it."""
+    sources = [file_identity(Path(p)) for p in paths]
+    record: dict[str, Any] = {"sources": sources,
+                              "source_content": [digest.file_digest(Path(s["path"])) for s in sources]}
+    if racy(sources):
+        record["source_digests"] = record["source_content"]
+    return record
 
 
 #: A source modified this recently may be rewritten again within the same filesystem timestamp tick
@@ -158,7 +188,8 @@ def lookup_converted(cache: Cache, model_path: Path, settings: OrtSettings,
 RACY_SECONDS = 2.0
 
 
-def _racy(identities: list[dict[str, Any]]) -> bool:
+def racy(identities: list[dict[str, Any]]) -> bool:
+    """Whether any of these source identities was modified within :data:`RACY_SECONDS`."""
     now = time.time_ns()
     return any(now - int(s["mtime_ns"]) < RACY_SECONDS * 1e9 for s in identities)
 
@@ -186,15 +217,10 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
         report = write_converted(model, plan, tmp, progress=progress, link=True, digests=True)
         reports.append(report)
         spans = [(t.offset, t.nbytes) for t in out_tensors(plan) if t.nbytes and t.location is None]
-        sources = _source_identities(model)
-        extras = {"spans": spans, "source": str(model.path), "sources": sources, "report": report.summary()}
-        # Content digests, kept for good: checked only when a source's ctime moved with everything else
-        # equal (another entry's hard link, or an edit with mtime set back). ~0.1 s/GB, read from the
-        # page cache the conversion just filled.
-        extras["source_content"] = [digest.file_digest(Path(s["path"])) for s in sources]
-        if _racy(sources):  # just written: stat alone cannot vouch for it yet
-            extras["source_digests"] = extras["source_content"]
-        extras["digests"] = {**report.file_digests, **_linked_digests(tmp, sources, extras["source_content"])}
+        extras = {"spans": spans, "source": str(model.path), "report": report.summary(),
+                  **source_record(_source_paths(model))}
+        extras["digests"] = {**report.file_digests,
+                             **_linked_digests(tmp, extras["sources"], extras["source_content"])}
         return extras
 
     key = cache_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32})

@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import onnx
 
@@ -45,8 +45,9 @@ from .passes.conversion_plan import ConversionPlan, ConversionReport
 from .passes.writers import Progress
 from .ortmodel.settings import OrtSettings
 from .ortmodel.release import capabilities
-from .prepack_later import PrepackLater, prepack_later_for
-from .prepacked import prepacked_model, save_prepacked
+from .prepack_later import PrepackLater, prepack_later_for, prepare_later_for
+from .prepacked import discard_prepacked, packing_settings, prepacked_model, save_prepacked
+from .prepared_cache import is_marker, lookup_prepared, min_prepared_bytes, prepared_key
 from .validity import validity_fault
 
 log = logging.getLogger(__name__)
@@ -67,16 +68,29 @@ class Handoff:
     tempdir: Optional[Path] = None
     memory: Optional[InMemoryConversion] = None
     extra_tempdirs: list[Path] = field(default_factory=list)
-    #: ``model`` is a cache entry's pre-packed model: what to load instead if ORT refuses it.
+    #: ``model`` is a cache entry's pre-packed or prepared model: what to load instead if ORT refuses it.
     fallback: Optional[str] = None
+    #: Removes what ORT refused (the entry's pre-packed files, or the prepared entry), so no later
+    #: start tries it again; called by :meth:`use_fallback`.
+    discard_refused: Optional[Callable[[], None]] = None
     #: What ortmem did, in a word or two, for reports: "as-is", "mapped", "converted", "cache-hit",
-    #: "pre-packed" (mapped ORT's packed weights, saved earlier or by this start), "in-memory",
-    #: "converted-temporary" (converted into a private folder removed after creation), or
-    #: "untouched: <why>".
+    #: "pre-packed" (mapped ORT's packed weights, saved earlier or by this start), "prepared" (a model
+    #: ortmem does not convert, loaded from its prepared cache entry: ORT maps its packed weights,
+    #: :mod:`ortmem.prepared_cache`), "in-memory", "converted-temporary" (converted into a private
+    #: folder removed after creation), or "untouched: <why>".
     action: str = "as-is"
     #: A cold start's packing of ORT's weights, started once the session has run
     #: (:mod:`ortmem.prepack_later`); None when nothing is left to pack in the background.
     prepack_later: Optional[PrepackLater] = None
+
+    def use_fallback(self) -> str:
+        """ORT refused ``model``: discard it (no later start tries it again) and load ``fallback``."""
+        discard, self.discard_refused = self.discard_refused, None
+        if discard is not None:
+            discard()
+        self.model, self.fallback = self.fallback, None
+        self.action = "cache-hit" if self.action == "pre-packed" else "as-is"
+        return self.model
 
     def session_ran(self) -> None:
         """The session answered its first run: start what was left for after it (once)."""
@@ -141,6 +155,9 @@ class ConvertOptions:
     #: on the first hit): CPU EP only, and only when ORT pre-packs at all. See ortmem.prepacked.
     prepacked: bool = False
     sess_options: Optional[object] = None  # the user's options (the packing sessions copy MLAS settings)
+    #: Set when ortmem declined to convert a model it could have (a validity fault, a failed rewrite):
+    #: ORT judges such a model as given, and nothing is prepared from it either.
+    declined: bool = False
 
 
 def prepare(model: ModelInput, convert: Optional[ConvertOptions] = None) -> Handoff:
@@ -156,11 +173,19 @@ def prepare(model: ModelInput, convert: Optional[ConvertOptions] = None) -> Hand
             handoff = _warm_start(entry, convert)
             if handoff is not None:  # None: the entry failed its full check and was discarded
                 return handoff
+        key = _prepared_key(Path(model), convert)
+        known = False
+        if key is not None:  # a model ortmem does not convert: its prepared entry, read without parsing
+            handoff, known = _prepared_start(Path(model), key, convert)
+            if handoff is not None:
+                return handoff
         handoff = _converted_or_as_is(load(model), convert)
         if FOLDER_KEY in handoff.config and handoff.memory is None and convert is not None and convert.sess_options is not None:
             # Only the caller's options could carry the folder entry, and ortmem leaves them alone.
             handoff.after_create()
             return Handoff(model=str(model), action="untouched: no hard link possible beside the caller's SessionOptions")
+        if key is not None and not known:
+            _prepare_after_first_run(handoff, Path(model), key, convert)
         return handoff
     if isinstance(model, (bytes, bytearray, memoryview)):
         return _spill(lambda f: f.write(model), convert)
@@ -177,6 +202,7 @@ def _converted_or_as_is(model: Model, convert: Optional[ConvertOptions], own_fol
         return from_model(model, own_folder=own_folder, link_root=_cache_root(convert))
     fault = validity_fault(model.skeleton.graph)
     if fault is not None:  # a rewrite could hide it: ORT judges the model as given
+        convert.declined = True
         log.info("ortmem: not converting %s (%s); onnxruntime gets it as given", model.path, fault)
         return from_model(model, own_folder=own_folder, link_root=_cache_root(convert))
     try:
@@ -188,7 +214,7 @@ def _converted_or_as_is(model: Model, convert: Optional[ConvertOptions], own_fol
     except Exception as exc:  # noqa: BLE001 - any rewrite failure: ORT gets the model as given
         detail = str(exc) if isinstance(exc, OrtmemError) else f"{type(exc).__name__}: {exc}"
         log.warning("ortmem: could not convert %s (%s); onnxruntime gets it as given", model.path, detail)
-        convert.report, convert.cache_hit = None, False
+        convert.report, convert.cache_hit, convert.declined = None, False, True
         return from_model(model, own_folder=own_folder, link_root=_cache_root(convert))
 
 
@@ -294,8 +320,48 @@ def _warm_start(entry: Entry, convert: ConvertOptions) -> Optional[Handoff]:
         elif path is None:
             path = _save_prepacked(entry, convert)
         if path is not None:
-            return Handoff(model=str(path), fallback=str(entry.model_path), action="pre-packed")
+            return Handoff(model=str(path), fallback=str(entry.model_path), action="pre-packed",
+                           discard_refused=lambda: discard_prepacked(entry.path))
     return Handoff(model=str(entry.model_path), action="cache-hit")
+
+
+def _prepared_key(path: Path, convert: Optional[ConvertOptions]) -> Optional[str]:
+    """The key of ``path``'s prepared entry when this start may use one (a cache, the CPU EP with
+    pre-packing on, a release that saves pre-packed weights, a file); else None."""
+    if (convert is None or convert.cache is None or not convert.prepacked or not path.is_file()
+            or not capabilities().prepacked_save):
+        return None
+    config, _ = packing_settings(convert.sess_options)
+    return prepared_key(path, convert.settings or OrtSettings(), config, convert.enabled)
+
+
+def _prepared_start(path: Path, key: str, convert: ConvertOptions) -> tuple[Optional[Handoff], bool]:
+    """(the warm start from ``path``'s prepared entry, or None; whether an entry or a marker exists,
+    so nothing is left to build). A marker (ORT packs nothing in this model) leaves the start ORT's."""
+    cache = convert.cache
+    assert cache is not None
+    entry = lookup_prepared(cache, key)
+    if entry is None:
+        return None, False
+    if is_marker(entry):
+        return None, True
+    return Handoff(model=str(entry.model_path), fallback=str(path), action="prepared",
+                   discard_refused=lambda: cache.discard(entry)), True
+
+
+def _prepare_after_first_run(handoff: Handoff, path: Path, key: str, convert: ConvertOptions) -> None:
+    """A cold start of a model ortmem gave ORT unconverted: after the session's first run, one
+    niced background process builds its prepared entry (:mod:`ortmem.prepack_later`), so the next
+    start maps ORT's packed weights. Only for models with at least
+    :func:`ortmem.prepared_cache.min_prepared_bytes` of initializers (small ones stay at zero cost),
+    and not for a model ortmem converted or declined to convert."""
+    if (handoff.action not in ("as-is", "mapped") or handoff.memory is not None or convert.report is not None
+            or convert.declined or convert.cache_hit or convert.cache is None or handoff.source is None):
+        return
+    if handoff.source.weight_bytes < min_prepared_bytes():
+        return
+    handoff.prepack_later = prepare_later_for(path, key, convert.cache, convert.sess_options,
+                                              convert.settings or OrtSettings(), convert.enabled)
 
 
 def _damaged_for_packing(entry: Entry, convert: ConvertOptions, mode: str) -> bool:
@@ -323,6 +389,16 @@ def _save_prepacked(entry: Entry, convert: ConvertOptions) -> Optional[Path]:
         log.warning("ortmem: could not save pre-packed weights for %s (%s); loading %s",
                     entry.path, exc, entry.model_path.name)
     return path
+
+
+def conversion_check(model: Model) -> tuple[bool, Optional[str]]:
+    """(whether ortmem tries to convert ``model``: it has DequantizeLinear nodes; why it declines: a
+    validity fault ORT must judge on the model as given, or None). ``ortmem prepare`` asks the same
+    questions a session start does."""
+    if not _has_dequantize(model):
+        return False, None
+    fault = validity_fault(model.skeleton.graph)
+    return fault is None, fault
 
 
 def _has_dequantize(model: Model) -> bool:

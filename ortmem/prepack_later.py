@@ -39,6 +39,12 @@ whole when it exits: 167 MiB at its peak for 1.6 s on the demo model (onnxruntim
 
 Below :data:`MIN_WEIGHT_BYTES` of converted weights no process is started: the first hit packs so
 little that its own packing costs less than starting a Python interpreter with onnxruntime.
+
+The same process, lock and rules build a model's *prepared* entry (``kind="prepared"``,
+:mod:`ortmem.prepared_cache`): a model ortmem does not convert, started from its path on the CPU EP,
+gets ORT's pre-packed weights of every kernel saved into a cache entry of its own after its first run,
+so the next start maps them. Its key is computed by the starter and checked again by the packer from
+the source as it is then: a source changed in between gets no entry under the old key.
 """
 from __future__ import annotations
 
@@ -54,10 +60,12 @@ from typing import Optional
 
 import onnxruntime as ort
 
-from .cache import (WEIGHTS_FILE, Cache, Entry, LockBusyError, acquire_creator_lock, creator_lock_path,
+from .cache import (MANIFEST, WEIGHTS_FILE, Cache, Entry, LockBusyError, acquire_creator_lock, creator_lock_path,
                     release_creator_lock)
+from .ortmodel.settings import OrtSettings
 from .helper_env import helper_environment
 from .prepacked import PREPACKED_MANIFEST, packing_settings, prepacked_model, save_prepacked
+from .prepared_cache import build_prepared, lookup_prepared, prepared_key
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +102,25 @@ class PrepackLater:
     intra_op_num_threads: int = 0
     #: In the packer: the descriptor of the entry's creator lock, locked by the process that started it.
     lock_fd: Optional[int] = None
+    #: "prepacked": a converted entry's pre-packed files; "prepared": a prepared entry of ``source``.
+    kind: str = "prepacked"
+    #: "prepared": the model file, and the key parts :func:`ortmem.prepared_cache.prepared_key` takes
+    #: (level, config, disabled optimizers, conversion enabled), to check ``key`` against the source as
+    #: it is when the packer runs.
+    source: str = ""
+    settings: dict = field(default_factory=dict)
+
+    def done(self) -> bool:
+        """Whether the work is already published (the pre-packed manifest, or the prepared entry)."""
+        entry = Path(self.cache_root) / self.key
+        return (entry / (MANIFEST if self.kind == "prepared" else PREPACKED_MANIFEST)).exists()
 
     def start(self) -> Optional[subprocess.Popen]:
         """Start the packer (detached; reaped by a daemon thread) holding the entry's creator lock;
         None when the entry is already packed, another process holds the lock (packing it, or
         starting a packer: workers forked after a ``--preload`` share this job), or the process
         cannot be started (logged: the next start packs then)."""
-        done = Path(self.cache_root) / self.key / PREPACKED_MANIFEST
-        if done.exists():
+        if self.done():
             return None
         lock = creator_lock_path(Path(self.cache_root), self.key)
         try:
@@ -110,7 +129,7 @@ class PrepackLater:
             return None
         proc = None
         try:
-            if not done.exists():  # not published while we took the lock
+            if not self.done():  # not published while we took the lock
                 proc = self._spawn(fd)
         finally:
             if proc is None or fd < 0:
@@ -179,7 +198,7 @@ def run(job: PrepackLater) -> Optional[Path]:
     cache = Cache(Path(job.cache_root), verify=job.verify)
     try:  # an entry cleared meanwhile is seen under the lock, which is then let go and its file removed
         with cache.creating(job.key, timeout=0, inherited_fd=job.lock_fd):
-            path = _pack(cache, job)
+            path = _prepare(cache, job) if job.kind == "prepared" else _pack(cache, job)
     except LockBusyError as exc:
         log.info("ortmem: not packing %s: another process is (%s)", job.key, exc)
         return None
@@ -204,6 +223,35 @@ def _pack(cache: Cache, job: PrepackLater) -> Optional[Path]:
     if job.intra_op_num_threads:
         so.intra_op_num_threads = job.intra_op_num_threads
     return save_prepacked(entry.path, sess_options=so)
+
+
+def prepare_later_for(source: Path, key: str, cache: Cache, sess_options: Optional[object],
+                      settings: OrtSettings, converting: bool) -> Optional[PrepackLater]:
+    """The background building of ``source``'s prepared entry ``key`` after the first run, or None
+    when the cache cannot be written (a read-only deployment: nothing is left to do there)."""
+    if not cache.writable:
+        return None
+    config, threads = packing_settings(sess_options)
+    parts = {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
+             "disabled": sorted(settings.disabled_optimizers), "converting": converting}
+    return PrepackLater(str(cache.root), key, cache.verify_mode, config, threads, kind="prepared",
+                        source=str(source), settings=parts)
+
+
+def _prepare(cache: Cache, job: PrepackLater) -> Optional[Path]:
+    """:func:`run`'s work for a prepared entry, under its lock: nothing when it exists, or when the
+    source changed since the starter computed the key (a later start computes the new one)."""
+    if lookup_prepared(cache, job.key) is not None:
+        return None
+    parts = job.settings
+    settings = OrtSettings(int(parts.get("level", 99)), dict(parts.get("config", {})),
+                        frozenset(parts.get("disabled", ())))
+    source = Path(job.source)
+    if prepared_key(source, settings, job.config, bool(parts.get("converting", True))) != job.key:
+        log.info("ortmem: %s changed since its start; not preparing it under the old key", source)
+        return None
+    entry, _ = build_prepared(cache, source, job.key, packing=job.config, threads=job.intra_op_num_threads)
+    return entry.path
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -62,7 +62,11 @@ class InferenceSession(ort.InferenceSession):
 
     Starts: the first (cold) converts into the cache and, after its session's first ``run``, packs
     ORT's weights into the entry in a background process (:mod:`ortmem.prepack_later`); from the
-    second start on, sessions map them (``ortmem_action == "pre-packed"``).
+    second start on, sessions map them (``ortmem_action == "pre-packed"``). A model ortmem does not
+    convert (a path, CPU EP, at least 16 MiB of initializers) gets a *prepared* entry the same way:
+    ORT's own save of it with every kernel's pre-packed weights, mapped from the second start on
+    (``ortmem_action == "prepared"``; :mod:`ortmem.prepared_cache`, ``ortmem prepare`` builds it at
+    deploy time, after which a read-only cache folder is enough).
     """
 
     def __init__(
@@ -126,15 +130,13 @@ class InferenceSession(ort.InferenceSession):
         return result
 
     def _retry_without_prepacked(self, exc: Exception, *args: Any, **kwargs: Any) -> None:
-        """ORT refused a cache entry's pre-packed model: drop those files and load the entry itself."""
-        from .prepacked import discard_prepacked
-
+        """ORT refused a cache entry's pre-packed model or a prepared entry: discard what it refused
+        (no later start tries it again) and load the entry itself, or the model as given."""
         handoff = self._ortmem_handoff
-        log.warning("ortmem: onnxruntime could not load the pre-packed model %s (%s); using %s",
-                    handoff.model, exc, handoff.fallback)
-        discard_prepacked(Path(str(handoff.model)).parent)
-        handoff.model, handoff.fallback = handoff.fallback, None
-        super().__init__(handoff.model, *args, **kwargs)
+        what = "prepared" if handoff.action == "prepared" else "pre-packed"
+        log.warning("ortmem: onnxruntime could not load the %s model %s (%s); using %s",
+                    what, handoff.model, exc, handoff.fallback)
+        super().__init__(handoff.use_fallback(), *args, **kwargs)
 
     def _create_inference_session(self, providers, provider_options, disabled_optimizers=None):
         # Called by ORT's __init__ and again by its EP fallback (_reset_session): both need the

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 from ..errors import OrtmemError
 
 #: Subcommand modules of this package, in the order ``--help`` lists them.
-COMMANDS = ("inspect", "convert", "cache", "doctor", "bench", "estimate", "stats", "partition", "recompute", "run")
+COMMANDS = ("inspect", "convert", "prepare", "cache", "doctor", "bench", "estimate", "stats", "partition", "recompute", "run")
 
 
 def command(name: str) -> ModuleType:

@@ -1,0 +1,224 @@
+"""ORT's own pre-packed weights for any model, saved beside a copy of it that ORT maps as is.
+
+Why
+---
+Every kernel that pre-packs a constant input (MatMul/Gemm in fp32 and fp16, MatMulNBits, the int8
+QOperator kernels, LSTM/GRU, attention...) keeps its packed copy on the heap, one per process. ORT
+can save those packed buffers (``session.save_external_prepacked_constant_initializers``) beside the
+model's initializers; a later session maps them from the file. Measured on onnxruntime 1.32.0 (fp32
+MLP, 12 x MatMul 2048x2048, 192 MiB of weights): a fresh process loading the saved model with default
+options, inside :func:`ortmem.hygiene.allocator_hygiene`, holds 23 MiB private (RssAnon) after
+creation and its first run (an empty interpreter with ORT imported: 21) against plain ORT's 216 on
+the source, with bit-identical outputs. Which kernels pack is asked of the installed ORT (it saves
+what it packs), never listed here.
+
+How
+---
+A throw-away session over the source with ``ORT_DISABLE_ALL`` writes ``<stem>.onnx`` (the source
+graph, every initializer external in ``<stem>.data``) plus the ``prepacked_<i>`` blobs. The saved
+graph is the source graph: nothing the user's options might switch off is baked in; the user's own
+session still optimizes at its level and maps each saved blob only where its kernel's fresh packing
+hashes to the saved key (ORT >= 1.32 also re-packs and compares on reload), so the files are safe
+whatever the caller's ``SessionOptions`` hold. Initializers created by ORT's own optimizers (NCHWc
+convolution weights, fused ones) are therefore *not* captured: a model whose only packing happens on
+such tensors (a Conv net: plain ``Conv`` does not pre-pack, the NCHWc one made at level 3 does) gets
+``useful=False``.
+
+What is checked, and when (:func:`prepared_path`, on every use)
+-------------------------------------------------------------
+``<stem>.json`` is written last and atomically; it records what the blobs are valid for
+(:func:`ortmem.prepacked.prepacked_key_parts`: ORT release, CPU, format), the source's identity (the
+.onnx and each external data file: :func:`ortmem.convert.source_record`) and a full digest of each
+written file. Before use, every file passes the cache's one trust check
+(:func:`ortmem.cache.cache_file_problem`: owner, mode, no symbolic link, size and, in ``"full"``
+mode, every byte), the key parts must equal this ORT and CPU's and (``source`` given) the source must
+be unchanged. This module knows nothing of the cache: :mod:`ortmem.prepared_cache` keeps these files
+in cache entries; onnxruntime-genai folders keep them inside the folder.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import onnx
+import onnxruntime as ort
+
+from . import digest
+from .cache import cache_file_problem, fsync_dir
+from .convert import source_record, sources_problem
+from .errors import CacheError
+from .filetrust import PRIVATE_FILE_MODE, make_private_dir, read_nofollow, write_new
+from .onnx_walk import external_data_dict, is_external, iter_tensor_sites
+from .ortmodel.settings import OrtSettings
+from .prepacked import prepacked_key_parts
+
+log = logging.getLogger(__name__)
+
+#: Bumped whenever what :func:`prepare_model` writes changes.
+PREPARED_FORMAT = 1
+_WORK_PREFIX = ".prepare-"
+
+
+class PrepareError(CacheError):
+    """ORT could not save the prepared model (names the source)."""
+
+
+@dataclass
+class PreparedReport:
+    """What :func:`prepare_model` did."""
+
+    seconds: float
+    prepacked: int  # initializers ORT saved pre-packed blobs for
+    data_bytes: int  # size of <stem>.data
+    useful: bool  # prepacked > 0: mapping saves heap (False: ORT packs nothing; the caller keeps no files)
+
+
+def source_files(source: Path) -> list[Path]:
+    """The .onnx file and every external data file its tensors point into (what a prepared model is
+    made from, so what must stay unchanged for it to be used)."""
+    model = onnx.load(str(source), load_external_data=False)
+    folder = Path(source).resolve().parent
+    locations = {external_data_dict(s.tensor).get("location", "") for s in iter_tensor_sites(model)
+                 if is_external(s.tensor)}
+    return [Path(source).resolve(), *sorted(folder / loc for loc in locations if loc)]
+
+
+def prepare_model(source: Path, folder: Path, stem: str = "prepared", *, settings: Optional[OrtSettings] = None,
+                  threads: int = 0) -> PreparedReport:
+    """Write ``folder/<stem>.onnx``, ``folder/<stem>.data`` and, last and atomically,
+    ``folder/<stem>.json`` (see the module docstring). ``settings``: its ``session_config`` entries go
+    to the throw-away session (pass those ORT's packing depends on,
+    :func:`ortmem.prepacked.packing_settings`); ``prepacking`` False writes nothing (``useful`` False).
+    ``threads``: intra-op threads of the throw-away session (0: ORT's default).
+
+    Raises :class:`PrepareError` when ORT fails to load or save the model; nothing is published then.
+    """
+    start = time.perf_counter()
+    source, folder = Path(source), Path(folder)
+    settings = settings or OrtSettings()
+    if not settings.prepacking:
+        return PreparedReport(time.perf_counter() - start, 0, 0, False)
+    record = source_record(source_files(source))  # before ORT reads it: an edit meanwhile shows later
+    work = folder / f"{_WORK_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    make_private_dir(work)
+    try:
+        _save(source, work, stem, settings, threads)
+        saved = onnx.load(str(work / f"{stem}.onnx"), load_external_data=False)
+        prepacked = sum(any(k.startswith("prepacked") for k in external_data_dict(t)) for t in saved.graph.initializer)
+        names = [n for n in (f"{stem}.onnx", f"{stem}.data") if (work / n).exists()]
+        for name in names:
+            os.chmod(work / name, PRIVATE_FILE_MODE)
+        files = {n: (work / n).stat().st_size for n in names}
+        report = PreparedReport(0.0, prepacked, files.get(f"{stem}.data", 0), prepacked > 0)
+        manifest = {"format": PREPARED_FORMAT, "key_parts": prepacked_key_parts(), "created": time.time(),
+                    "files": files, "digests": {n: digest.file_digest(work / n) for n in names}, **record}
+        _publish(work, folder, stem, names)
+        report.seconds = time.perf_counter() - start
+        manifest["report"] = asdict(report)
+        tmp = folder / f".{stem}.json.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        write_new(tmp, json.dumps(manifest, indent=1).encode(), sync=True)
+        os.replace(tmp, folder / f"{stem}.json")
+        fsync_dir(folder)
+        return report
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _save(source: Path, work: Path, stem: str, settings: OrtSettings, threads: int) -> None:
+    """The throw-away session that writes ``work/<stem>.onnx`` and ``.data`` (freed before return:
+    saving keeps every initializer alive in it)."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.optimized_model_filepath = str(work / f"{stem}.onnx")
+    so.log_severity_level = 3
+    entries = {**dict(settings.session_config),
+               "session.save_external_prepacked_constant_initializers": "1",
+               "session.optimized_model_external_initializers_file_name": f"{stem}.data"}
+    for key, value in entries.items():
+        so.add_session_config_entry(key, value)
+    if threads:
+        so.intra_op_num_threads = threads
+    try:
+        session = ort.InferenceSession(str(source), so, providers=["CPUExecutionProvider"])
+        del session
+    except Exception as exc:  # noqa: BLE001 - ORT raises its own pybind types
+        raise PrepareError(f"onnxruntime could not save the prepared model: {exc}", file=str(source)) from exc
+    if not (work / f"{stem}.onnx").exists():
+        raise PrepareError("onnxruntime saved no prepared model", file=str(source))
+
+
+def _publish(work: Path, folder: Path, stem: str, names: list[str]) -> None:
+    """Move the written files into ``folder``; the old manifest goes first, so no reader trusts a
+    half-replaced set (the new one is written after)."""
+    for stale in (f"{stem}.json", f"{stem}.data", f"{stem}.onnx"):
+        try:
+            os.unlink(folder / stale)
+        except FileNotFoundError:
+            pass
+    for name in names:
+        os.replace(work / name, folder / name)
+
+
+def read_manifest(folder: Path, stem: str = "prepared") -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """(``<stem>.json`` once it passed the cache's file check, None) or (None, why not)."""
+    path = Path(folder) / f"{stem}.json"
+    problem = cache_file_problem(path)
+    if problem:
+        return None, problem
+    try:
+        manifest = json.loads(read_nofollow(path))
+    except (OSError, ValueError) as exc:
+        return None, f"{path.name} unreadable: {exc}"
+    if not isinstance(manifest, dict) or manifest.get("format") != PREPARED_FORMAT:
+        return None, f"{path.name} from another format"
+    return manifest, None
+
+
+def prepared_problem(folder: Path, stem: str = "prepared", *, source: Optional[Path] = None,
+                     mode: str = "full") -> Optional[str]:
+    """Why ``folder/<stem>.onnx`` may not be used now, or None (:func:`prepared_path`)."""
+    mode = digest.check_mode(mode)
+    folder = Path(folder)
+    manifest, problem = read_manifest(folder, stem)
+    if manifest is None:
+        return problem
+    if manifest.get("key_parts") != prepacked_key_parts():
+        return "saved for another onnxruntime version, CPU or format"
+    files, digests = manifest.get("files"), manifest.get("digests")
+    if not isinstance(files, dict) or not isinstance(digests, dict) or f"{stem}.onnx" not in files:
+        return f"{stem}.json lists no files"
+    for name, size in files.items():
+        if name not in (f"{stem}.onnx", f"{stem}.data"):
+            return f"{stem}.json names {name!r}"
+        full = mode == "full" or name.endswith(".onnx")  # the graph is small: always digested
+        problem = cache_file_problem(folder / name, size=size, recorded=digests.get(name, "") if full else None)
+        if problem:
+            return problem
+    if source is not None:
+        recorded = manifest.get("sources") or [{}]
+        if recorded[0].get("path") != str(Path(source).resolve()):
+            return f"prepared from {recorded[0].get('path')}, not {source}"
+        problem, _ = sources_problem(manifest)
+        if problem:
+            return problem
+    return None
+
+
+def prepared_path(folder: Path, stem: str = "prepared", *, source: Optional[Path] = None,
+                  mode: str = "full") -> Optional[Path]:
+    """``folder/<stem>.onnx`` when ``<stem>.json``, ``<stem>.onnx`` and ``<stem>.data`` all pass
+    :func:`ortmem.cache.cache_file_problem` (owner, mode, no symlink, size, and the full digest when
+    ``mode == "full"``; ``"sampled"``/``"off"`` check the data file's size only), the manifest's key
+    parts equal this ORT and CPU's, and (``source`` given) the source is unchanged; else None (logged)."""
+    problem = prepared_problem(folder, stem, source=source, mode=mode)
+    if problem is None:
+        return Path(folder) / f"{stem}.onnx"
+    log.info("ortmem: not using the prepared model in %s (%s)", folder, problem)
+    return None

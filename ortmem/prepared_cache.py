@@ -1,0 +1,170 @@
+"""Prepared cache entries: warm starts for every model ortmem does not convert.
+
+An entry of kind ``"prepared"`` holds what :func:`ortmem.prepared.prepare_model` writes with the stem
+``model`` (``model.onnx``, ``model.data`` with ORT's pre-packed blobs, ``model.json``) under the
+cache's ``manifest.json``, so the cache's own checks apply to every byte (:meth:`ortmem.cache.Cache.verify`:
+trust check and digest of every file, per ``verify=``) and the manifest records the source files
+(:func:`ortmem.convert.source_record`), so a changed source is never served stale
+(:func:`ortmem.convert.lookup_sourced`). Where ORT packs nothing (``useful`` False: a Conv net, a model
+of element-wise ops) or cannot save the model, the entry is a *marker*: a manifest with no files and
+``"marker": true``, so later starts decide at once and ortmem costs nothing there.
+
+Key (:func:`prepared_key`): ``what="prepared"``, the source .onnx identity, the settings the session
+is created with (level, the config entries ortmem reads, disabled optimizers, the packing entries),
+whether conversion was enabled (a QDQ model ortmem converts never gets a prepared entry, so a
+conversion turned back on is not answered by one), the ortmem/onnxruntime/onnx versions and what
+packed blobs depend on (:func:`ortmem.prepacked.prepacked_key_parts`: ORT build, CPU), so machines
+sharing one cache folder each keep their own.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import onnx
+import onnxruntime as ort
+
+from . import __version__
+from .cache import MANIFEST, MODEL_FILE, Cache, Entry, key_identity, make_key
+from .convert import lookup_sourced, private_mode, source_record
+from .ortmodel.settings import OrtSettings
+from .prepacked import prepacked_key_parts
+from .prepared import (PREPARED_FORMAT, PrepareError, PreparedReport, prepare_model, prepared_problem,
+                       read_manifest, source_files)
+
+log = logging.getLogger(__name__)
+
+#: The stem :func:`ortmem.prepared.prepare_model` writes an entry's files under: ``model.onnx`` is the
+#: cache's ``MODEL_FILE``.
+STEM = Path(MODEL_FILE).stem
+#: Initializer bytes below which a model gets no prepared entry and no background process (overridden
+#: by :data:`MIN_BYTES_ENV`). What a process saves is about the bytes ORT packs (for fp32 MatMul, its
+#: weight bytes); what preparing costs once is the helper process (0.56 s of CPU, 67 MiB peak just to
+#: start Python, onnxruntime and onnx) and a second copy of the weights on disk. Measured on onnxruntime
+#: 1.32.0, fp32 MLPs, RssAnon after the first run, fresh processes, ortmem imported in each: 4 x
+#: 512x512 (4 MiB) 39 MiB unprepared, 34 prepared; 4 x 1024x1024 (16 MiB) 51 unprepared, 34-35
+#: prepared; 12 x 2048x2048 (192 MiB) 227 unprepared (plain ORT 216), 35 prepared. From 16 MiB a
+#: single worker's lifelong saving is of the order of the helper's one-time transient.
+MIN_PREPARED_BYTES = 16 * 1024 * 1024
+#: Environment variable overriding :data:`MIN_PREPARED_BYTES` (bytes; "0": every model).
+MIN_BYTES_ENV = "ORTMEM_PREPARE_MIN_BYTES"
+
+
+def min_prepared_bytes() -> int:
+    """``$ORTMEM_PREPARE_MIN_BYTES`` (an unreadable value is logged and ignored), else the default."""
+    text = os.environ.get(MIN_BYTES_ENV, "").strip()
+    if not text:
+        return MIN_PREPARED_BYTES
+    from .units import parse_bytes
+
+    try:
+        return int(parse_bytes(text))
+    except (ValueError, TypeError):
+        log.warning("ortmem: %s=%r is not a size; using %d bytes", MIN_BYTES_ENV, text, MIN_PREPARED_BYTES)
+        return MIN_PREPARED_BYTES
+
+
+def prepared_key(model_path: Path, settings: OrtSettings, packing: dict[str, str], converting: bool) -> str:
+    """The key of a model's prepared entry (see the module docstring)."""
+    return make_key({
+        "what": "prepared",
+        "format": PREPARED_FORMAT,
+        "model": key_identity(Path(model_path)),
+        "settings": {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
+                     "disabled": sorted(settings.disabled_optimizers), "packing": dict(packing)},
+        "converting": bool(converting),
+        "ortmem": __version__,
+        "onnxruntime": ort.__version__,
+        "onnx": onnx.__version__,
+        "blobs": prepacked_key_parts(),
+    })
+
+
+def is_marker(entry: Entry) -> bool:
+    """Whether ``entry`` records only that nothing is worth preparing (no model to load)."""
+    try:
+        return entry.manifest().get("marker") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def lookup_prepared(cache: Cache, key: str) -> Optional[Entry]:
+    """The verified prepared entry (or marker) under ``key`` whose sources are unchanged, or None.
+    Every file passed the cache's check (:meth:`ortmem.cache.Cache.lookup`); the prepared model's own
+    manifest must also be for this ORT and CPU, else the entry is discarded."""
+    entry = lookup_sourced(cache, key)
+    if entry is None or is_marker(entry):
+        return entry
+    problem = prepared_problem(entry.path, STEM, mode="off")  # the bytes were just checked by the lookup
+    if problem is None:
+        return entry
+    log.warning("ortmem: cache entry %s is unusable (%s); rebuilding", entry.path, problem)
+    cache.discard(entry)
+    return None
+
+
+def build_prepared(cache: Cache, source: Path, key: str, *, packing: Optional[dict[str, str]] = None,
+                   threads: int = 0) -> tuple[Entry, Optional[PreparedReport]]:
+    """Build and publish the prepared entry ``key`` of ``source`` (the caller holds its creator lock);
+    (entry, report), the report None when ORT could not save the model (a marker then says so)."""
+    reports: list[PreparedReport] = []
+
+    def build(tmp: Path) -> dict[str, Any]:
+        try:
+            report = prepare_model(source, tmp, STEM, settings=OrtSettings(session_config=dict(packing or {})),
+                                   threads=threads)
+        except PrepareError as exc:
+            log.info("ortmem: %s; later starts load %s as given", exc, source)
+            return {"kind": "prepared", "marker": True, "source": str(source), "why": str(exc),
+                    **source_record(source_files(source))}
+        reports.append(report)
+        manifest, problem = read_manifest(tmp, STEM)
+        if manifest is None:
+            raise PrepareError(f"the prepared model's manifest cannot be read back ({problem})", file=str(tmp))
+        record = {k: manifest[k] for k in ("sources", "source_content", "source_digests") if k in manifest}
+        if not report.useful:  # nothing ORT packs: keep the decision, not a copy of the weights
+            for f in list(tmp.iterdir()):
+                f.unlink()
+            return {"kind": "prepared", "marker": True, "source": str(source), "why": "onnxruntime packs nothing",
+                    "report": manifest.get("report"), **record}
+        return {"kind": "prepared", "source": str(source), "report": manifest.get("report"),
+                "digests": manifest.get("digests", {}), **record}
+
+    entry = cache.build(key, build, file_mode=private_mode(source))
+    return entry, (reports[0] if reports else None)
+
+
+def ensure_prepared(cache: Cache, source: Path, key: str, *, packing: Optional[dict[str, str]] = None,
+                    threads: int = 0, timeout: Optional[float] = None) -> tuple[Entry, bool]:
+    """(entry, built): the prepared entry ``key``, looked up or built under its creator lock
+    (``timeout`` as :meth:`ortmem.cache.Cache.creating`; raises ``LockBusyError`` past it)."""
+    entry = lookup_prepared(cache, key)
+    if entry is not None:
+        return entry, False
+    with cache.creating(key, timeout=timeout):
+        entry = lookup_prepared(cache, key)  # built while we waited?
+        if entry is not None:
+            return entry, False
+        entry, _ = build_prepared(cache, source, key, packing=packing, threads=threads)
+    return entry, True
+
+
+def describe(entry: Entry) -> str:
+    """One line on what a prepared entry holds (``ortmem prepare``, ``ortmem cache list``)."""
+    try:
+        m = entry.manifest()
+    except (OSError, ValueError):
+        return "(unreadable manifest)"
+    if m.get("marker"):
+        return f"nothing to map ({m.get('why', 'onnxruntime packs nothing')})"
+    report = m.get("report") or {}
+    return (f"{report.get('prepacked', '?')} pre-packed initializers, "
+            f"{(report.get('data_bytes') or 0) / 2**20:.1f} MiB mapped from {STEM}.data")
+
+
+def entry_done(cache_root: Path, key: str) -> bool:
+    """Whether the entry ``key`` is published (a background builder then has nothing to do)."""
+    return (Path(cache_root) / key / MANIFEST).exists()
+
