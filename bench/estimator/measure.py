@@ -12,6 +12,8 @@ the first run (the steady state), anon/file split. Strategies:
 * ``ortmem-warm``: ``ortmem.InferenceSession(..., prepacked=False)`` on a cache hit, i.e. ORT loading
   the entry's native twin (what a cold start hands ORT too): ``ortmem.*``. Rows taken before
   pre-packed warm starts existed measured this same path with default options;
+* ``ortmem-cold``: ``ortmem.InferenceSession`` on an empty cache (the first start: digest, type
+  resolution, conversion, then ORT on the fresh entry): ``ortmem_cold.*``;
 * ``ortmem-prepacked``: ``ortmem.InferenceSession`` on a cache hit with the pre-packed weights saved
   by an earlier hit (the default warm start): ``ortmem_prepacked.*``. Its preparation runs two starts
   (cold, then the first hit, which saves ``prepacked.bin``), so every probe loads the saved blobs.
@@ -30,12 +32,13 @@ STRATEGIES = {
     "ort-hygiene": f"{HERE / 'strategies.py'}:create_ort_hygiene",
     "ortmem-warm": "ortmem-warm",
     "ortmem-prepacked": "ortmem-warm",
+    "ortmem-cold": "ortmem",
 }
 #: per-strategy options beside ``dims`` (``create_ortmem_warm`` reads ``prepacked``, default True)
 OPTIONS = {"ortmem-warm": {"prepacked": False}}
 #: strategies whose cache must be filled first (unmeasured, ``prepare("ortmem-warm")``: cold + first hit)
 PREPARE = {"ortmem-warm", "ortmem-prepacked"}
-DIMS = {"batch": 1, "seq": 8, "batch_size": 1, "sequence_length": 8}
+DIMS = {"batch": 1, "seq": 8, "batch_size": 1, "sequence_length": 8, "sequence": 8}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--only", nargs="*")
     p.add_argument("--strategies", nargs="*", default=list(STRATEGIES))
+    p.add_argument("--int-high", type=int, help="bound of generated integer inputs (2 for BERT's token_type_ids)")
     args = p.parse_args(argv)
+    import onnxruntime
+
+    ort_version = onnxruntime.__version__
     names = sorted(d.name for d in Path(args.models).iterdir() if (d / "model.onnx").exists())
     if args.only:
         names = [n for n in names if n in args.only]
@@ -56,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             path = str(Path(args.models) / name / "model.onnx")
             for strat in args.strategies:
                 prepared = None
-                options = {"dims": DIMS, **OPTIONS.get(strat, {})}
+                options = {"dims": DIMS, **({"int_high": args.int_high} if args.int_high else {}),
+                           **OPTIONS.get(strat, {})}
                 if strat in PREPARE:
                     import tempfile
                     prepared = prepare("ortmem-warm", path, options=options, workdir=tempfile.gettempdir())
@@ -72,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                         "heap_jitter": r.heap_jitter_bytes, "anon_steady": r.anon_after_run_bytes,
                         "baseline_anon": r.baseline_anon_bytes, "baseline_file": r.baseline_file_bytes,
                         "options": {k: v for k, v in options.items() if k != "dims"},
+                        "background_peak": r.background_peak_bytes, "onnxruntime": ort_version,
                     }
                     out.write(json.dumps(row) + "\n")
                     out.flush()

@@ -4,8 +4,8 @@
 
 Memory: medians over the repeats in MEASUREMENTS (bench/estimator/measure.py), absolute RSS in MiB
 (process baseline included), error = predicted / measured - 1. Strategies (measure.py): ``ort``,
-``ort-hygiene``, ``ortmem-warm`` (the hook loading the twin: cold start, or a warm start without
-pre-packed weights; ``ortmem.*``) and ``ortmem-prepacked`` (the default warm start, pre-packed
+``ort-hygiene``, ``ortmem-warm`` (the hook loading the twin: a warm start without pre-packed weights;
+``ortmem.*``), ``ortmem-cold`` (the first start, empty cache; ``ortmem_cold.*``) and ``ortmem-prepacked`` (the default warm start, pre-packed
 weights mapped from the entry; ``ortmem_prepacked.*``). Activations: the estimator's
 ``activation_peak_bytes`` vs ``ortmem.plan.estimate.node_stats`` (ORT's arena counters from its profiler) on the
 same inputs (``batch`` ``--act-batch``, sequence ``--act-seq``, generated ids). Measured = tensor bytes
@@ -44,13 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     names = sorted({r["model"] for r in rows if args.include_calibration or r["model"] not in CALIB})
     if args.only:
         names = [n for n in names if n in args.only]
-    dims = {"batch": 1, "seq": 8, "batch_size": 1, "sequence_length": 8}
-    act_dims = {"batch": args.act_batch, "seq": args.act_seq, "batch_size": 1, "sequence_length": args.act_seq}
+    dims = {"batch": 1, "seq": 8, "batch_size": 1, "sequence_length": 8, "sequence": 8}
+    act_dims = {"batch": args.act_batch, "seq": args.act_seq, "batch_size": 1, "sequence_length": args.act_seq,
+                "sequence": args.act_seq}
     out = []
     print("| model | ORT peak meas / pred | err | ORT steady meas / pred | err | +hygiene peak | err | +hygiene steady | err "
           "| ortmem peak | err | ortmem steady | err | pre-packed peak | err | pre-packed steady | err "
-          "| activations meas / pred | err |")
-    print("|---" * 21 + "|")
+          "| cold peak | err | cold steady | err | activations meas / pred | err |")
+    print("|---" * 25 + "|")
     for name in names:
         path = Path(args.models) / name / "model.onnx"
         e = estimate(path, dims=dims)
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             ("ortmem-warm", e.ortmem.session_peak_bytes_without_hygiene, e.ortmem.steady_bytes_without_hygiene),
             ("ortmem-prepacked", e.ortmem_prepacked.session_peak_bytes_without_hygiene,
              e.ortmem_prepacked.steady_bytes_without_hygiene),
+            ("ortmem-cold", e.ortmem_cold.session_peak_bytes_without_hygiene, e.ortmem_cold.steady_bytes_without_hygiene),
         ):
             for key, pred in (("peak_create", side_peak), ("steady", side_steady)):
                 m = med(strategy, key)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 from . import shapes as shp
 from ...ortmodel import graph_index as og
 from .memsim import Heap
@@ -247,9 +247,13 @@ def retention_basis(plan: Recipe, all_external: bool) -> int:
     return total
 
 
-def run_touch(plan: Recipe, shapes: shp.Shapes, root: og.OrtGraph, all_external: bool) -> int:
+def run_touch(plan: Recipe, shapes: shp.Shapes, root: og.OrtGraph, all_external: bool,
+              gathered: Mapping[tuple[str, str], list[tuple[og.OrtGraph, og.OrtNode]]] | None = None) -> int:
     """Bytes of external weights a run reads that creation did not: kept (not packed away) tensors,
-    whole, except Gather tables, of which only the gathered rows are read."""
+    whole, except Gather tables, of which only the gathered rows are read. ``gathered``: tables (and
+    their scales and zero points) that a GatherBlockQuantized reads row by row on ortmem's side
+    (:func:`~ortmem.plan.estimate.recipe.ortmem_gathers`) where plain ORT dequantizes them whole."""
+    gathered = gathered or {}
     total = 0
     for w in plan.weights.values():
         ext = w.storage == "external" or (all_external and w.storage == "embedded")
@@ -257,8 +261,8 @@ def run_touch(plan: Recipe, shapes: shp.Shapes, root: og.OrtGraph, all_external:
             continue
         if w.packs and w.outer_use:
             continue  # read during packing, counted as mapped at creation
-        gathers = [(g, n) for g, n, slot in w.uses if n.op_type == "Gather" and slot == 0]
-        if gathers and len(gathers) == len(w.uses) and w.dims:
+        gathers = gathered.get(w.key) or [(g, n) for g, n, slot in w.uses if n.op_type == "Gather" and slot == 0]
+        if gathers and (w.key in gathered or len(gathers) == len(w.uses)) and w.dims:
             rows = 0
             for g, n in gathers:
                 idx = shapes.get(g, n.inputs[1]) if len(n.inputs) > 1 else None

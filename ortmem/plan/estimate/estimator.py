@@ -27,8 +27,14 @@ How (each term measured on ORT 1.31.1 and cited in ``docs/estimator.md``):
 2. **The order** those allocations and frees happen in is replayed through a model of glibc malloc
    (:mod:`ortmem.plan.estimate.memsim`): resident memory without hygiene, memory in use with it.
 3. **Constants** that no graph determines (the interpreter and imports, pages of ORT's own code faulted
-   in during creation, ortmem's own import and skeleton, run-time thread and arena overhead) come from
-   ``calibration.json``, measured by ``bench/estimator/calibrate.py``.
+   in during creation, run-time thread and arena overhead) come from ``calibration.json``, measured by
+   ``bench/estimator/calibrate.py``; so do **ortmem's own fixed costs**, which its sides add to ORT's
+   work on the graph it hands over: the session path a first ``ortmem.InferenceSession`` imports (onnx
+   included, ~21 MiB: on small models most of what ortmem's side costs above plain ORT), and on a cold
+   start the source digest, the weightless copy's type resolution and the entry's writers
+   (:func:`cold_start`). The background packer a cold start leaves is a process of its own and in no
+   side. ortmem's DQ -> Gather rewrite (GatherBlockQuantized) is applied on its sides: that DQ never
+   runs and its table is read row by row (:func:`~ortmem.plan.estimate.recipe.ortmem_gathers`).
 4. **Activations**: :mod:`ortmem.plan.estimate.activations` (shape inference with ``dims``, ORT's execution
    order from :mod:`ortmem.ortmodel.graph_index`, known workspaces).
 
@@ -37,6 +43,7 @@ MatMul+Add, ...) change the activation picture and are not replayed (see docs/es
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import asdict
@@ -54,7 +61,7 @@ from .graph_context import Context, ort_view
 from .calibration import Calibration
 from .creation import retention_basis, run_touch, simulate
 from ...ortmodel.settings import OrtSettings, session_settings
-from .recipe import Recipe, nchwc_block, node_attr, plan_model, tensor_bytes
+from .recipe import Recipe, nchwc_block, node_attr, ortmem_gathers, plan_model, tensor_bytes
 from .result import Estimate, NodeRow, Side
 
 ModelLike = Union[str, os.PathLike, Model]
@@ -149,6 +156,28 @@ def _node_rows(root: og.OrtGraph, shapes: shp.Shapes, order: og.ExecutionOrder, 
     return top.peak_bytes, rows
 
 
+# ------------------------------------------------------------------------------ ortmem's cold start
+def cold_start(warm: Side, cal: Calibration) -> Side:
+    """ortmem's cold start on a model it converts, from its cache-hit side: ORT loads the same
+    entry, but the start first digests the source file (an 8 MiB read buffer, ``ortmem.digest``),
+    resolves the weightless copy's value types (``ortmodel.value_types``) and writes the entry. Those
+    temporaries set a floor under the creation peak (measured: they decide it on models below
+    ~20 MiB of weights), and what they leave behind (``ortmem_cold_retained_bytes``) stays."""
+    floor = cal.baseline_bytes + cal.ortmem_import_bytes + cal.ortmem_cold_peak_bytes
+    kept = cal.ortmem_cold_retained_bytes
+    return dataclasses.replace(
+        warm,
+        session_peak_bytes=max(warm.session_peak_bytes + kept, floor),
+        steady_bytes=warm.steady_bytes + kept,
+        session_peak_bytes_with_hygiene=max(warm.session_peak_bytes_with_hygiene + kept, floor),
+        steady_bytes_with_hygiene=warm.steady_bytes_with_hygiene + kept,
+        session_peak_bytes_without_hygiene=max(warm.session_peak_bytes_without_hygiene + kept, floor),
+        steady_bytes_without_hygiene=warm.steady_bytes_without_hygiene + kept,
+        after_create_bytes_without_hygiene=warm.after_create_bytes_without_hygiene + kept,
+        after_create_bytes_with_hygiene=warm.after_create_bytes_with_hygiene + kept,
+    )
+
+
 # ------------------------------------------------------------------------------ entry point
 def estimate(model_or_path: ModelLike, *, dims: Mapping[str, int] | None = None, accuracy_level: int | None = None,
              session_options=None, hygiene: bool = False, calibration: Calibration | None = None) -> Estimate:
@@ -199,10 +228,18 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
     other_peak = act.graph_activation(root, shapes, other, workspace, {}, plan.removed,
                                       inplace=rules.inplace_slots, merged=merged).peak_bytes
 
+    # ortmem's own DQ -> Gather rewrite: on its side the table is never dequantized whole
+    gathers = ortmem_gathers(root, skeleton, st)
+    act_peak_ortmem = act_peak if not gathers.removed else act.graph_activation(
+        root, shapes, st.execution_order, workspace, {}, plan.removed | gathers.removed,
+        inplace=rules.inplace_slots, merged=merged).peak_bytes
+
     def side(all_external: bool, fixed: int, prepacked: bool = False) -> Side:
-        touch = run_touch(plan, shapes, root, all_external)
+        tables = gathers.tables if all_external else None
+        touch = run_touch(plan, shapes, root, all_external, tables)
         base = cal.baseline_bytes + cal.session_fixed_bytes + fixed
-        sim = dict(all_external=all_external, activation_peak=act_peak, run_touch=touch, prepacked=prepacked,
+        sim = dict(all_external=all_external, activation_peak=act_peak_ortmem if all_external else act_peak,
+                   run_touch=touch, prepacked=prepacked,
                    blobs_read_at_create=prepacked and capabilities().prepacked_validated)
         no = simulate(plan, dynamic=True, **sim)
         yes = simulate(plan, dynamic=False, **sim)
@@ -227,12 +264,17 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
         )
 
     ort_side = side(False, 0)
-    ortmem_side = side(True, cal.ortmem_fixed_bytes)
+    # ortmem's own fixed costs: the session path a first ortmem.InferenceSession imports (onnx
+    # included), and what the hook holds beyond it on a cache hit (calibration.json)
+    hook_fixed = cal.ortmem_import_bytes + cal.ortmem_fixed_bytes
+    ortmem_side = side(True, hook_fixed)
+    converts = bool(plan.qdq or gathers.tables)
+    cold_side = cold_start(ortmem_side, cal) if converts else ortmem_side
     # the hook keeps a cache entry (and pre-packs it on the first hit) only for a model it converts;
     # any other model is handed to ORT as it is, on every start
     # a release that saves no pre-packed weights (1.25) warm-starts from the entry itself
     saves = capabilities().prepacked_save
-    prepacked_side = side(True, cal.ortmem_fixed_bytes, prepacked=True) if plan.qdq and saves else ortmem_side
+    prepacked_side = side(True, hook_fixed, prepacked=True) if plan.qdq and saves else ortmem_side
     storage: dict[str, int] = {"embedded": 0, "external": 0, "inline": 0}
     for w in plan.weights.values():
         storage[w.storage] += w.nbytes
@@ -259,6 +301,7 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
         ort=ort_side,
         ortmem=ortmem_side,
         ortmem_prepacked=prepacked_side,
+        ortmem_cold=cold_side,
         activation_peak_bytes=act_peak,
         activation_peak_bytes_by_order={st.execution_order: act_peak, other: other_peak},
         unknown_shapes=[asdict(u) for u in unknown.values()],
@@ -267,6 +310,7 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
         nodes=rows,
         baseline_bytes=cal.baseline_bytes,
         notes=notes,
+        ortmem_import_bytes=cal.ortmem_import_bytes,
     )
 
 

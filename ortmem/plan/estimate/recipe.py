@@ -359,3 +359,50 @@ def _packable_inputs(node: og.OrtNode, g: og.OrtGraph, ws, folded_out, shapes) -
     return []
 
 
+
+
+# -------------------------------------------------------------- ortmem's own DQ+Gather rewrite
+@dataclass
+class OrtmemGathers:
+    """What ortmem's DQ -> Gather rewrite (:mod:`ortmem.passes.dq_gather`) changes in the graph ORT
+    receives: the DQ node no longer runs (ORT has no such fusion, so on plain ORT it dequantizes the
+    whole table into a V x D float activation on every run), and the table, its scales and zero
+    points are read only in the rows the GatherBlockQuantized gathers."""
+
+    removed: frozenset[int] = frozenset()  # id() of the DQ nodes that no longer run
+    tables: dict[tuple[str, str], list[tuple[og.OrtGraph, og.OrtNode]]] = field(default_factory=dict)
+
+
+def ortmem_gathers(root: og.OrtGraph, skeleton: onnx.ModelProto, st: OrtSettings) -> OrtmemGathers:
+    """The DQ -> Gather pairs ortmem rewrites into GatherBlockQuantized on this release (the
+    matcher's candidates the release probe accepts; none below ORT_ENABLE_BASIC)."""
+    from ...passes.dq_gather import gathers_enabled
+    from ...passes.dq_matmul_match import dq_gather_match
+    from ...ortmodel.release import capabilities
+    from ...ortmodel.variants import onnx_type_name
+
+    if not gathers_enabled(st):
+        return OrtmemGathers()
+    graphs = {g.path: g for g in og.walk(root)}
+    caps = capabilities()
+    removed: set[int] = set()
+    tables: dict[tuple[str, str], list[tuple[og.OrtGraph, og.OrtNode]]] = {}
+    for c in dq_gather_match(skeleton).candidates:
+        if caps.gather_refusal(weight_type=onnx_type_name(c.weight_dtype), has_zp=c.zero_point is not None,
+                               scale_type=onnx_type_name(c.scale_dtype)) is not None:
+            continue
+        g = graphs.get(c.graph_path)
+        if g is None:
+            continue
+        dq = next((n for n in g.nodes if n.op_type == "DequantizeLinear" and n.inputs[:1] == [c.weight]), None)
+        gather = next((n for n in g.nodes if n.op_type == "Gather" and c.indices in n.inputs[1:2]
+                       and (n.name == c.node or n.label == c.node)), None)
+        if dq is None or gather is None:
+            continue
+        if not c.dq_kept:
+            removed.add(id(dq))
+        for name in (c.weight, c.scale, c.zero_point):
+            hit = g.find_initializer(name) if name else None
+            if hit is not None:
+                tables.setdefault((hit[0].path, name), []).append((g, gather))
+    return OrtmemGathers(frozenset(removed), tables)
