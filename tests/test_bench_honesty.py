@@ -208,12 +208,20 @@ PLAIN = {
 def test_bench_init_agrees_with_a_plain_fresh_process(tiny: str) -> None:
     """Fastest of 3 against fastest of 3, within 30 % or 50 ms. ortmem's first call imports its
     session path (onnx included): a bench that imported it before the clock reported a fraction of it."""
-    report = run_bench([tiny], list(PLAIN), repeat=3, progress=False, options={"run": False})
-    mr = report.models[0]
-    for name, code in PLAIN.items():
-        bench = mr.strategies[name].stat("create_wall_s").fastest
-        plain = min(_plain_init(code, tiny) for _ in range(3))
-        assert abs(bench - plain) <= max(0.3 * plain, 0.05), f"{name}: bench {bench:.3f} s, plain {plain:.3f} s"
+    # Two sittings at most: a burst of load from outside (another process on this 2-core VM) can slow
+    # one side's three samples; a bench that really disagrees disagrees in both.
+    for sitting in range(2):
+        report = run_bench([tiny], list(PLAIN), repeat=3, progress=False, options={"run": False})
+        mr = report.models[0]
+        misses = []
+        for name, code in PLAIN.items():
+            bench = mr.strategies[name].stat("create_wall_s").fastest
+            plain = min(_plain_init(code, tiny) for _ in range(3))
+            if abs(bench - plain) > max(0.3 * plain, 0.05):
+                misses.append(f"{name}: bench {bench:.3f} s, plain {plain:.3f} s")
+        if not misses:
+            return
+    raise AssertionError("; ".join(misses))
 
 
 @slow
