@@ -388,7 +388,13 @@ def test_ortmem_converts_exactly_the_block_sizes_this_ort_fuses(block, tmp_path)
     m = dq_matmul_model("int4", "float", block, False, seed=block, n=16)
     path = tmp_path / "qdq.onnx"
     onnx.save(m, path)
-    fused = _ort_fuses(path, tmp_path)
+    try:
+        fused = _ort_fuses(path, tmp_path)
+    except Exception as exc:  # noqa: BLE001 - 1.28 fuses a 512+ block into a kernel that refuses it
+        # ORT fails on its own model: ortmem converts nothing and fails the same way (validity unchanged)
+        with pytest.raises(type(exc)):
+            ortmem.InferenceSession(path, providers=CPU, cache=tmp_path / "cache")
+        return
     cands, _ = dq_matmul_match(m)
     predicted = [c for c in cands if c.ort_outcome in ("converted", "converted_wrong", "fused_by_ort")]
     assert bool(predicted) == fused, f"block {block}: ORT fuses: {fused}, the matcher predicted {predicted}"

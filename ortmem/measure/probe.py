@@ -112,6 +112,9 @@ class ProbeResult:
     #: Modules first imported during creation, by package (``onnx``, ``ortmem.session``, ...): the lazy
     #: imports a user's first call pays, measured inside ``create_wall_s`` and the creation peak.
     create_imports: list[str] = field(default_factory=list)
+    #: ``session.ortmem_action`` of an ortmem session (what it gave ORT: "prepared", "pre-packed",
+    #: "as-is", ...); None for other sessions.
+    ortmem_action: str | None = None
     #: Processes the child's tree left running after it exited (re-parented to the bench, see
     #: :mod:`ortmem.measure.settle`), how long the probe waited for them, and any it had to kill.
     leftover_pids: list[int] = field(default_factory=list)
@@ -387,6 +390,7 @@ def _assemble(
         background_wall_s=raw.get("background_wall_s"),
         background_peak_bytes=background_peak() if background else None,
         create_imports=list(raw.get("create_imports", [])),
+        ortmem_action=raw.get("ortmem_action"),
         leftover_pids=list(raw.get("leftover_pids", [])),
         leftover_wait_s=raw.get("leftover_wait_s"),
     )

@@ -375,6 +375,9 @@ def render_table(report: BenchReport) -> str:
                 flags.append("hwm not reset")
             if any(r.helper_pids for r in sr.runs):
                 flags.append("helpers")
+            actions = sorted({r.ortmem_action for r in sr.runs if r.ortmem_action})
+            if actions:  # what the ortmem session gave ORT: a warm strategy that missed its entry shows
+                flags.append("/".join(actions))
             background = [r for r in sr.runs if r.background_wall_s is not None]
             if background:  # a cold start's packer, after the measured phases (ortmem.prepack_later)
                 flags.append(f"packer {statistics.median(r.background_wall_s for r in background):.1f} s "

