@@ -11,8 +11,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from onnx import TensorProto
-
 from .errors import UnsupportedDtypeError
 
 
@@ -32,35 +30,37 @@ def _info(code: int, name: str, bits: int, np_dtype) -> DtypeInfo:
     return DtypeInfo(code, name, bits, np.dtype(np_dtype))
 
 
+#: Keyed by ``TensorProto.DataType`` numbers (fixed by onnx.proto), written as numbers so that the
+#: wire reader (:mod:`ortmem.protowire`) and the hook's decision from a file's bytes need no onnx import.
 _TABLE: dict[int, DtypeInfo] = {
     i.onnx_type: i
     for i in (
-        _info(TensorProto.FLOAT, "float32", 32, np.float32),
-        _info(TensorProto.UINT8, "uint8", 8, np.uint8),
-        _info(TensorProto.INT8, "int8", 8, np.int8),
-        _info(TensorProto.UINT16, "uint16", 16, np.uint16),
-        _info(TensorProto.INT16, "int16", 16, np.int16),
-        _info(TensorProto.INT32, "int32", 32, np.int32),
-        _info(TensorProto.INT64, "int64", 64, np.int64),
-        _info(TensorProto.BOOL, "bool", 8, np.bool_),
-        _info(TensorProto.FLOAT16, "float16", 16, np.float16),
-        _info(TensorProto.DOUBLE, "float64", 64, np.float64),
-        _info(TensorProto.UINT32, "uint32", 32, np.uint32),
-        _info(TensorProto.UINT64, "uint64", 64, np.uint64),
-        _info(TensorProto.COMPLEX64, "complex64", 64, np.complex64),
-        _info(TensorProto.COMPLEX128, "complex128", 128, np.complex128),
+        _info(1, "float32", 32, np.float32),
+        _info(2, "uint8", 8, np.uint8),
+        _info(3, "int8", 8, np.int8),
+        _info(4, "uint16", 16, np.uint16),
+        _info(5, "int16", 16, np.int16),
+        _info(6, "int32", 32, np.int32),
+        _info(7, "int64", 64, np.int64),
+        _info(9, "bool", 8, np.bool_),
+        _info(10, "float16", 16, np.float16),
+        _info(11, "float64", 64, np.float64),
+        _info(12, "uint32", 32, np.uint32),
+        _info(13, "uint64", 64, np.uint64),
+        _info(14, "complex64", 64, np.complex64),
+        _info(15, "complex128", 128, np.complex128),
         # bfloat16 and float8 have no numpy dtype: their bytes are exposed as unsigned integers
-        _info(TensorProto.BFLOAT16, "bfloat16", 16, np.uint16),
-        _info(TensorProto.FLOAT8E4M3FN, "float8e4m3fn", 8, np.uint8),
-        _info(TensorProto.FLOAT8E4M3FNUZ, "float8e4m3fnuz", 8, np.uint8),
-        _info(TensorProto.FLOAT8E5M2, "float8e5m2", 8, np.uint8),
-        _info(TensorProto.FLOAT8E5M2FNUZ, "float8e5m2fnuz", 8, np.uint8),
-        _info(TensorProto.UINT4, "uint4", 4, np.uint8),
-        _info(TensorProto.INT4, "int4", 4, np.uint8),
-        _info(TensorProto.FLOAT4E2M1, "float4e2m1", 4, np.uint8),
-        _info(getattr(TensorProto, "FLOAT8E8M0", 24), "float8e8m0", 8, np.uint8),
-        _info(getattr(TensorProto, "UINT2", 25), "uint2", 2, np.uint8),
-        _info(getattr(TensorProto, "INT2", 26), "int2", 2, np.uint8),
+        _info(16, "bfloat16", 16, np.uint16),
+        _info(17, "float8e4m3fn", 8, np.uint8),
+        _info(18, "float8e4m3fnuz", 8, np.uint8),
+        _info(19, "float8e5m2", 8, np.uint8),
+        _info(20, "float8e5m2fnuz", 8, np.uint8),
+        _info(21, "uint4", 4, np.uint8),
+        _info(22, "int4", 4, np.uint8),
+        _info(23, "float4e2m1", 4, np.uint8),
+        _info(24, "float8e8m0", 8, np.uint8),
+        _info(25, "uint2", 2, np.uint8),
+        _info(26, "int2", 2, np.uint8),
     )
 }
 
@@ -76,6 +76,8 @@ def dtype_info(onnx_type: int, *, tensor: str | None = None, file: str | None = 
 
 
 def _onnx_name(onnx_type: int) -> str:
+    from onnx import TensorProto  # only to name an unsupported type in an error (see _TABLE)
+
     try:
         return TensorProto.DataType.Name(onnx_type)
     except ValueError:

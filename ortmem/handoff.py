@@ -38,6 +38,7 @@ from .convert import convert_cached, lookup_converted, write_converted
 from .inmemory import InMemoryConversion, convert_in_memory
 from .loader import load
 from .model import Model
+from .model_facts import FOLDER_KEY, FUSING_PROVIDERS  # noqa: F401 - FUSING_PROVIDERS re-exported
 from .options import get_config
 from .onnx_walk import is_external, iter_graphs, iter_tensor_sites
 from .passes.conversion import plan_conversion
@@ -51,8 +52,6 @@ from .prepared_cache import is_marker, lookup_prepared, min_prepared_bytes, prep
 from .validity import validity_fault
 
 log = logging.getLogger(__name__)
-
-FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
 ModelInput = Union[str, os.PathLike, bytes, onnx.ModelProto, Model]
 
@@ -133,11 +132,6 @@ class Handoff:
         if FOLDER_KEY in self.config:
             return self.config[FOLDER_KEY]
         return str(Path(self.model).resolve().parent) if isinstance(self.model, str) else None
-
-
-#: Execution providers for which ORT itself applies DQMatMulToMatMulNBits, so rewriting ahead of
-#: time builds the graph ORT would build. Others (TensorRT, OpenVINO, QNN, ...) consume QDQ natively.
-FUSING_PROVIDERS = {"CPUExecutionProvider", "CUDAExecutionProvider", "DmlExecutionProvider", "AzureExecutionProvider"}
 
 
 @dataclass

@@ -11,8 +11,9 @@ running Python) get the hook too: the launcher puts ``$ORTMEM_HOOK=1``, the opti
 runs the ``sitecustomize`` it shadows). ``$ORTMEM_HOOK=0`` makes the launcher run the program plain.
 
 ``--report out.json`` writes, at exit, every session created (see ``ortmem.hook.sessions``) and the
-process's memory; ``--compare`` runs the program twice in fresh processes, hook off then on, and prints
-the difference in peak, private memory and wall time.
+process's memory; ``--compare`` runs the program twice in fresh processes, truly plain (no ortmem, no
+onnx imported: :mod:`ortmem.plain_run`) then hooked, and prints the difference in peak, private memory
+and wall time.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import argparse
 import atexit
 import json
 import os
-import runpy
 import statistics
 import subprocess
 import sys
@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .helper_env import ENV_OPTIONS, ENV_SWITCH, SITE_DIR
+from . import plain_run
+from .helper_env import ENV_OPTIONS, ENV_SWITCH, SITE_DIR, helper_environment
+from .plain_run import process_memory, run_program
 from .session_hook import hook, report
-from .measure.procfs import read_status
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", metavar="OUT.json", default=None,
                    help="write every session created (model, providers, what ortmem did, time, memory) at exit")
     p.add_argument("--compare", action="store_true",
-                   help="run the program twice in fresh processes, hook off then on, and print the difference")
+                   help="run the program in fresh processes, truly plain then hooked, and print the difference")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="--compare: run each side N times, interleaved, and print medians")
     p.add_argument("program", nargs=argparse.REMAINDER, help="-- script.py args... (or the module's args after -m)")
@@ -84,26 +85,6 @@ def main(args: argparse.Namespace) -> int:
     return run_program(args.module, program)
 
 
-def run_program(module: Optional[str], program: list[str]) -> int:
-    """Run ``script.py args`` or ``-m module args`` in this interpreter as ``python`` itself would."""
-    try:
-        if module is not None:
-            sys.argv = [module, *program]
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        else:
-            script = program[0]
-            sys.argv = list(program)
-            sys.path.insert(0, str(Path(script).resolve().parent))
-            runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code
-        if code is None or isinstance(code, int):
-            return code or 0
-        print(code, file=sys.stderr)
-        return 1
-    return 0
-
-
 def _export_to_children(options: dict[str, Any]) -> None:
     os.environ[ENV_SWITCH] = "1"
     os.environ[ENV_OPTIONS] = json.dumps(options)
@@ -116,35 +97,37 @@ def write_report(path: Path, hooked: bool, options: dict[str, Any], started: flo
     """The sessions this process created and its memory, as JSON (called at exit)."""
     import onnxruntime as ort
 
-    status = read_status("self") or {}
     data = {
         "onnxruntime": ort.__version__,
         "hook": hooked,
         "options": options,
-        "process": {
-            "wall_seconds": round(time.perf_counter() - started, 3),
-            "peak_mib": round(status.get("VmHWM", 0) / 2**20, 1),
-            "rss_anon_mib": round((status.get("RssAnon", 0) + status.get("RssShmem", 0)) / 2**20, 1),
-            "rss_file_mib": round(status.get("RssFile", 0) / 2**20, 1),
-        },
+        "process": {"wall_seconds": round(time.perf_counter() - started, 3), **process_memory()},
         "sessions": report(),
     }
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def compare(args: argparse.Namespace, program: list[str]) -> int:
-    """Run the program hook off, then hook on, each in a fresh process (``--repeat`` times, interleaved);
-    print the medians side by side."""
-    base = [sys.executable, "-m", "ortmem", "run", *_option_flags(args)]
+    """Run the program plain, then hooked, each in a fresh process (``--repeat`` times, interleaved);
+    print the medians side by side.
+
+    The plain side is a truly plain process: ``python plain_run.py`` runs the program with nothing of
+    ortmem or onnx imported (the file is run by path, the standard library only), in the environment
+    of ortmem's helpers (no hook exported to it), and writes its memory at exit. Run under the launcher
+    with the hook off instead, it carried ortmem's imports and reported 0.97x peak where a plain run
+    gave 1.07x (issue 23). Its sessions are not recorded: recording them takes the hook's machinery."""
+    on_cmd = [sys.executable, "-m", "ortmem", "run", *_option_flags(args)]
+    off_cmd = [sys.executable, plain_run.__file__]
     target = ["-m", args.module, *program] if args.module else ["--", *program]
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory(prefix="ortmem-compare-") as tmp:
         for i in range(max(1, args.repeat)):
-            for label, switch in (("off", "0"), ("on", "1")):
+            for label in ("off", "on"):
                 out = Path(tmp) / f"{label}-{i}.json"
-                env = {**os.environ, ENV_SWITCH: switch}
+                cmd = [*off_cmd, str(out), *target] if label == "off" else [*on_cmd, "--report", str(out), *target]
+                env = helper_environment() if label == "off" else {**os.environ, ENV_SWITCH: "1"}
                 start = time.perf_counter()
-                code = subprocess.run([*base, "--report", str(out), *target], env=env, stdout=subprocess.DEVNULL).returncode
+                code = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL).returncode
                 wall = time.perf_counter() - start
                 if code != 0 or not out.exists():
                     print(f"ortmem run --compare: the program exited with {code} with the hook {label}", file=sys.stderr)

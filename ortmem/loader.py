@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 from .dtypes import byte_size, dtype_info
 from .errors import CorruptModelError, ExternalDataError, TensorShapeError, UnsafePathError
 from .model import Model
+from .model_facts import INLINE_MAX_BYTES  # defined beside the hook's decision from a file's bytes
 from .onnx_walk import iter_tensor_sites
 from .ortmodel.external_data import EntryError, has_reserved_marker, parse_integer, read_entries
 from .protowire import FileBytes, externalize_embedded
@@ -31,11 +32,6 @@ from .weights import WeightRef, WeightStore
 
 log = logging.getLogger(__name__)
 
-#: Tensors up to one page stay inline in the skeleton: ORT maps every external tensor separately,
-#: and a mapping costs at least a whole resident page plus kernel bookkeeping, more than ORT's
-#: copy of a small tensor (measured: 3000 1 KiB biases cost ORT +34 MiB as external data and
-#: +27 MiB embedded). onnx's own external-data threshold (1 KiB) is tuned for file size, not memory.
-INLINE_MAX_BYTES = 4096
 
 PathLike = Union[str, os.PathLike]
 

@@ -29,6 +29,7 @@ import onnxruntime as ort
 from . import __version__
 from .cache import MANIFEST, MODEL_FILE, Cache, Entry, key_identity, make_key
 from .convert import lookup_sourced, private_mode, source_record
+from .model_facts import MIN_BYTES_ENV, MIN_PREPARED_BYTES, min_prepared_bytes  # noqa: F401 - re-exported
 from .ortmodel.settings import OrtSettings
 from .prepacked import prepacked_key_parts
 from .prepared import (PREPARED_FORMAT, PrepareError, PreparedReport, prepare_model, prepared_problem,
@@ -39,33 +40,6 @@ log = logging.getLogger(__name__)
 #: The stem :func:`ortmem.prepared.prepare_model` writes an entry's files under: ``model.onnx`` is the
 #: cache's ``MODEL_FILE``.
 STEM = Path(MODEL_FILE).stem
-#: Initializer bytes below which a model gets no prepared entry and no background process (overridden
-#: by :data:`MIN_BYTES_ENV`). What a process saves is about the bytes ORT packs (for fp32 MatMul, its
-#: weight bytes); what preparing costs once is the helper process (0.56 s of CPU, 67 MiB peak just to
-#: start Python, onnxruntime and onnx) and a second copy of the weights on disk. Measured on onnxruntime
-#: 1.32.0, fp32 MLPs, RssAnon after the first run, fresh processes, ortmem imported in each: 4 x
-#: 512x512 (4 MiB) 39 MiB unprepared, 34 prepared; 4 x 1024x1024 (16 MiB) 51 unprepared, 34-35
-#: prepared; 12 x 2048x2048 (192 MiB) 227 unprepared (plain ORT 216), 35 prepared. From 16 MiB a
-#: single worker's lifelong saving is of the order of the helper's one-time transient.
-MIN_PREPARED_BYTES = 16 * 1024 * 1024
-#: Environment variable overriding :data:`MIN_PREPARED_BYTES` (bytes; "0": every model).
-MIN_BYTES_ENV = "ORTMEM_PREPARE_MIN_BYTES"
-
-
-def min_prepared_bytes() -> int:
-    """``$ORTMEM_PREPARE_MIN_BYTES`` (an unreadable value is logged and ignored), else the default."""
-    text = os.environ.get(MIN_BYTES_ENV, "").strip()
-    if not text:
-        return MIN_PREPARED_BYTES
-    from .units import parse_bytes
-
-    try:
-        return int(parse_bytes(text))
-    except (ValueError, TypeError):
-        log.warning("ortmem: %s=%r is not a size; using %d bytes", MIN_BYTES_ENV, text, MIN_PREPARED_BYTES)
-        return MIN_PREPARED_BYTES
-
-
 def prepared_key(model_path: Path, settings: OrtSettings, packing: dict[str, str], converting: bool) -> str:
     """The key of a model's prepared entry (see the module docstring)."""
     return make_key({

@@ -20,12 +20,14 @@ from . import handoff as _handoff
 from .cache import open_cache
 from .ortmodel.settings import session_settings
 from .hygiene import allocator_hygiene
+from .model_facts import RECOMPUTE_METADATA
 from .options import get_config, scoped_config
+from .ort_original import ORT_SESSION
 
 log = logging.getLogger(__name__)
 
 
-class InferenceSession(ort.InferenceSession):
+class InferenceSession(ORT_SESSION):
     """Create an ORT session from a path, bytes, ``onnx.ModelProto`` or :class:`ortmem.Model`.
 
     ``sess_options``, ``providers`` and ``provider_options`` mean what they mean to ORT and are
@@ -184,8 +186,6 @@ def _gpu_providers(providers: Optional[Sequence[Any]]) -> bool:
     return bool(providers) and any(n in ("CUDAExecutionProvider", "DmlExecutionProvider") for n in _provider_names(providers))
 
 
-#: Metadata prefix of a model rewritten by ``ortmem recompute`` (``ortmem.plan.recompute.META_PREFIX``).
-RECOMPUTE_METADATA = "ortmem.recompute."
 
 
 def _recompute_changes(handoff: "_handoff.Handoff", recompute: Any, dims: Optional[dict[str, int]]) -> dict[str, Any]:

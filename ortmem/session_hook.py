@@ -30,26 +30,30 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
 import types
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_inference_collection as _collection
 
-from .handoff import FUSING_PROVIDERS
 from .helper_env import ENV_OPTIONS, ENV_SWITCH
-from .measure.procfs import read_status
-from .ortmodel.settings import session_settings
+from .hygiene import trim as trim_heap
+from .model_facts import FOLDER_KEY, FUSING_PROVIDERS, min_prepared_bytes, link_skeleton, read_facts
+from .options import get_config
+from .ort_original import ORT_SESSION
+from .plain_run import process_memory  # the standard library only: the hook stays light
 
 log = logging.getLogger(__name__)
 
 #: ORT's own class, captured before any hook: what the hook falls back to and what ortmem builds on.
-ORIGINAL = _collection.InferenceSession
+ORIGINAL = ORT_SESSION
 #: A bytes model smaller than this goes to ORT untouched: spilling it to a file to map its weights
 #: would cost more than the copies it saves.
 MIN_BYTES = 1 << 20
@@ -140,9 +144,6 @@ def hook(*, convert: bool = True, cache: Union[bool, str] = True, trim: bool = T
     bound to ORT's class. Calling it again replaces the options. Use as a context manager to unhook.
     """
     global _active
-    # ortmem's session class subclasses onnxruntime's: it must be defined before the name is patched
-    # (``import ortmem`` is lazy, so nothing else guarantees it was imported yet)
-    from . import session  # noqa: F401
     options = HookOptions(convert=convert, cache=cache, trim=trim, prepacked=prepacked, strict=strict,
                           observe_only=observe_only)
     with _state_lock:
@@ -226,9 +227,20 @@ def _create(args: tuple, kwargs: dict) -> Any:
     why = _untouched_reason(model, args, kwargs)
     if why is not None:
         return _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: f"untouched: {why}")
-    from .session import InferenceSession  # the hook module stays light until a session is made
-
     opts = hooked.options
+    try:
+        light = _light_route(model, args, kwargs, opts)
+    except Exception:  # noqa: BLE001 - a file the walk cannot read: the session path (or ORT) judges it
+        light = None
+    if light is not None:
+        return light
+    refused = _options_refused(args[1] if len(args) > 1 else kwargs.get("sess_options"), kwargs)
+    if refused is not None:
+        return _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: f"untouched: {refused}")
+    # Imported only now, for a model that needs ortmem: the session path imports onnx, the passes and
+    # the loader (about 16 MiB private and 0.1 s; model_facts' docstring), which a model left to ORT never pays.
+    from .session import InferenceSession
+
     own = {"convert": opts.convert, "cache": opts.cache, "trim": opts.trim, "prepacked": opts.prepacked}
 
     def make() -> Any:
@@ -241,6 +253,82 @@ def _create(args: tuple, kwargs: dict) -> Any:
             raise
         failure = _one_line(exc)  # only the text: the exception would keep ortmem's frames alive
     return _fall_back(model, args, kwargs, failure)
+
+
+#: Session config keys that change what ORT does with DequantizeLinear (read by the session path's
+#: settings): options that set them go the session path's way, which checks them as ORT would.
+_QDQ_CONFIG_KEYS = ("session.qdq_matmulnbits_accuracy_level", "session.qdq_matmulnbits_block_size")
+
+
+def _light_route(model: Any, args: tuple, kwargs: dict, opts: HookOptions) -> Optional[Any]:
+    """The session, made without importing ortmem's session path, for a model file that needs nothing
+    of it (decided from the file's bytes, :mod:`ortmem.model_facts`); None when the model needs it:
+    DequantizeLinear to convert, recompute metadata, external data or tensors the loader must check,
+    weights enough for a prepared entry (the session path looks it up or builds it), caller options
+    that set ortmem-relevant keys, or embedded weights that cannot be handed over by a hard link
+    without a folder config entry.
+
+    What is done here is what the session path would do with such a file: nothing (``as-is``), or
+    its skeleton by path beside a hard link (``mapped``). Weights inside subgraphs (``If`` branches)
+    with the caller's options cannot be mapped (ORT's checker refuses external data in a subgraph
+    from a hard-linked file, and only the caller's options could carry the folder key): those go
+    to ORT as given, at the cost of the walk alone. ``trim``: ``malloc_trim(0)`` after creation,
+    thresholds untouched, so the process never keeps more than plain ORT's would."""
+    if not isinstance(model, (str, os.PathLike)):
+        return None
+    path = Path(os.fspath(model))
+    if not path.is_file() or path.stat().st_size >= min_prepared_bytes() and opts.cache is not False and opts.prepacked:
+        return None
+    sess_options = args[1] if len(args) > 1 else kwargs.get("sess_options")
+    if sess_options is not None and any(get_config(sess_options, k) is not None for k in (FOLDER_KEY, *_QDQ_CONFIG_KEYS)):
+        return None
+    facts = read_facts(path)
+    if facts.needs_loader or facts.recompute or (facts.dequantize and opts.convert):
+        return None
+    if facts.skeleton is None:
+        return _record(model, _trimmed(lambda: ORIGINAL(*args, **kwargs), opts), _tagged("as-is"))
+    if not facts.main_graph_only:
+        if sess_options is None:
+            return None  # the session path hands the skeleton over as bytes with the folder entry
+        return _record(model, _trimmed(lambda: ORIGINAL(*args, **kwargs), opts),
+                       lambda s: "untouched: weights inside subgraphs, with the caller's SessionOptions")
+    linked = link_skeleton(path, facts.skeleton)
+    if linked is None:
+        return None  # the session path tries the cache's file system too
+    skeleton, workdir = linked
+    try:
+        session = _record(model, _trimmed(lambda: _quiet_attempt(
+            lambda: ORIGINAL(str(skeleton), *args[1:], **{**kwargs, "enable_fallback": 0}), kwargs), opts),
+            _tagged("mapped"))
+    except Exception as exc:  # noqa: BLE001 - ORT refused the skeleton: ORT gets the model as given
+        if opts.strict:
+            raise
+        failure = _one_line(exc)
+    else:
+        return session
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)  # ORT has mapped what it needs
+    return _fall_back(model, args, kwargs, failure)
+
+
+def _trimmed(make: Callable[[], Any], opts: HookOptions) -> Callable[[], Any]:
+    """``make``, then ``malloc_trim(0)`` when ``opts.trim``: what ORT freed during creation goes back
+    to the system, and glibc's thresholds (and their dynamic adjustment) stay as plain ORT leaves them."""
+    def made() -> Any:
+        session = make()
+        if opts.trim:
+            trim_heap()
+        return session
+    return made
+
+
+def _tagged(action: str) -> Callable[[Any], str]:
+    """The record's action for a session the light route made, set on the session as well: ORT's own
+    object then answers ``ortmem_action`` as an ``ortmem.InferenceSession`` does."""
+    def tag(session: Any) -> str:
+        session.ortmem_action = action
+        return action
+    return tag
 
 
 def _quiet_attempt(make: Callable[[], Any], kwargs: dict) -> Any:
@@ -309,9 +397,6 @@ def _untouched_reason(model: Any, args: tuple, kwargs: dict) -> Optional[str]:
     if _active is not None and _active.options.cache is False and sess_options:
         # an in-memory conversion registers its buffers on the options ORT is given, for good
         return "cache=False with the caller's SessionOptions (in-memory files would stay registered on them)"
-    refused = _options_refused(sess_options, kwargs)
-    if refused:
-        return refused
     providers = args[2] if len(args) > 2 else kwargs.get("providers")
     names = [p if isinstance(p, str) else p[0] for p in providers or []]
     others = [n for n in names if n not in FUSING_PROVIDERS]
@@ -324,6 +409,9 @@ def _options_refused(sess_options: Any, kwargs: dict) -> Optional[str]:
     """Why ortmem cannot read the session's options, if so: a value ORT itself fails session creation
     on (an accuracy level that is no integer or out of range), or no options object at all. Left to
     ORT before anything is made, so ORT's error is printed and raised once, as without the hook."""
+    # Imported here, for a model that needs the session path: ortmem.ortmodel imports onnx.
+    from .ortmodel.settings import session_settings
+
     try:
         settings = session_settings(sess_options, disabled_optimizers=kwargs.get("disabled_optimizers"))
         settings.accuracy_level, settings.block_size_option  # noqa: B018 - both parse the raw text
@@ -336,15 +424,15 @@ def _record(model: Any, make, action) -> Any:
     start = time.perf_counter()
     session = make()
     seconds = time.perf_counter() - start
-    status = read_status("self") or {}
+    memory = process_memory()
     record = SessionRecord(
         model=_name(model),
         providers=list(session.get_providers()),
         action=action(session),
         create_seconds=round(seconds, 4),
-        rss_anon_mib=round((status.get("RssAnon", 0) + status.get("RssShmem", 0)) / 2**20, 1),
-        rss_file_mib=round(status.get("RssFile", 0) / 2**20, 1),
-        peak_mib=round(status.get("VmHWM", 0) / 2**20, 1),
+        rss_anon_mib=memory["rss_anon_mib"],
+        rss_file_mib=memory["rss_file_mib"],
+        peak_mib=memory["peak_mib"],
     )
     with _state_lock:
         _records.append(record)

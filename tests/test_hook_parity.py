@@ -136,11 +136,13 @@ def _outside_model(folder: Path, rng: np.random.Generator) -> None:
     onnx.save(mb.make_model(g), folder / "m.onnx")
 
 
-def _run(folder: Path, hooked: bool) -> dict:
+def _run(folder: Path, hooked: bool, session_path: bool = True) -> dict:
     env = {k: v for k, v in os.environ.items() if k != ENV_SWITCH}
     if hooked:
         env[ENV_SWITCH] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), env.get("PYTHONPATH")) if p)
+        if session_path:  # every model takes ortmem's session path, not the light route of models left to ORT
+            env["ORTMEM_PREPARE_MIN_BYTES"] = "0"
     out = subprocess.run([sys.executable, "-c", CHILD, str(folder)], capture_output=True, text=True, env=env,
                          timeout=120)
     assert out.returncode == 0, out.stderr
@@ -150,14 +152,20 @@ def _run(folder: Path, hooked: bool) -> dict:
     return records
 
 
-def test_hook_refuses_what_ort_refuses_exactly_as_ort_does(tmp_path, rng):
+@pytest.mark.parametrize("session_path", [True, False], ids=["session-path", "light-route"])
+def test_hook_refuses_what_ort_refuses_exactly_as_ort_does(tmp_path, rng, session_path):
+    """Both ways a hooked creation can go: ortmem's session path, and the light route that hands a
+    model needing nothing to ORT's own class (issue 23)."""
     _prepare(tmp_path, rng)
-    plain, hooked = _run(tmp_path, hooked=False), _run(tmp_path, hooked=True)
+    plain, hooked = _run(tmp_path, hooked=False), _run(tmp_path, hooked=True, session_path=session_path)
     assert plain.keys() == hooked.keys()
     controls = [name for name in plain if name.startswith("control")]
-    for name in controls:  # the hooked child really hands sessions to ortmem, and both succeed silently
+    for name in controls:  # both succeed silently; on the session path the hooked child really uses ortmem
         assert plain[name]["outcome"] == ["ok", ORT_SESSION_MODULE], plain[name]
-        assert hooked[name]["outcome"] == ["ok", "ortmem.session"], hooked[name]
+        if session_path:
+            assert hooked[name]["outcome"] == ["ok", "ortmem.session"], hooked[name]
+        else:
+            assert hooked[name]["outcome"][0] == "ok", hooked[name]
         assert plain[name]["output"] == hooked[name]["output"] == "", (plain[name], hooked[name])
     refused = [name for name in plain if name not in controls]
     assert all(plain[name]["outcome"][0] != "ok" for name in refused), {n: plain[n] for n in refused}

@@ -48,7 +48,8 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
+    """The whole CLI's parser; with ``only``, just that subcommand's (see :func:`_named_command`)."""
     parser = argparse.ArgumentParser(
         prog="ortmem",
         description="Own the memory of ONNX model weights around ONNX Runtime: load without copies, "
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMANDS:
+    for name in COMMANDS if only is None else (only,):
         module = command(name)
         p = sub.add_parser(module.NAME, help=module.HELP)
         module.add_arguments(p)
@@ -64,8 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _named_command(argv: Sequence[str]) -> Optional[str]:
+    """The subcommand ``argv`` starts with, if any. Building every subcommand's parser imports their
+    modules (the bench's measurement stack among them, 55 ms); ``ortmem run`` starts every hooked
+    program, whose cost over a plain run is held to 20 ms (docs/hook.md), so a named subcommand
+    builds only its own parser."""
+    return argv[0] if argv and argv[0] in COMMANDS else None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(_named_command(argv)).parse_args(argv)
     try:
         return args.func(args)
     except OrtmemError as e:

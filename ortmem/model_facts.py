@@ -1,0 +1,176 @@
+"""What a model file needs from ortmem, decided from its bytes alone (no onnx, no passes, no loader).
+
+Why a module of its own: importing onnx, ortmem's passes and the loader costs a process about 16 MiB
+of private memory and 0.1 s (onnxruntime 1.32.0, ``python -X importtime``; docs/hook.md), more than
+ortmem saves on a model it leaves to ORT. So the hook asks this module first and imports the session
+path only for a model that needs it. Everything here uses the standard library and
+:mod:`ortmem.protowire` (a wire-format reader that needs no onnx):
+
+- conversion candidates: a ``DequantizeLinear`` op_type is a plain string in the file's non-weight
+  bytes (a byte search: a name containing it is a false positive, which only sends the model the
+  heavy way, where the passes decide exactly);
+- a model written by ``ortmem recompute`` carries ``ortmem.recompute.*`` metadata keys (same search);
+- embedded ``raw_data`` above :data:`INLINE_MAX_BYTES`: protowire's walk finds it and writes the
+  skeleton bytes that point back into the file, and :func:`link_skeleton` hands that skeleton to ORT
+  beside a hard link to the file, exactly as :mod:`ortmem.handoff` does for a loaded model.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .protowire import (ATTR_T, ATTR_TENSORS, DATA_LOCATION_EXTERNAL, GRAPH_INITIALIZER, GRAPH_NODE, LEN, MODEL_GRAPH,
+                        NODE_ATTRIBUTE, TENSOR_DATA_LOCATION, VARINT, FileBytes, WireReader, externalize_embedded)
+
+_log = logging.getLogger(__name__)
+
+#: Tensors up to one page stay inline in the skeleton: ORT maps every external tensor separately,
+#: and a mapping costs at least a whole resident page plus kernel bookkeeping, more than ORT's
+#: copy of a small tensor (measured: 3000 1 KiB biases cost ORT +34 MiB as external data and
+#: +27 MiB embedded). onnx's own external-data threshold (1 KiB) is tuned for file size, not memory.
+INLINE_MAX_BYTES = 4096
+#: The session config key naming where a bytes-loaded model's external files are.
+FOLDER_KEY = "session.model_external_initializers_file_folder_path"
+#: Execution providers for which ORT itself applies DQMatMulToMatMulNBits, so rewriting ahead of
+#: time builds the graph ORT would build. Others (TensorRT, OpenVINO, QNN, ...) consume QDQ natively.
+FUSING_PROVIDERS = frozenset({"CPUExecutionProvider", "CUDAExecutionProvider", "DmlExecutionProvider",
+                              "AzureExecutionProvider"})
+#: Metadata prefix of a model rewritten by ``ortmem recompute`` (``ortmem.plan.recompute.META_PREFIX``).
+RECOMPUTE_METADATA = "ortmem.recompute."
+DEQUANTIZE = b"DequantizeLinear"
+#: Bytes read per ``pread`` by the search: the search never holds more of the file than this.
+SEARCH_CHUNK = 1 << 20
+
+#: Initializer bytes below which a model gets no prepared entry and no background process (overridden
+#: by :data:`MIN_BYTES_ENV`). What a process saves is about the bytes ORT packs (for fp32 MatMul, its
+#: weight bytes); what preparing costs once is the helper process (0.56 s of CPU, 67 MiB peak just to
+#: start Python, onnxruntime and onnx) and a second copy of the weights on disk. Measured on onnxruntime
+#: 1.32.0, fp32 MLPs, RssAnon after the first run, fresh processes, ortmem imported in each: 4 x
+#: 512x512 (4 MiB) 39 MiB unprepared, 34 prepared; 4 x 1024x1024 (16 MiB) 51 unprepared, 34-35
+#: prepared; 12 x 2048x2048 (192 MiB) 227 unprepared (plain ORT 216), 35 prepared. From 16 MiB a
+#: single worker's lifelong saving is of the order of the helper's one-time transient.
+MIN_PREPARED_BYTES = 16 * 1024 * 1024
+#: Environment variable overriding :data:`MIN_PREPARED_BYTES` (bytes; "0": every model).
+MIN_BYTES_ENV = "ORTMEM_PREPARE_MIN_BYTES"
+
+
+def min_prepared_bytes() -> int:
+    """``$ORTMEM_PREPARE_MIN_BYTES`` (an unreadable value is logged and ignored), else the default."""
+    text = os.environ.get(MIN_BYTES_ENV, "").strip()
+    if not text:
+        return MIN_PREPARED_BYTES
+    from .units import parse_bytes
+
+    try:
+        return int(parse_bytes(text))
+    except (ValueError, TypeError):
+        _log.warning("ortmem: %s=%r is not a size; using %d bytes", MIN_BYTES_ENV, text, MIN_PREPARED_BYTES)
+        return MIN_PREPARED_BYTES
+
+
+@dataclass(frozen=True)
+class FileFacts:
+    """What the walk and the search found in one model file."""
+
+    #: The rewritten ModelProto with every embedded raw_data above INLINE_MAX_BYTES made external
+    #: (pointing back into the file), or None when there was none.
+    skeleton: Optional[bytes]
+    embedded_bytes: int
+    #: Tensors already external, or inline tensors the walk's screen could not confirm: the loader
+    #: checks those (and names the tensor at fault), so such a model goes the loader's way.
+    needs_loader: bool
+    dequantize: bool
+    recompute: bool
+    #: Every tensor the skeleton made external sits in the main graph (initializers, Constant
+    #: values): ORT's checker refuses external data in a subgraph read from a hard-linked file.
+    main_graph_only: bool
+
+
+def read_facts(path: Path) -> FileFacts:
+    """Walk ``path``'s non-weight bytes once (raises :class:`ortmem.errors.CorruptModelError` on a
+    malformed file) and search them for the op types and metadata that need ortmem's session path."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        result = externalize_embedded(FileBytes(f.fileno(), size), file=str(path), location=path.name,
+                                      inline_max_bytes=INLINE_MAX_BYTES)
+        needles = (DEQUANTIZE, RECOMPUTE_METADATA.encode())
+        found = _found_in(result.skeleton, needles) if result.changed else _found_in_file(f.fileno(), size, needles)
+    screen = result.screen
+    spans = len(result.spans)
+    return FileFacts(
+        skeleton=result.skeleton,
+        embedded_bytes=sum(s.length for s in result.spans),
+        needs_loader=bool(screen.external or screen.unconfirmed),
+        dequantize=DEQUANTIZE in found,
+        recompute=RECOMPUTE_METADATA.encode() in found,
+        main_graph_only=not spans or _main_graph_externals(result.skeleton, str(path)) == spans,
+    )
+
+
+def _found_in(data: bytes, needles: tuple[bytes, ...]) -> set[bytes]:
+    return {n for n in needles if n in data}
+
+
+def _found_in_file(fd: int, size: int, needles: tuple[bytes, ...]) -> set[bytes]:
+    """The needles present in the file, read in :data:`SEARCH_CHUNK` pieces that overlap by the
+    longest needle (so none is missed across a boundary)."""
+    overlap = max(len(n) for n in needles) - 1
+    found: set[bytes] = set()
+    pos = 0
+    while pos < size and len(found) < len(needles):
+        chunk = os.pread(fd, SEARCH_CHUNK + overlap, pos)
+        found |= _found_in(chunk, needles)
+        pos += SEARCH_CHUNK
+    return found
+
+
+def _main_graph_externals(skeleton: Optional[bytes], file: str) -> int:
+    """How many tensors of the main graph (initializers and node attribute tensors) are external in
+    ``skeleton``; the walk made every external tensor there, so equality with its span count means
+    no subgraph or function holds one."""
+    if skeleton is None:
+        return 0
+    r = WireReader(skeleton, file)
+    count = 0
+    for model_field in r.fields(0, len(skeleton)):
+        if model_field.number != MODEL_GRAPH or model_field.wire_type != LEN:
+            continue
+        for g in r.fields(model_field.payload_start, model_field.end):
+            if g.wire_type != LEN:
+                continue
+            if g.number == GRAPH_INITIALIZER:
+                count += _is_external(r, g.payload_start, g.end)
+            elif g.number == GRAPH_NODE:
+                for a in r.fields(g.payload_start, g.end):
+                    if a.number == NODE_ATTRIBUTE and a.wire_type == LEN:
+                        count += sum(_is_external(r, t.payload_start, t.end) for t in r.fields(a.payload_start, a.end)
+                                     if t.number in (ATTR_T, ATTR_TENSORS) and t.wire_type == LEN)
+    return count
+
+
+def _is_external(r: WireReader, start: int, end: int) -> bool:
+    return any(f.number == TENSOR_DATA_LOCATION and f.wire_type == VARINT and f.value == DATA_LOCATION_EXTERNAL
+               for f in r.fields(start, end))
+
+
+def link_skeleton(path: Path, skeleton: bytes, root: Optional[Path] = None) -> Optional[tuple[Path, Path]]:
+    """(skeleton path, private folder): ``skeleton`` written into a new private folder (under ``root``,
+    else the system temp folder) beside a hard link to ``path``, whose bytes its tensors point into;
+    None when no link can be made there. Symbolic links would not do: ORT resolves them and refuses
+    data outside the model's folder. The caller removes the folder once ORT has mapped what it needs."""
+    if root is not None and not root.is_dir():
+        return None
+    workdir = Path(tempfile.mkdtemp(prefix=".tmp-link-" if root else "ortmem-", dir=root))
+    try:
+        os.link(path, workdir / path.name)
+        target = workdir / ("ortmem-skeleton.onnx" if path.name != "ortmem-skeleton.onnx" else "ortmem-skeleton1.onnx")
+        target.write_bytes(skeleton)
+    except OSError:
+        shutil.rmtree(workdir, ignore_errors=True)
+        return None
+    return target, workdir
