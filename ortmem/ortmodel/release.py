@@ -493,6 +493,7 @@ def capabilities(*, refresh: bool = False) -> Capabilities:
     folder = probe_dir()
     path = folder / f"{release.key()}.json" if folder else None
     answers = None if (refresh or path is None) else _read_answers(path)
+    probed_now = answers is None
     if answers is None:
         log.info("ortmem: probing onnxruntime %s (once per build and CPU)", release.version)
         try:
@@ -505,7 +506,9 @@ def capabilities(*, refresh: bool = False) -> Capabilities:
         if path is not None:
             _write_answers(path, answers)
     _current = from_probe(release, answers)
-    if release.version_tuple[:2] > max(RELEASE_TABLE):
+    if probed_now and release.version_tuple[:2] > max(RELEASE_TABLE):
+        # once per build and CPU, when its probe runs (later processes read the cached answers quietly,
+        # and ortmem doctor keeps showing the note): a hooked program must not print it on every start
         _warn_once(_current.notes[0])
     return _current
 
