@@ -49,8 +49,11 @@ def test_release_probe_under_a_hooked_program_runs_plain_and_leaves_no_cache_ent
     (answers_file,) = probes.iterdir()
     hooked_answers = json.loads(answers_file.read_text())
     plain_answers = rel.run_probe()  # this test process has no hook in its environment
-    assert hooked_answers["variants"] == plain_answers["variants"]
-    assert hooked_answers["prepacked"] == plain_answers["prepacked"]
+    # What the answers decide, not their wording: ORT's messages name temporary paths, and on 1.25 a
+    # 2048 block's fused kernel reads garbage (its answer is "equal" or "differs" from run to run, past
+    # the bound where ortmem already stopped converting). A hooked probe compared ortmem's rewrite with
+    # itself and so called everything convertible.
+    assert _decisions(hooked_answers) == _decisions(plain_answers)
 
 
 CHILD = ("import json, os, sys, onnxruntime;"
@@ -77,3 +80,10 @@ def test_helper_environment_starts_an_unhooked_interpreter_from_a_hooked_one(tmp
         parts = pythonpath.split(os.pathsep)
         assert str(SITE_DIR) not in parts and str(tmp_path) in parts
         assert parts[0] == str(Path(rel.__file__).resolve().parents[2])  # the package's own parent first
+
+
+def _decisions(answers: dict) -> dict:
+    """Every verdict and release fact :func:`ortmem.ortmodel.release.from_probe` draws from ``answers``."""
+    caps = rel.from_probe(rel.installed(), answers).as_dict()
+    return {k: ({key: v["ok"] for key, v in value.items()} if k in ("matmul", "gather") else value)
+            for k, value in caps.items() if k not in ("notes", "import_baseline_bytes")}  # RSS: varies by a few KiB

@@ -403,6 +403,10 @@ def test_ortmem_converts_exactly_the_block_sizes_this_ort_fuses(block, tmp_path)
     sess = ortmem.InferenceSession(path, providers=CPU, cache=tmp_path / "cache")
     converted = sess.ortmem_report is not None and sess.ortmem_report.converted == 1
     assert converted == (fused and block <= capabilities().convert_block_max), (block, fused, sess.ortmem_report)
+    if fused and block > capabilities().convert_block_max:
+        # past the range where the probe showed ORT's fused kernel right (1.25: 512+ reads garbage, its
+        # own run differs from run to run): left to ORT, and ORT's output is no reference to compare with
+        return
     assert_same_outputs(sess.run(None, feeds), _ort_run(path, feeds))
 
 
