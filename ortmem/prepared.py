@@ -194,15 +194,12 @@ def worth_mapping(source: Path, prepared: Path, settings: OrtSettings, threads: 
 
 
 def _rss_anon() -> int:
-    """Private resident bytes of this process (``RssAnon``; 0 where /proc is absent)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    """Private resident bytes of this process (``RssAnon``; 0 where /proc is absent). Imported here, as
+    :func:`worth_mapping` imports its feeds: only the builder measures, the session path loads no
+    measure code (tests/test_import.py)."""
+    from .measure.procfs import read_status
+
+    return (read_status("self") or {}).get("RssAnon", 0)
 
 
 def _save(source: Path, work: Path, stem: str, settings: OrtSettings, threads: int) -> None:
