@@ -9,7 +9,7 @@ write weights.bin and model.onnx, digest, publish) and reports, as medians and m
 * ``cold_s``: the whole build,
 * ``write_s``: the conversion report's seconds (weights.bin and model.onnx written, and hashed
   while written where the entry needs their digests),
-* ``read_digest_s``: seconds spent in :func:`ortmem.digest.file_digest`, i.e. reading files to
+* ``read_digest_s``: seconds spent in :func:`ortmem.store.digest.file_digest`, i.e. reading files to
   digest them (the sources' content digests; entry files are no longer read back).
 """
 from __future__ import annotations
@@ -31,8 +31,8 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from synth_models import synth_model
 import ortmem
-from ortmem import digest
-from ortmem.cache import Cache
+from ortmem.store import digest
+from ortmem.store.cache import Cache
 from ortmem.convert import convert_cached
 from ortmem.ortmodel.settings import session_settings
 
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import onnxruntime as ort
 
-    from ortmem.cache import cache_root
+    from ortmem.store.cache import cache_root
 
     sys.path.insert(0, str(HERE))
     from synth_models import synth_model

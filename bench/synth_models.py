@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from ortmem.cache import cache_root
+from ortmem.store.cache import cache_root
 from ortmem.synth import SynthConfig, cached_model
 
 PRESETS = {"demo": SynthConfig.demo, "0.6": SynthConfig.llama_0_6gb, "1.6": SynthConfig.llama_1_6gb}

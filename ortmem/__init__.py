@@ -41,9 +41,9 @@ _LAZY = {
     "estimate": ".plan.estimate",
     "partition": ".plan.partition",
     "stats": ".plan.estimate",
-    "PipelineSession": ".pipeline",
-    "hook": ".session_hook",
-    "unhook": ".session_hook",
+    "PipelineSession": ".reach.pipeline",
+    "hook": ".reach.session_hook",
+    "unhook": ".reach.session_hook",
 }
 #: names that need an optional extra (not in ``__all__``, so ``from ortmem import *`` never imports Ray)
 _OPTIONAL = {"RayPipeline": ".distributed"}

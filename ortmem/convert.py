@@ -17,10 +17,20 @@ import onnx
 import onnxruntime as ort
 
 from . import __version__
-from . import digest
-from .cache import (MODEL_FILE, SOURCE_LINK_PREFIX, WEIGHTS_FILE, Cache, Entry, file_identity, key_identity, make_key,
-                    reserve, same_source)
-from .filetrust import PRIVATE_FILE_MODE, write_new
+from .store import digest
+from .store.cache import (
+    MODEL_FILE,
+    SOURCE_LINK_PREFIX,
+    WEIGHTS_FILE,
+    Cache,
+    Entry,
+    file_identity,
+    key_identity,
+    make_key,
+    reserve,
+    same_source,
+)
+from .store.trust import PRIVATE_FILE_MODE, write_new
 from .errors import ConversionError
 from .model import Model
 from .passes.conversion import plan_conversion, rewrite_skeleton, write_weights
@@ -200,8 +210,8 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
 
     Returns ``(None, False, None)`` when nothing in the model is convertible: the caller then hands
     the original model to ORT. Concurrent creators of one entry meet at its creator lock: one builds,
-    the others wait at most :func:`ortmem.cache.lock_timeout` and read its entry. A builder that takes
-    longer (stopped, starved, a slow disk) raises :class:`ortmem.cache.LockBusyError` here, a
+    the others wait at most :func:`ortmem.store.cache.lock_timeout` and read its entry. A builder that takes
+    longer (stopped, starved, a slow disk) raises :class:`ortmem.store.cache.LockBusyError` here, a
     ``CacheError`` naming the lock and its holder's pid: the caller converts without the cache rather
     than wait on another process's progress.
     """

@@ -39,7 +39,7 @@ def report(*, refresh: bool = False) -> dict[str, Any]:
 
 
 def _cache_health() -> dict[str, Any]:
-    from .cache import Cache, cache_root
+    from .store.cache import Cache, cache_root
     from .errors import CacheError
     from .helper_env import CACHE_DIR_ENV
 

@@ -32,13 +32,13 @@ from typing import Callable, Optional, Union
 
 import onnx
 
-from .cache import MODEL_FILE, Cache, Entry, LockBusyError
+from .store.cache import MODEL_FILE, Cache, Entry, LockBusyError
 from .errors import CacheError, OrtmemError
 from .convert import convert_cached, lookup_converted, write_converted
 from .inmemory import InMemoryConversion, convert_in_memory
 from .loader import load
 from .model import Model
-from .model_facts import FOLDER_KEY, FUSING_PROVIDERS  # noqa: F401 - FUSING_PROVIDERS re-exported
+from .reach.model_facts import FOLDER_KEY, FUSING_PROVIDERS  # noqa: F401 - FUSING_PROVIDERS re-exported
 from .options import get_config
 from .onnx_walk import is_external, iter_graphs, iter_tensor_sites
 from .passes.conversion import plan_conversion
@@ -46,9 +46,9 @@ from .passes.conversion_plan import ConversionPlan, ConversionReport
 from .passes.writers import Progress
 from .ortmodel.settings import OrtSettings
 from .ortmodel.release import capabilities
-from .prepack_later import PrepackLater, prepack_later_for, prepare_later_for
-from .prepacked import discard_prepacked, packing_settings, prepacked_model, save_prepacked
-from .prepared_cache import is_marker, lookup_prepared, min_prepared_bytes, prepared_key
+from .store.packer import PrepackLater, prepack_later_for, prepare_later_for
+from .store.prepacked import discard_prepacked, packing_settings, prepacked_model, save_prepacked
+from .store.prepared_entries import is_marker, lookup_prepared, min_prepared_bytes, prepared_key
 from .validity import validity_fault
 
 log = logging.getLogger(__name__)
@@ -75,11 +75,11 @@ class Handoff:
     #: What ortmem did, in a word or two, for reports: "as-is", "mapped", "converted", "cache-hit",
     #: "pre-packed" (mapped ORT's packed weights, saved earlier or by this start), "prepared" (a model
     #: ortmem does not convert, loaded from its prepared cache entry: ORT maps its packed weights,
-    #: :mod:`ortmem.prepared_cache`), "in-memory", "converted-temporary" (converted into a private
+    #: :mod:`ortmem.store.prepared_entries`), "in-memory", "converted-temporary" (converted into a private
     #: folder removed after creation), or "untouched: <why>".
     action: str = "as-is"
     #: A cold start's packing of ORT's weights, started once the session has run
-    #: (:mod:`ortmem.prepack_later`); None when nothing is left to pack in the background.
+    #: (:mod:`ortmem.store.packer`); None when nothing is left to pack in the background.
     prepack_later: Optional[PrepackLater] = None
 
     def use_fallback(self) -> str:
@@ -146,7 +146,7 @@ class ConvertOptions:
     report: Optional[ConversionReport] = None  # filled in: what was converted (None on a cache hit)
     cache_hit: bool = False
     #: On a cache hit, load ORT's pre-packed MatMulNBits weights saved beside the entry (saving them
-    #: on the first hit): CPU EP only, and only when ORT pre-packs at all. See ortmem.prepacked.
+    #: on the first hit): CPU EP only, and only when ORT pre-packs at all. See ortmem.store.prepacked.
     prepacked: bool = False
     sess_options: Optional[object] = None  # the user's options (the packing sessions copy MLAS settings)
     #: Set when ortmem declined to convert a model it could have (a validity fault, a failed rewrite):
@@ -293,7 +293,7 @@ def _warm_start(entry: Entry, convert: ConvertOptions) -> Optional[Handoff]:
     otherwise be baked into every later session's pre-packed weights).
 
     The packing is normally done by then: the cold start left it to a background process after its
-    session's first run (:mod:`ortmem.prepack_later`). Otherwise (small weights, no run yet, a packer
+    session's first run (:mod:`ortmem.store.packer`). Otherwise (small weights, no run yet, a packer
     that failed) this start packs, once, under the entry's creator lock, before ORT's session exists,
     in groups of a few tensors, peaking well under the session itself. It never waits for that lock:
     whoever holds it (the packer, another worker packing, a process stopped or starved while it
@@ -345,9 +345,9 @@ def _prepared_start(path: Path, key: str, convert: ConvertOptions) -> tuple[Opti
 
 def _prepare_after_first_run(handoff: Handoff, path: Path, key: str, convert: ConvertOptions) -> None:
     """A cold start of a model ortmem gave ORT unconverted: after the session's first run, one
-    niced background process builds its prepared entry (:mod:`ortmem.prepack_later`), so the next
+    niced background process builds its prepared entry (:mod:`ortmem.store.packer`), so the next
     start maps ORT's packed weights. Only for models with at least
-    :func:`ortmem.prepared_cache.min_prepared_bytes` of initializers (small ones stay at zero cost),
+    :func:`ortmem.store.prepared_entries.min_prepared_bytes` of initializers (small ones stay at zero cost),
     and not for a model ortmem converted or declined to convert."""
     if (handoff.action not in ("as-is", "mapped") or handoff.memory is not None or convert.report is not None
             or convert.declined or convert.cache_hit or convert.cache is None or handoff.source is None):

@@ -23,10 +23,10 @@ ENV_SWITCH = "ORTMEM_HOOK"
 #: JSON of ``session_hook.HookOptions`` fields, passed by the launcher to child interpreters.
 ENV_OPTIONS = "ORTMEM_HOOK_OPTIONS"
 #: The folder whose ``sitecustomize.py`` installs the hook in child interpreters.
-SITE_DIR = Path(__file__).with_name("hook_site")
+SITE_DIR = Path(__file__).parent / "reach" / "hook_site"
 #: The folder holding this ``ortmem`` package: first on a helper's ``$PYTHONPATH``.
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent
-#: Where ``ortmem.cache.cache_root`` looks for the cache folder.
+#: Where ``ortmem.store.cache.cache_root`` looks for the cache folder.
 CACHE_DIR_ENV = "ORTMEM_CACHE_DIR"
 
 

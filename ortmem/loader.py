@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from .dtypes import byte_size, dtype_info
 from .errors import CorruptModelError, ExternalDataError, TensorShapeError, UnsafePathError
 from .model import Model
-from .model_facts import INLINE_MAX_BYTES  # defined beside the hook's decision from a file's bytes
+from .reach.model_facts import INLINE_MAX_BYTES  # defined beside the hook's decision from a file's bytes
 from .onnx_walk import iter_tensor_sites
 from .ortmodel.external_data import EntryError, has_reserved_marker, parse_integer, read_entries
 from .protowire import FileBytes, externalize_embedded

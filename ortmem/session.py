@@ -17,10 +17,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 import onnxruntime as ort
 
 from . import handoff as _handoff
-from .cache import open_cache
+from .store.cache import open_cache
 from .ortmodel.settings import session_settings
 from .hygiene import allocator_hygiene
-from .model_facts import RECOMPUTE_METADATA
+from .reach.model_facts import RECOMPUTE_METADATA
 from .options import get_config, scoped_config
 from .ort_original import ORT_SESSION
 
@@ -44,7 +44,7 @@ class InferenceSession(ORT_SESSION):
       back afterwards (:func:`ortmem.hygiene.allocator_hygiene`; default True; a no-op off glibc);
     - ``prepacked``: on a cache hit with the CPU EP, load ORT's pre-packed weights saved beside the
       entry (the first hit saves them), so packed weights are mapped from the page cache instead of
-      copied to the heap (default True; :mod:`ortmem.prepacked`);
+      copied to the heap (default True; :mod:`ortmem.store.prepacked`);
     - ``recompute``: lower the activation peak by recomputing cheap tensors and reordering nodes
       (``True``/``"auto"``, a budget in bytes, a plan string from ``ortmem recompute``, ``"order"``, or a
       dict; see :func:`ortmem.plan.recompute.apply_for_session`), planned for ``dims`` (symbolic
@@ -63,11 +63,11 @@ class InferenceSession(ORT_SESSION):
     packed weights; ``"cache-hit"``: one loading the entry itself; see ``ortmem.handoff.Handoff.action``).
 
     Starts: the first (cold) converts into the cache and, after its session's first ``run``, packs
-    ORT's weights into the entry in a background process (:mod:`ortmem.prepack_later`); from the
+    ORT's weights into the entry in a background process (:mod:`ortmem.store.packer`); from the
     second start on, sessions map them (``ortmem_action == "pre-packed"``). A model ortmem does not
     convert (a path, CPU EP, at least 16 MiB of initializers) gets a *prepared* entry the same way:
     ORT's own save of it with every kernel's pre-packed weights, mapped from the second start on
-    (``ortmem_action == "prepared"``; :mod:`ortmem.prepared_cache`, ``ortmem prepare`` builds it at
+    (``ortmem_action == "prepared"``; :mod:`ortmem.store.prepared_entries`, ``ortmem prepare`` builds it at
     deploy time, after which a read-only cache folder is enough).
     """
 

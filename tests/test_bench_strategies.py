@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ortmem.measure.bench import run_bench
 from ortmem.measure.workers import run_workers
 from ortmem.ortmodel.release import capabilities
-from ortmem.prepared_cache import MIN_BYTES_ENV
+from ortmem.store.prepared_entries import MIN_BYTES_ENV
 
 pytestmark = pytest.mark.skipif(not capabilities().prepacked_save, reason="this onnxruntime saves no pre-packed weights")
 

@@ -93,7 +93,7 @@ def test_fp16_in_fp32(tmp_path):
     folder = tmp_path / "m"
     folder.mkdir()
     path = write_model(SynthConfig.tiny(scale_dtype="float16", embedding="quantized"), folder / "model.onnx")
-    cache = ortmem.cache.Cache(tmp_path / "cache")
+    cache = ortmem.store.cache.Cache(tmp_path / "cache")
     for fp16_in_fp32 in (None, False):
         opts = handoff.ConvertOptions(cache=cache, fp16_in_fp32=fp16_in_fp32)
         h = handoff.prepare(path, opts)

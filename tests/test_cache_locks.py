@@ -20,9 +20,9 @@ import onnxruntime as ort
 import pytest
 
 import ortmem
-from ortmem import prepack_later
-from ortmem import prepacked as pp
-from ortmem.cache import creator_lock_path
+from ortmem.store import packer as prepack_later
+from ortmem.store import prepacked as pp
+from ortmem.store.cache import creator_lock_path
 from ortmem.convert import cache_key
 from ortmem.ortmodel.release import capabilities
 from ortmem.ortmodel.settings import session_settings
@@ -40,7 +40,7 @@ needs_saving = pytest.mark.skipif(not capabilities().prepacked_save,
 _HOLDER = r"""
 import os, signal, sys
 from pathlib import Path
-from ortmem.cache import Cache
+from ortmem.store.cache import Cache
 held = Cache(Path(sys.argv[1])).creating(sys.argv[2])
 held.__enter__()
 print("held", flush=True)
@@ -137,7 +137,7 @@ def test_a_warm_start_never_waits_for_a_held_lock_and_packs_nothing(model, tmp_p
 
 def _packer(job: prepack_later.PrepackLater) -> subprocess.CompletedProcess:
     """The background packer's own command, run to the end (no lock handed to it)."""
-    return subprocess.run([sys.executable, "-m", "ortmem.prepack_later", json.dumps(asdict(job))],
+    return subprocess.run([sys.executable, "-m", "ortmem.store.packer", json.dumps(asdict(job))],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -180,7 +180,7 @@ _FORKED = r"""
 import hashlib, json, os, sys
 import numpy as np
 import ortmem
-from ortmem import prepack_later
+from ortmem.store import packer as prepack_later
 prepack_later.MIN_WEIGHT_BYTES = 0  # the tiny model gets a background packer, as a large one would
 feeds = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 s = ortmem.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"], cache=sys.argv[2])
@@ -234,7 +234,7 @@ def test_the_lock_limit_setting(text, seconds, monkeypatch, caplog):
     """``ORTMEM_LOCK_TIMEOUT``: seconds (None here: the default); a value that is not a finite count of
     seconds is named in a warning and the default holds (a typo must neither wait forever nor turn
     waiting off)."""
-    from ortmem.cache import DEFAULT_LOCK_TIMEOUT, lock_timeout
+    from ortmem.store.cache import DEFAULT_LOCK_TIMEOUT, lock_timeout
 
     monkeypatch.setenv("ORTMEM_LOCK_TIMEOUT", text)
     assert lock_timeout() == (DEFAULT_LOCK_TIMEOUT if seconds is None else seconds)

@@ -23,11 +23,11 @@ import onnxruntime as ort
 import pytest
 
 import ortmem
-from ortmem import prepacked as pp
-from ortmem import filetrust
-from ortmem.cache import SOURCE_LINK_PREFIX, Cache, UntrustedCacheError, creator_lock_path
+from ortmem.store import prepacked as pp
+from ortmem.store import trust as filetrust
+from ortmem.store.cache import SOURCE_LINK_PREFIX, Cache, UntrustedCacheError, creator_lock_path
 from ortmem.cli import main as cli_main
-from ortmem.filetrust import open_new, untrusted_reason, write_new
+from ortmem.store.trust import open_new, untrusted_reason, write_new
 from ortmem.loader import load
 from ortmem.synth import SynthConfig, write_model
 from compare import assert_same_outputs
@@ -216,7 +216,7 @@ def test_shared_cache_poisoned_by_a_second_user_is_not_used(world_dir, caplog):
 import os, shutil, sys
 from pathlib import Path
 os.umask(0)
-from ortmem.cache import Cache
+from ortmem.store.cache import Cache
 from ortmem.convert import cache_key, convert_cached
 from ortmem.ortmodel.settings import session_settings
 from ortmem.loader import load
@@ -472,7 +472,7 @@ def test_a_writer_killed_mid_conversion_leaves_a_folder_the_next_writer_removes(
     """Finding 8 with a real crash: kill -9 while the entry is being written."""
     import signal
 
-    from ortmem import cache as cache_module
+    from ortmem.store import cache as cache_module
 
     path = _model(tmp_path / "m")
     cache_dir = tmp_path / "cache"
@@ -643,7 +643,7 @@ def _hold_lock(cache_dir: Path, key: str) -> subprocess.Popen:
     child = subprocess.Popen([sys.executable, "-c", r"""
 import sys, time
 from pathlib import Path
-from ortmem.cache import Cache
+from ortmem.store.cache import Cache
 with Cache(Path(sys.argv[1])).creating(sys.argv[2]):
     print("locked", flush=True)
     time.sleep(120)

@@ -19,7 +19,7 @@ import pytest
 from release_expect import gather_refusal
 
 import ortmem
-from ortmem.cache import Cache
+from ortmem.store.cache import Cache
 from ortmem.convert import convert_to
 from ortmem.inmemory import convert_in_memory
 from ortmem.passes.conversion import plan_conversion
@@ -139,7 +139,7 @@ def test_convert_cli_writes_a_standalone_folder(tmp_path, capsys):
 
 
 def test_convert_cli_prepack_writes_a_model_plain_ort_loads(tmp_path, capsys):
-    from ortmem import prepacked as pp
+    from ortmem.store import prepacked as pp
     from ortmem.cli import main
 
     path = _model(tmp_path, storage="external")

@@ -23,7 +23,7 @@ import ortmem  # noqa: E402
 from ortmem.cli import main as cli_main  # noqa: E402
 from ortmem.distributed import RayPipeline, cluster_devices, cluster_nodes, local_cluster  # noqa: E402
 from ortmem.errors import StageFailedError  # noqa: E402
-from ortmem.pipeline import PipelineSession  # noqa: E402
+from ortmem.reach.pipeline import PipelineSession  # noqa: E402
 from ortmem.errors import PlanError  # noqa: E402
 from ortmem.plan.partition import PartitionPlan, partition  # noqa: E402
 from ortmem.synth import SynthConfig, write_model  # noqa: E402

@@ -22,7 +22,7 @@ from release_expect import gather_refusal
 from test_convert import GATHER_VARIANTS
 
 import ortmem
-from ortmem.cache import Cache
+from ortmem.store.cache import Cache
 from ortmem.synth import SynthConfig, write_model
 
 Outcome = tuple[str, object]  # ("raised", exception type) or ("ran", outputs)

@@ -1,4 +1,4 @@
-"""ortmem.genai: onnxruntime-genai folders whose ONNX files ORT maps pre-packed. Real genai models over
+"""ortmem.reach.genai: onnxruntime-genai folders whose ONNX files ORT maps pre-packed. Real genai models over
 a hand-written decoder with genai's inputs and outputs (no torch here for genai's builder; genai needs
 no tokenizer to generate from token ids), real generation, real processes for memory."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from ortmem import genai
+from ortmem.reach import genai
 from ortmem.measure.procfs import read_smaps_rollup
 
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install '.[genai]')")
@@ -178,7 +178,7 @@ def test_prepared_folder_generates_the_same_tokens_and_logits(prepared: Path, ca
 def test_genai_loads_the_prepared_file(prepared: Path):
     """genai_model's (so genai_config's) model really maps the prepared data (checked in a fresh
     process: this one may have mapped it in another test)."""
-    code = ("import sys; from pathlib import Path; from ortmem.genai import genai_model\n"
+    code = ("import sys; from pathlib import Path; from ortmem.reach.genai import genai_model\n"
             "m = genai_model(Path(sys.argv[1]))\n"
             "print(any(l.endswith('/model.ortmem-prepared.data') for l in open('/proc/self/maps').read().splitlines()))")
     out = subprocess.run([sys.executable, "-c", code, str(prepared)], capture_output=True, text=True, timeout=120)
@@ -283,7 +283,7 @@ import numpy as np
 import onnxruntime_genai as og
 folder, prepared = Path(sys.argv[1]), sys.argv[2] == "1"
 if prepared:  # ortmem is imported (and its cost counted) only where it is used
-    from ortmem.genai import genai_model
+    from ortmem.reach.genai import genai_model
 model = genai_model(folder) if prepared else og.Model(og.Config(str(folder)))
 params = og.GeneratorParams(model)
 params.set_search_options(max_length=8, do_sample=False)

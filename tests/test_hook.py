@@ -18,7 +18,7 @@ import pytest
 import model_builders as mb
 import ortmem
 from ortmem.handoff import FOLDER_KEY
-from ortmem.session_hook import MIN_BYTES, ORIGINAL, sessions, unhook
+from ortmem.reach.session_hook import MIN_BYTES, ORIGINAL, sessions, unhook
 
 ORT_CLASS = ORIGINAL
 
@@ -46,7 +46,7 @@ def session_path(monkeypatch):
 
 def _is_ortmem(session) -> bool:
     """ortmem made the session, or the hook's light route did (ORT's own object for a model that needs
-    nothing of ortmem's session path, tagged with what it did: ortmem.model_facts)."""
+    nothing of ortmem's session path, tagged with what it did: ortmem.reach.model_facts)."""
     return isinstance(session, ortmem.InferenceSession) or getattr(session, "ortmem_action", None) in ("as-is", "mapped")
 
 
@@ -360,7 +360,7 @@ def test_where_no_hard_link_can_be_made(rng, capfd):
     import tempfile
     from pathlib import Path
 
-    from ortmem.cache import cache_root
+    from ortmem.store.cache import cache_root
 
     shm = Path("/dev/shm")
     if not shm.is_dir() or not os.access(shm, os.W_OK):
@@ -391,7 +391,7 @@ def test_where_no_hard_link_can_be_made(rng, capfd):
 
 
 def test_launcher_sitecustomize_runs_the_one_it_shadows_and_waits_for_onnxruntime(tmp_path):
-    from ortmem.launcher import SITE_DIR
+    from ortmem.reach.launcher import SITE_DIR
 
     theirs = tmp_path / "site"
     theirs.mkdir()

@@ -29,7 +29,7 @@ s = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
 out = s.run(None, {"x": np.ones((4, 64), dtype=np.float32)})[0]
 status = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
 kib = lambda k: int(status[k].split()[0])
-report = [r["action"] for r in __import__("ortmem.session_hook").session_hook.report()] if sys.argv[2] != "plain" else []
+report = [r["action"] for r in __import__("ortmem.reach.session_hook").reach.session_hook.report()] if sys.argv[2] != "plain" else []
 print(json.dumps({"peak": kib("VmHWM") / 1024, "private": (kib("RssAnon") + kib("RssShmem")) / 1024,
                   "onnx": "onnx" in sys.modules, "passes": "ortmem.passes" in sys.modules,
                   "session": "ortmem.session" in sys.modules, "actions": report, "sum": float(out.sum())}))

@@ -24,7 +24,7 @@ from onnx import TensorProto, helper
 
 import model_builders as mb
 from ortmem.helper_env import ENV_SWITCH, SITE_DIR
-from ortmem.session_hook import MIN_BYTES, ORIGINAL
+from ortmem.reach.session_hook import MIN_BYTES, ORIGINAL
 
 ORT_SESSION_MODULE = ORIGINAL.__module__
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 HEAVY = ("onnx", "matplotlib", "memray", "rich", "ortmem.plan.estimate", "ortmem.plan.partition",
-         "ortmem.plan.recompute", "ortmem.pipeline", "ortmem.measure")
+         "ortmem.plan.recompute", "ortmem.reach.pipeline", "ortmem.measure")
 
 
 def _loaded(code: str) -> list[str]:

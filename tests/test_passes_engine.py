@@ -12,8 +12,8 @@ import onnxruntime as ort
 import pytest
 
 import ortmem
-from ortmem import digest
-from ortmem.cache import Cache
+from ortmem.store import digest
+from ortmem.store.cache import Cache
 from ortmem.convert import convert_cached
 from ortmem.ortmodel.settings import session_settings
 from ortmem.errors import ConversionError

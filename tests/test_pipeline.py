@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 
 from model_builders import save, subgraph_model
-from ortmem.pipeline import PipelineSession
+from ortmem.reach.pipeline import PipelineSession
 from ortmem.errors import PlanError
 from ortmem.plan.partition import partition
 from ortmem.synth import SynthConfig, write_model

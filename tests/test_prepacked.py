@@ -1,4 +1,4 @@
-"""ortmem.prepacked: bounded-peak saving of ORT's pre-packed MatMulNBits weights next to a converted
+"""ortmem.store.prepacked: bounded-peak saving of ORT's pre-packed MatMulNBits weights next to a converted
 model folder, and loading them back safely. Real ORT sessions on a small synthetic native model."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ortmem.ortmodel.release import capabilities
 import onnxruntime as ort
 import pytest
 
-from ortmem import prepacked as pp
+from ortmem.store import prepacked as pp
 from ortmem.synth import SynthConfig, write_model
 
 # ~27 MiB of int4 codes (packed ~40 MiB at accuracy 4): big enough for memory to be measurable.
@@ -422,7 +422,7 @@ _START = r"""
 import json, sys
 import numpy as np
 import ortmem
-from ortmem import prepack_later
+from ortmem.store import packer as prepack_later
 from ortmem.measure import procfs
 s = ortmem.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"], cache=sys.argv[2])
 created = procfs.read_status("self")
@@ -450,7 +450,7 @@ def test_the_second_start_is_warm(big_qdq, tmp_path):
     the entry; start 2 maps them: reported as "pre-packed", with far less private memory after creation.
     Where ORT saves no pre-packed weights (1.25) start 2 is a plain hit on the entry (the warm state
     there) and no packer is started."""
-    from ortmem.prepack_later import MIN_WEIGHT_BYTES
+    from ortmem.store.packer import MIN_WEIGHT_BYTES
 
     cache = tmp_path / "cache"
     expected = ort.InferenceSession(str(big_qdq), providers=["CPUExecutionProvider"]).run(None, QDQ_FEEDS)[0]

@@ -1,4 +1,4 @@
-"""Prepared entries: warm starts for models ortmem does not convert (ortmem.prepared, ortmem.prepared_cache).
+"""Prepared entries: warm starts for models ortmem does not convert (ortmem.store.prepared, ortmem.store.prepared_entries).
 
 Every model is checked against plain ORT on its source, for the cold start, the background-prepared
 entry and the warm start; memory in fresh processes; a changed source, a tampered file and a read-only
@@ -20,7 +20,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ortmem
-from ortmem import prepack_later, prepared, prepared_cache
+from ortmem.store import packer as prepack_later, prepared, prepared_entries as prepared_cache
 from ortmem.cli import main as cli_main
 from ortmem.ortmodel.release import capabilities
 from ortmem.synth import SynthConfig, write_model
@@ -100,7 +100,7 @@ MODELS = {
 
 def ort_reload_is_identical(model: Path, feeds: dict, folder: Path) -> bool:
     """Plain ORT's own answer, without ortmem: a model saved with its pre-packed weights
-    (ORT_DISABLE_ALL, as ortmem.prepared saves it) and reloaded gives the source's outputs
+    (ORT_DISABLE_ALL, as ortmem.store.prepared saves it) and reloaded gives the source's outputs
     (onnxruntime 1.28.0 reloads a native MatMulNBits model's blobs as NaN; ortmem must then refuse it)."""
     folder.mkdir()
     so = ort.SessionOptions()
@@ -126,7 +126,7 @@ def test_cold_prepared_and_warm_starts_equal_plain_ort(name, tmp_path, any_size)
     assert np.array_equal(cold.run(None, feeds)[0], expected)  # the first run leaves the builder
     assert len(prepack_later.started_packers()) >= 1 and prepack_later.wait_background(120)
     (entry,) = entries(cache)
-    marker = prepared_cache.is_marker(prepared_cache.lookup_prepared(ortmem.cache.Cache(cache), entry.name))
+    marker = prepared_cache.is_marker(prepared_cache.lookup_prepared(ortmem.store.cache.Cache(cache), entry.name))
     if warm_action == "prepared" and not ort_reload_is_identical(model, feeds, tmp_path / "ort-save"):
         warm_action = cold.ortmem_action  # this ORT reloads it wrong: a marker, today's start again
     assert marker == (warm_action != "prepared")
@@ -214,7 +214,7 @@ def test_a_prepared_model_ort_refuses_falls_back_to_the_source(tmp_path, any_siz
     monkey = pytest.MonkeyPatch()
     monkey.setattr(prepared_cache, "prepared_problem", lambda *a, **k: None)
     try:  # the cache's digest would refuse the edit first; here ORT is the one that refuses
-        from ortmem import cache as cache_mod
+        from ortmem.store import cache as cache_mod
         monkey.setattr(cache_mod.Cache, "verify", lambda self, e, mode=None: None)
         s = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     finally:
@@ -227,7 +227,7 @@ def test_a_prepared_model_ort_refuses_falls_back_to_the_source(tmp_path, any_siz
 
 
 def test_prepare_a_folder_converts_qdq_and_prepares_the_rest(tmp_path, any_size, capsys):
-    from ortmem.prepacked import PREPACKED_MANIFEST
+    from ortmem.store.prepacked import PREPACKED_MANIFEST
 
     folder = tmp_path / "models"
     folder.mkdir()
@@ -264,7 +264,7 @@ def test_prepare_names_a_broken_genai_folder_without_a_traceback(tmp_path, capsy
 _START = r"""
 import json, sys, numpy as np
 import ortmem
-from ortmem import prepack_later
+from ortmem.store import packer as prepack_later
 from ortmem.measure import procfs
 dim = int(sys.argv[3])
 feeds = {"x": np.random.default_rng(7).standard_normal((2, dim)).astype(np.float32)}
@@ -349,7 +349,7 @@ def test_a_prepared_model_that_differs_or_saves_nothing_is_not_worth_mapping(tmp
     native MatMulNBits model's blobs as NaN), and so is a 'prepared' model that keeps as much private
     memory as the source (here: the source itself, nothing mapped)."""
     from ortmem.ortmodel.settings import OrtSettings
-    from ortmem.prepared import worth_mapping
+    from ortmem.store.prepared import worth_mapping
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -35,7 +35,7 @@ from onnx import helper as H
 from onnx import numpy_helper as nh
 
 import ortmem
-from ortmem.cache import Cache
+from ortmem.store.cache import Cache
 
 #: CI installs both packages (README's test command): a missing one fails the run instead of quietly
 #: skipping the only tests on real weights. Set ORTMEM_SKIP_REAL_WEIGHTS=1 to skip them locally.

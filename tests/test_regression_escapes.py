@@ -56,15 +56,15 @@ from compare import assert_same_outputs
 
 import model_builders as mb
 import ortmem
-from ortmem import prepacked as pp
-from ortmem.cache import Cache, creator_lock_path
+from ortmem.store import prepacked as pp
+from ortmem.store.cache import Cache, creator_lock_path
 from ortmem.convert import lookup_converted
 from ortmem.errors import ExternalDataError, OrtmemError
 from ortmem.ortmodel.release import capabilities
 from ortmem.ortmodel.settings import session_settings
 from ortmem.ortmodel.variants import dq_matmul_model
 from ortmem.passes.dq_matmul_match import dq_matmul_match
-from ortmem.prepack_later import PrepackLater, run as run_packer
+from ortmem.store.packer import PrepackLater, run as run_packer
 from ortmem.synth import SynthConfig, write_model
 
 CPU = ["CPUExecutionProvider"]
@@ -105,7 +105,7 @@ def _child_env() -> dict[str, str]:
 
 
 def _packed_or_packing(entry_dir: Path) -> list[str]:
-    """Files a packing leaves in an entry, finished or under way (``ortmem.prepacked``'s own names)."""
+    """Files a packing leaves in an entry, finished or under way (``ortmem.store.prepacked``'s own names)."""
     return sorted(p.name for p in entry_dir.iterdir()
                   if p.name in (pp.PREPACKED_MANIFEST, pp.PREPACKED_DATA, pp.PREPACKED_MODEL)
                   or p.name.startswith((".prepack-", f".{pp.PREPACKED_DATA}.", f".{pp.PREPACKED_MODEL}.")))
@@ -114,7 +114,7 @@ def _packed_or_packing(entry_dir: Path) -> list[str]:
 class LockHolder:
     """Another process holding an entry's creator lock through ortmem's own ``Cache.creating``."""
 
-    _CODE = ("import sys\nfrom pathlib import Path\nfrom ortmem.cache import Cache\n"
+    _CODE = ("import sys\nfrom pathlib import Path\nfrom ortmem.store.cache import Cache\n"
              "with Cache(Path(sys.argv[1])).creating(sys.argv[2]):\n"
              "    print('held', flush=True)\n    sys.stdin.readline()\n")
 
@@ -161,8 +161,8 @@ def _mapped_inodes() -> set[int]:
 _FOREIGN_PACKER = """
 import json, platform, sys
 import onnxruntime
-from ortmem import prepacked
-from ortmem.prepack_later import PrepackLater, run
+from ortmem.store import prepacked
+from ortmem.store.packer import PrepackLater, run
 field = sys.argv[3]
 if field == "cpu_flags":  # one instruction set fewer (or one more): MLAS may pick another layout
     here = prepacked.cpu_flags()
@@ -233,7 +233,7 @@ def test_a_source_edited_in_place_with_its_mtime_restored_is_never_served_stale(
 # ------------------------------------------------------------------------------ 3, 4: creator lock
 @needs_saving
 def test_the_background_packer_does_not_pack_while_another_process_holds_the_creator_lock(qdq, tmp_path):
-    """The packer (``python -m ortmem.prepack_later``, as a cold start leaves it) finds the entry's
+    """The packer (``python -m ortmem.store.packer``, as a cold start leaves it) finds the entry's
     creator lock held by another process: it packs nothing until that process lets go."""
     cache = tmp_path / "cache"
     expected = _ort_run(qdq, FEEDS)
@@ -243,7 +243,7 @@ def test_the_background_packer_does_not_pack_while_another_process_holds_the_cre
     holder = LockHolder(cache, entry.key)
     packer = None
     try:
-        packer = subprocess.Popen([sys.executable, "-m", "ortmem.prepack_later", json.dumps(asdict(job))],
+        packer = subprocess.Popen([sys.executable, "-m", "ortmem.store.packer", json.dumps(asdict(job))],
                                   env=_child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         _until(lambda: packer.poll() is not None, holder)
         assert _packed_or_packing(entry.path) == [], "the packer packed while another process held the lock"
@@ -293,7 +293,7 @@ _RECORDER = """
 import atexit, json, os, sys
 
 def _record():
-    hook = sys.modules.get("ortmem.session_hook")
+    hook = sys.modules.get("ortmem.reach.session_hook")
     with open(os.environ["ESCAPES_RECORD"], "a") as f:
         f.write(json.dumps({"pid": os.getpid(), "hooked": bool(hook and hook.is_hooked()),
                             "sessions": len(hook.sessions()) if hook else 0}) + "\\n")
@@ -305,7 +305,7 @@ _HOOKED_PROGRAM = """
 import json, sys
 import numpy as np
 import onnxruntime as ort
-from ortmem import prepack_later
+from ortmem.store import packer as prepack_later
 prepack_later.MIN_WEIGHT_BYTES = 0  # this small model gets the packer a big one gets
 s = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
 out = s.run(None, {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)})[0]

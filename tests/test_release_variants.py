@@ -18,7 +18,7 @@ import pytest
 from release_expect import matmul_refusal
 
 import ortmem
-from ortmem.cache import Cache
+from ortmem.store.cache import Cache
 from ortmem.ortmodel.release import capabilities
 from ortmem.ortmodel.variants import ACCURACY_LEVELS, SCALE_TYPES, WEIGHT_TYPES, dq_matmul_model
 

@@ -1,4 +1,4 @@
-"""The server recipe (ortmem.serve under gunicorn with uvicorn workers), over loopback only, and fork
+"""The server recipe (ortmem.reach.serve under gunicorn with uvicorn workers), over loopback only, and fork
 safety: a session created before ``fork()`` keeps working in the children."""
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def _serving(model: str, log_path: Path, *, workers: int = 1, preload: bool = Fa
     pytest.importorskip("starlette")
     port = _free_port()
     cmd = [sys.executable, "-m", "gunicorn", "-w", str(workers), "-k", "uvicorn_worker.UvicornWorker",
-           "--bind", f"127.0.0.1:{port}", "--graceful-timeout", "5", "ortmem.serve:app"]
+           "--bind", f"127.0.0.1:{port}", "--graceful-timeout", "5", "ortmem.reach.serve:app"]
     if preload:
         cmd.insert(-1, "--preload")
     full_env = {**os.environ, "ORTMEM_SERVE_MODEL": model, "ORTMEM_SERVE_THREADS": "1", **(env or {})}
@@ -121,7 +121,7 @@ def _serving(model: str, log_path: Path, *, workers: int = 1, preload: bool = Fa
 @pytest.mark.slow
 @pytest.mark.parametrize("preload", [False, True], ids=["per-worker", "preload"])
 def test_gunicorn_uvicorn_workers_serve_what_ort_computes(model: str, preload: bool, tmp_path: Path) -> None:
-    from ortmem.serve import decode, encode
+    from ortmem.reach.serve import decode, encode
 
     with _serving(model, tmp_path / "gunicorn.log", workers=2, preload=preload) as (url, server):
         ref = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
@@ -233,7 +233,7 @@ def test_malformed_requests_are_answered_4xx_with_the_reason_and_no_traceback(qu
     """Every mistake of a client gets its 4xx and a reason from a live server, no traceback in the log,
     before ORT runs anything (the [64, 512] request ran 37 s and kept 2.4 GiB before); the server
     still answers a valid request with ORT's outputs after them."""
-    from ortmem.serve import decode, encode
+    from ortmem.reach.serve import decode, encode
 
     log = tmp_path / "gunicorn.log"
     env = {"ORTMEM_SERVE_MAX_BODY_BYTES": "4MiB", "ORTMEM_SERVE_MAX_TOTAL_ELEMENTS": "100000"}
@@ -270,7 +270,7 @@ def test_malformed_requests_are_answered_4xx_with_the_reason_and_no_traceback(qu
 def test_ort_refusing_the_inputs_is_the_clients_422_anything_else_the_servers(model: str) -> None:
     """An ``INVALID_ARGUMENT`` from a real run (an id past ORT's Gather table) is the client's
     mistake; any other exception is not, so the server answers it 500 and logs it."""
-    from ortmem.request_checks import ort_client_error
+    from ortmem.reach.request_checks import ort_client_error
 
     sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     with pytest.raises(Exception) as err:
@@ -295,7 +295,7 @@ def test_random_malformed_requests_never_get_a_500(quantized_model: str) -> None
 def test_nested_list_inputs_are_checked_not_cast() -> None:
     """The Ray deployment's wire format (nested lists) goes through the same checks: numpy alone
     would truncate 1.5 to 1, wrap 2**63 and take a ragged list as objects."""
-    from ortmem.request_checks import Limits, RequestRejected, TensorSpec, list_tensor
+    from ortmem.reach.request_checks import Limits, RequestRejected, TensorSpec, list_tensor
 
     spec = TensorSpec("input_ids", np.dtype(np.int64), ("batch", "seq"))
     limits = Limits(max_input_elements=6)

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         result["stages_after_one_run"] = after_one
         result["stages"] = rows
         p.shutdown()
-        from ortmem.pipeline import PipelineSession
+        from ortmem.reach.pipeline import PipelineSession
 
         local = PipelineSession(plan.out_dir, sess_options=one_thread())
         t = time.perf_counter()

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from ortmem.measure.probe import probe
     from ortmem.measure.strategies import Strategy
     from ortmem.plan.partition import partition
-    from ortmem.pipeline import PipelineSession
+    from ortmem.reach.pipeline import PipelineSession
     from ortmem.synth import SynthConfig, cached_model
 
     dims = {k: int(v) for k, v in (kv.split("=") for kv in args.dims.split(","))}

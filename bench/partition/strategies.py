@@ -11,7 +11,7 @@ from typing import Any
 
 
 def _cache():
-    from ortmem.cache import cache_root
+    from ortmem.store.cache import cache_root
 
     return cache_root() / "bench" / "partition"
 
@@ -30,7 +30,7 @@ def prepare_stage(model_path: str, options: dict, workdir: str) -> str:
 
 def pipeline(model_path: str, options: dict) -> Any:
     """Every stage in one process, run through ``PipelineSession`` (the per-process total)."""
-    from ortmem.pipeline import PipelineSession
+    from ortmem.reach.pipeline import PipelineSession
 
     return PipelineSession(model_path, cache=_cache())
 

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     print(report.summary())
     print(f"wrote {Path(args.output) / 'model.onnx'}")
     if args.prepack:
-        from ..prepacked import save_prepacked
+        from ..store.prepacked import save_prepacked
 
         packed = save_prepacked(Path(args.output))
         print(f"wrote {packed} (pre-packed for this CPU and onnxruntime; load it with plain ORT)"

@@ -1,9 +1,9 @@
 """``ortmem prepare``: build ahead of time (a container image build) everything a warm start maps.
 
 A QDQ model ortmem converts gets its converted cache entry and that entry's pre-packed weights
-(:mod:`ortmem.convert`, :mod:`ortmem.prepacked`); any other model its prepared entry
-(:mod:`ortmem.prepared_cache`); an onnxruntime-genai folder (``genai_config.json``) is handed to
-``ortmem.genai.prepare_genai_folder``, which writes the prepared files inside the folder. The entries are
+(:mod:`ortmem.convert`, :mod:`ortmem.store.prepacked`); any other model its prepared entry
+(:mod:`ortmem.store.prepared_entries`); an onnxruntime-genai folder (``genai_config.json``) is handed to
+``ortmem.reach.genai.prepare_genai_folder``, which writes the prepared files inside the folder. The entries are
 those a default ``ortmem.InferenceSession(path, providers=["CPUExecutionProvider"])`` looks up, so
 serving processes only map, and may do so from a cache folder they cannot write.
 """
@@ -21,13 +21,13 @@ GENAI_CONFIG = "genai_config.json"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="an .onnx model, or a folder: every .onnx in it (genai folders through ortmem.genai)")
+    p.add_argument("model", help="an .onnx model, or a folder: every .onnx in it (genai folders through ortmem.reach.genai)")
     p.add_argument("--cache", default=None, metavar="DIR",
                    help="the cache folder the serving processes use (default: $ORTMEM_CACHE_DIR's, as a session's)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cache import Cache
+    from ..store.cache import Cache
 
     target = Path(args.model)
     cache = Cache(Path(args.cache)) if args.cache else Cache()
@@ -67,9 +67,9 @@ def _hidden(path: Path, root: Path) -> bool:
 
 
 def _prepare_genai(folder: Path, say: Callable[[str], None]) -> bool:
-    """An onnxruntime-genai folder: its prepared files written inside it (``ortmem.genai``). False: failed."""
+    """An onnxruntime-genai folder: its prepared files written inside it (``ortmem.reach.genai``). False: failed."""
     from ..errors import OrtmemError
-    from ..genai import prepare_genai_folder
+    from ..reach.genai import prepare_genai_folder
 
     say(f"{folder}: onnxruntime-genai folder")
     try:
@@ -89,7 +89,7 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> bool:
     from ..loader import load
     from ..ortmodel.release import capabilities
     from ..ortmodel.settings import session_settings
-    from ..prepared_cache import describe, ensure_prepared, min_prepared_bytes, prepared_key
+    from ..store.prepared_entries import describe, ensure_prepared, min_prepared_bytes, prepared_key
     from ..progress import progress_bar
 
     settings = session_settings(None)
@@ -126,7 +126,7 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> bool:
 def _prepack(entry, cache, say: Callable[[str], None]) -> bool:
     """The converted entry's pre-packed weights, saved under its creator lock unless already there."""
     from ..ortmodel.release import capabilities
-    from ..prepacked import prepacked_model, save_prepacked
+    from ..store.prepacked import prepacked_model, save_prepacked
 
     if not capabilities().prepacked_save:
         say(f"{entry.path}: this onnxruntime saves no pre-packed weights")

@@ -1,6 +1,6 @@
 """``RayPipeline``: the stages of a partition plan as Ray actors, one per stage, each on its node.
 
-The in-process twin is :class:`ortmem.pipeline.PipelineSession`; this class answers the same
+The in-process twin is :class:`ortmem.reach.pipeline.PipelineSession`; this class answers the same
 ``run(output_names, input_feed)`` and ``get_inputs/get_outputs/get_providers``, plus :meth:`submit`
 / :meth:`run_many` for several requests in flight at once.
 

@@ -9,7 +9,7 @@ the process that created it), so they stop with the replica.
 
 The request body is JSON ``{"inputs": {name: nested list}, "outputs": [names] (optional)}``; each
 input is converted to the dtype the pipeline's input declares. A malformed request is answered 400, 413
-or 422 with ``{"error": ...}`` by the checks ``ortmem.serve`` uses (``ortmem.request_checks``: not
+or 422 with ``{"error": ...}`` by the checks ``ortmem.reach.serve`` uses (``ortmem.reach.request_checks``: not
 JSON, an unknown input or output -> 400; over the body or element limits -> 413; values of another
 kind, rank or fixed dim than declared -> 422). The answer is
 ``{"outputs": {name: {"dtype": str, "shape": [...], "data": nested list}}}``: floats go through
@@ -24,9 +24,16 @@ from typing import Any
 from ray import serve
 from starlette.responses import JSONResponse
 
-from ..request_checks import (
-    Limits, RequestRejected, check_request, list_tensor, parse_json_object, read_body, request_inputs,
-    request_outputs, specs,
+from ..reach.request_checks import (
+    Limits,
+    RequestRejected,
+    check_request,
+    list_tensor,
+    parse_json_object,
+    read_body,
+    request_inputs,
+    request_outputs,
+    specs,
 )
 from .pipeline import RayPipeline
 
@@ -36,7 +43,7 @@ __all__ = ["PartitionedModel", "app"]
 @serve.deployment(num_replicas=1, max_ongoing_requests=8, ray_actor_options={"num_cpus": 0})
 class PartitionedModel:
     """The deployment: ``parts`` is a partition folder every node sees (see :class:`RayPipeline`);
-    ``limits`` bound what one request may ask (``ortmem.request_checks``; its defaults when None)."""
+    ``limits`` bound what one request may ask (``ortmem.reach.request_checks``; its defaults when None)."""
 
     def __init__(self, parts: str, timeout_s: float = 60.0, limits: Limits | None = None, **pipeline_kwargs: Any):
         self.pipe = RayPipeline(parts, timeout_s=timeout_s, **pipeline_kwargs)

@@ -204,10 +204,10 @@ def imported_packages(names: set[str]) -> list[str]:
 
 def _wait_for_background(result: dict[str, Any]) -> None:
     """A cold start packs ORT's weights in a background process after its first run
-    (``ortmem.prepack_later``): wait for it here, after every measured phase, so it neither runs into
+    (``ortmem.store.packer``): wait for it here, after every measured phase, so it neither runs into
     the next probe nor goes unreported (its time from the end of the run; the parent's sampler
     sees its memory)."""
-    later = sys.modules.get("ortmem.prepack_later")
+    later = sys.modules.get("ortmem.store.packer")
     pids = later.started_packers() if later is not None else []
     if not pids:
         return

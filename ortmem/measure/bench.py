@@ -358,7 +358,7 @@ def demo_model() -> str:
 
 def synth_model(preset: str) -> str:
     """A SynthConfig preset (``SYNTH_PRESETS``) as external data, generated once into the cache."""
-    from ..cache import cache_root
+    from ..store.cache import cache_root
     from ..progress import progress_bar
     from ..synth import SynthConfig, cached_model
 

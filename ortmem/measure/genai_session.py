@@ -61,8 +61,8 @@ def create_genai_plain(folder: str, options: dict) -> GenaiRun:
 
 
 def create_genai_prepared(folder: str, options: dict) -> GenaiRun:
-    """``ortmem.genai.genai_model(folder)``: the prepared files where they pass ortmem's check."""
-    from ..genai import genai_model
+    """``ortmem.reach.genai.genai_model(folder)``: the prepared files where they pass ortmem's check."""
+    from ..reach.genai import genai_model
 
     return GenaiRun(genai_model(folder))
 

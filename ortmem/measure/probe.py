@@ -101,7 +101,7 @@ class ProbeResult:
     memray: dict[str, Any] | None = None
     prepare_wall_s: float | None = None
     #: A background process the strategy left running after the first run (a cold start's packing of
-    #: ORT's weights, ``ortmem.prepack_later``): seconds from the end of the run until it finished,
+    #: ORT's weights, ``ortmem.store.packer``): seconds from the end of the run until it finished,
     #: and its peak RSS sampled after the run (not part of any peak above: it ran after the measured
     #: phases; ``RUSAGE_CHILDREN`` cannot tell it, since a spawned child's high-water mark includes
     #: the parent's pages it shared until ``exec``).
@@ -298,7 +298,7 @@ def _assemble(
     t_end = ev.get("run_end", t_create_end)
     main = raw["pid"]
     slack = 2 * interval  # a sample taken just after an event still belongs to that phase
-    # A cold start's background packer (ortmem.prepack_later) is spawned as the first run returns:
+    # A cold start's background packer (ortmem.store.packer) is spawned as the first run returns:
     # until its exec, /proc shows the measured process's own memory under its pid (a 1.6 GB model's
     # run peak once read 1.96x), and afterwards it is reported apart (background_peak_bytes).
     background = set(raw.get("background_pids") or ())

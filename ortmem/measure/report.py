@@ -379,7 +379,7 @@ def render_table(report: BenchReport) -> str:
             if actions:  # what the ortmem session gave ORT: a warm strategy that missed its entry shows
                 flags.append("/".join(actions))
             background = [r for r in sr.runs if r.background_wall_s is not None]
-            if background:  # a cold start's packer, after the measured phases (ortmem.prepack_later)
+            if background:  # a cold start's packer, after the measured phases (ortmem.store.packer)
                 flags.append(f"packer {statistics.median(r.background_wall_s for r in background):.1f} s "
                              f"{statistics.median(r.background_peak_bytes or 0 for r in background) / 2**20:.0f} MiB")
             rows.append(
@@ -418,7 +418,7 @@ def render_table(report: BenchReport) -> str:
         "bimodal: samples split at a gap over 3% and 2 MiB (memory) or 20% and 50 ms (time) of the median, "
         "modes' medians "
         "(counts). packer: a cold start's background "
-        "packing of ORT's weights after the first run (ortmem.prepack_later), s from the run's end and its "
+        "packing of ORT's weights after the first run (ortmem.store.packer), s from the run's end and its "
         "sampled peak, outside every column."
     )
     out = blocks + ([legend] if report.models else [])

@@ -215,14 +215,14 @@ def create_ort_hygiene(model_path: str, options: dict) -> Any:
 
 def _bench_cache(kind: str):
     """A cache folder private to one bench strategy, under ortmem's cache root."""
-    from ..cache import cache_root
+    from ..store.cache import cache_root
 
     return cache_root() / "bench" / kind
 
 
 def prepare_cold(model_path: str, options: dict, workdir: str) -> str:
     """Empty the cold strategy's cache so the measured start converts from scratch."""
-    from ..cache import Cache
+    from ..store.cache import Cache
 
     Cache(_bench_cache("cold")).clear()
     return model_path
@@ -260,7 +260,7 @@ def create_ortmem_warm_entry(model_path: str, options: dict) -> Any:
 
 def prepare_warm1(model_path: str, options: dict, workdir: str) -> str:
     """A converted entry without pre-packed weights: the next start is the first warm one."""
-    from ..prepacked import discard_prepacked
+    from ..store.prepacked import discard_prepacked
 
     session = create_ortmem_warm1(model_path, options)
     discard_prepacked(os.path.dirname(session._ortmem_handoff.fallback or session._ortmem_handoff.model))
@@ -278,9 +278,9 @@ def create_ortmem_warm1(model_path: str, options: dict) -> Any:
 
 def prepare_start2(model_path: str, options: dict, workdir: str) -> str:
     """Start 1 in this unmeasured process: an empty cache, a cold start and its first run, then wait
-    for the packer it leaves (``ortmem.prepack_later``), so the measured start is the second one."""
-    from ..cache import Cache
-    from ..prepack_later import wait_background
+    for the packer it leaves (``ortmem.store.packer``), so the measured start is the second one."""
+    from ..store.cache import Cache
+    from ..store.packer import wait_background
     from .inputs import make_inputs
 
     Cache(_bench_cache("start2")).clear()
@@ -386,5 +386,5 @@ register("genai", "ortmem.measure.genai_session:create_genai_plain",
          code="import onnxruntime_genai as og\nog.Model(og.Config({model}))")
 register("genai-prepared", "ortmem.measure.genai_session:create_genai_prepared",
          prepare="ortmem.measure.genai_session:prepare_genai",
-         description="ortmem.genai.genai_model(FOLDER) after `ortmem prepare FOLDER`",
-         code="import ortmem.genai\nortmem.genai.genai_model({model})")
+         description="ortmem.reach.genai.genai_model(FOLDER) after `ortmem prepare FOLDER`",
+         code="import ortmem.reach.genai\nortmem.genai.genai_model({model})")

@@ -127,7 +127,7 @@ def probe_prepacked(ort: Any, work: Path) -> dict[str, Any]:
     from .settings import session_settings
     from ..loader import load
     from ..passes.conversion import plan_conversion
-    from ..prepacked import save_prepacked
+    from ..store.prepacked import save_prepacked
     from .release import unrestricted_capabilities
 
     work.mkdir(parents=True, exist_ok=True)

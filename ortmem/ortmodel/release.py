@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from ..cache import cache_root
-from ..filetrust import stat_untrusted_reason
+from ..store.cache import cache_root
+from ..store.trust import stat_untrusted_reason
 from ..helper_env import helper_environment
 from .variants import (ACCURACY_LEVELS, BLOCK_SWEEP, GATHER_WEIGHT_TYPES, SCALE_TYPES, SHARED_WEIGHT_KEY, WEIGHT_TYPES,
                        variant_key)
@@ -441,7 +441,7 @@ def probe_dir() -> Optional[Path]:
 
 
 def _private(st: os.stat_result) -> bool:
-    """The cache's own trust check (:func:`ortmem.filetrust.stat_untrusted_reason`): owner, mode, no link."""
+    """The cache's own trust check (:func:`ortmem.store.trust.stat_untrusted_reason`): owner, mode, no link."""
     return stat_untrusted_reason(st) is None
 
 

@@ -70,7 +70,7 @@ def write_weights(model: Model, plan: ConversionPlan, out_path: Path, *, progres
     """Fill ``out_path`` (``plan.size`` bytes, already reserved zero-filled) with every output tensor.
 
     Each source span is released as soon as its tensor is done. ``digest``: also return the file's
-    full digest (:mod:`ortmem.digest`), computed from the bytes as they are written, in file order
+    full digest (:mod:`ortmem.store.digest`), computed from the bytes as they are written, in file order
     (the jobs then run in file order, each commit after the one before it).
     """
     ordered = OrderedDigest() if digest else None

@@ -123,7 +123,7 @@ class ConversionReport:
     output_bytes: int  # bytes written to weights.bin (converted + carried)
     seconds: float
     notes: list[str] = field(default_factory=list)
-    #: Full digests (:mod:`ortmem.digest`) of the files written, computed while writing them; only
+    #: Full digests (:mod:`ortmem.store.digest`) of the files written, computed while writing them; only
     #: when the caller asked (a cache entry records them in its manifest).
     file_digests: dict[str, str] = field(default_factory=dict)
 

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Protocol
 
 import numpy as np
 
-from ..digest import RunningDigest
+from ..store.digest import RunningDigest
 from ..errors import ConversionError
 from ..weights import PAGE, WeightRef, page_align
 from .sources import OutTensor

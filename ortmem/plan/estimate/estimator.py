@@ -3,7 +3,7 @@
 What is predicted, for plain ONNX Runtime, for ortmem's hook (cold start, or a warm start without
 pre-packed weights: ORT loading the converted native twin) and for ortmem's default warm start
 (``ortmem_prepacked``: the twin's pre-packed MatMulNBits weights mapped from the cache entry,
-:mod:`ortmem.prepacked`), in bytes of resident memory, the process included, as ``ortmem bench``
+:mod:`ortmem.store.prepacked`), in bytes of resident memory, the process included, as ``ortmem bench``
 measures them:
 
 * ``session_peak_bytes``: the high-water mark of session creation;
@@ -159,7 +159,7 @@ def _node_rows(root: og.OrtGraph, shapes: shp.Shapes, order: og.ExecutionOrder, 
 # ------------------------------------------------------------------------------ ortmem's cold start
 def cold_start(warm: Side, cal: Calibration) -> Side:
     """ortmem's cold start on a model it converts, from its cache-hit side: ORT loads the same
-    entry, but the start first digests the source file (an 8 MiB read buffer, ``ortmem.digest``),
+    entry, but the start first digests the source file (an 8 MiB read buffer, ``ortmem.store.digest``),
     resolves the weightless copy's value types (``ortmodel.value_types``) and writes the entry. Those
     temporaries set a floor under the creation peak (measured: they decide it on models below
     ~20 MiB of weights), and what they leave behind (``ortmem_cold_retained_bytes``) stays."""

@@ -1,6 +1,6 @@
 """Device names to ONNX Runtime execution providers, and the fixed bytes a stage's session costs there.
 
-The planner and :class:`ortmem.pipeline.PipelineSession` (which runs a plan) must agree on which
+The planner and :class:`ortmem.reach.pipeline.PipelineSession` (which runs a plan) must agree on which
 provider a device name means, so both use these functions.
 
 A device on another machine is named ``node:<NODE>/<device>`` (``node:10.0.0.2/cpu``,

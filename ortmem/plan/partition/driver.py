@@ -2,7 +2,7 @@
 
 ``partition(model, {"cuda:0": 6 << 30, "cpu": 32 << 30})`` answers "which part of the graph runs on
 which device", writes one sub-model per stage (all reading ONE shared weights file), and returns a
-:class:`PartitionPlan` that :class:`ortmem.pipeline.PipelineSession` runs. docs/partition.md has the
+:class:`PartitionPlan` that :class:`ortmem.reach.pipeline.PipelineSession` runs. docs/partition.md has the
 measurements behind the constants below.
 
 How a plan is made

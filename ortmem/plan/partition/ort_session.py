@@ -2,7 +2,7 @@
 devices): the session settings, and the whole model with each node annotated with its device
 (``model_annotated.onnx``).
 
-An alternative to :class:`ortmem.pipeline.PipelineSession`'s one session per stage; written beside
+An alternative to :class:`ortmem.reach.pipeline.PipelineSession`'s one session per stage; written beside
 the stages, not used by ortmem itself.
 """
 from __future__ import annotations

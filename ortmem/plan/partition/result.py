@@ -1,7 +1,7 @@
 """What :func:`ortmem.plan.partition.partition` returns: the stages, the devices, the tensors crossing
 the cuts; ``plan.json`` (save/load) and the report for people.
 
-A plan is read back (``PartitionPlan.load``) and run by :class:`ortmem.pipeline.PipelineSession`
+A plan is read back (``PartitionPlan.load``) and run by :class:`ortmem.reach.pipeline.PipelineSession`
 without re-planning, so these types and their file format stand apart from how a plan is made.
 """
 from __future__ import annotations

@@ -28,9 +28,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from .errors import PlanError
-from .plan.partition import PartitionPlan, StageInfo, is_cpu, stage_providers
-from .session import InferenceSession
+from ..errors import PlanError
+from ..plan.partition import PartitionPlan, StageInfo, is_cpu, stage_providers
+from ..session import InferenceSession
 
 __all__ = ["PipelineSession"]
 

@@ -1,8 +1,8 @@
 """Prepared cache entries: warm starts for every model ortmem does not convert.
 
-An entry of kind ``"prepared"`` holds what :func:`ortmem.prepared.prepare_model` writes with the stem
+An entry of kind ``"prepared"`` holds what :func:`ortmem.store.prepared.prepare_model` writes with the stem
 ``model`` (``model.onnx``, ``model.data`` with ORT's pre-packed blobs, ``model.json``) under the
-cache's ``manifest.json``, so the cache's own checks apply to every byte (:meth:`ortmem.cache.Cache.verify`:
+cache's ``manifest.json``, so the cache's own checks apply to every byte (:meth:`ortmem.store.cache.Cache.verify`:
 trust check and digest of every file, per ``verify=``) and the manifest records the source files
 (:func:`ortmem.convert.source_record`), so a changed source is never served stale
 (:func:`ortmem.convert.lookup_sourced`). Where ORT packs nothing (``useful`` False: a Conv net, a model
@@ -13,7 +13,7 @@ Key (:func:`prepared_key`): ``what="prepared"``, the source .onnx identity, the 
 is created with (level, the config entries ortmem reads, disabled optimizers, the packing entries),
 whether conversion was enabled (a QDQ model ortmem converts never gets a prepared entry, so a
 conversion turned back on is not answered by one), the ortmem/onnxruntime/onnx versions and what
-packed blobs depend on (:func:`ortmem.prepacked.prepacked_key_parts`: ORT build, CPU), so machines
+packed blobs depend on (:func:`ortmem.store.prepacked.prepacked_key_parts`: ORT build, CPU), so machines
 sharing one cache folder each keep their own.
 """
 from __future__ import annotations
@@ -26,18 +26,25 @@ from typing import Any, Optional
 import onnx
 import onnxruntime as ort
 
-from . import __version__
+from .. import __version__
 from .cache import MANIFEST, MODEL_FILE, Cache, Entry, key_identity, make_key
-from .convert import lookup_sourced, private_mode, source_record
-from .model_facts import MIN_BYTES_ENV, MIN_PREPARED_BYTES, min_prepared_bytes  # noqa: F401 - re-exported
-from .ortmodel.settings import OrtSettings
+from ..convert import lookup_sourced, private_mode, source_record
+from ..reach.model_facts import MIN_BYTES_ENV, MIN_PREPARED_BYTES, min_prepared_bytes  # noqa: F401 - re-exported
+from ..ortmodel.settings import OrtSettings
 from .prepacked import prepacked_key_parts
-from .prepared import (PREPARED_FORMAT, PrepareError, PreparedReport, prepare_model, prepared_problem,
-                       read_manifest, source_files)
+from .prepared import (
+    PREPARED_FORMAT,
+    PrepareError,
+    PreparedReport,
+    prepare_model,
+    prepared_problem,
+    read_manifest,
+    source_files,
+)
 
 log = logging.getLogger(__name__)
 
-#: The stem :func:`ortmem.prepared.prepare_model` writes an entry's files under: ``model.onnx`` is the
+#: The stem :func:`ortmem.store.prepared.prepare_model` writes an entry's files under: ``model.onnx`` is the
 #: cache's ``MODEL_FILE``.
 STEM = Path(MODEL_FILE).stem
 def prepared_key(model_path: Path, settings: OrtSettings, packing: dict[str, str], converting: bool) -> str:
@@ -66,7 +73,7 @@ def is_marker(entry: Entry) -> bool:
 
 def lookup_prepared(cache: Cache, key: str) -> Optional[Entry]:
     """The verified prepared entry (or marker) under ``key`` whose sources are unchanged, or None.
-    Every file passed the cache's check (:meth:`ortmem.cache.Cache.lookup`); the prepared model's own
+    Every file passed the cache's check (:meth:`ortmem.store.cache.Cache.lookup`); the prepared model's own
     manifest must also be for this ORT and CPU, else the entry is discarded."""
     entry = lookup_sourced(cache, key)
     if entry is None or is_marker(entry):
@@ -113,7 +120,7 @@ def build_prepared(cache: Cache, source: Path, key: str, *, packing: Optional[di
 def ensure_prepared(cache: Cache, source: Path, key: str, *, packing: Optional[dict[str, str]] = None,
                     threads: int = 0, timeout: Optional[float] = None) -> tuple[Entry, bool]:
     """(entry, built): the prepared entry ``key``, looked up or built under its creator lock
-    (``timeout`` as :meth:`ortmem.cache.Cache.creating`; raises ``LockBusyError`` past it)."""
+    (``timeout`` as :meth:`ortmem.store.cache.Cache.creating`; raises ``LockBusyError`` past it)."""
     entry = lookup_prepared(cache, key)
     if entry is not None:
         return entry, False

@@ -3,7 +3,7 @@
 Why
 ---
 A cold start converts the model into a cache entry and creates ORT's session on it; ORT packs every
-MatMulNBits ``B`` on the heap. Mapped pre-packed weights (:mod:`ortmem.prepacked`) need a second
+MatMulNBits ``B`` on the heap. Mapped pre-packed weights (:mod:`ortmem.store.prepacked`) need a second
 packing into ``prepacked.bin``, written beside the entry. Where that packing runs decides which start
 pays for it:
 
@@ -12,18 +12,18 @@ pays for it:
   the cold start would miss "never slower than ORT";
 - in the cold session itself (``session.save_external_prepacked_constant_initializers``): ORT then
   writes every initializer again beside the blobs and keeps them all alive (1.45x the twin's peak
-  on the demo model, ``ortmem.prepacked``);
+  on the demo model, ``ortmem.store.prepacked``);
 - in the first cache hit (what ortmem did before): that start is warm in memory but slow, and only
   the third start is a fast warm one.
 
 So the cold start hands the packing to a separate, niced process (``python -m
-ortmem.prepack_later``) once its session has finished its **first run**: not during creation (it
+ortmem.store.packer``) once its session has finished its **first run**: not during creation (it
 would stack on the session's creation peak and compete with ORT for this machine's cores) and not
 before the first request is answered (the first run allocates the session's activations; later runs
 reuse them).
 
 One packer per entry, whatever the process layout: the process whose session ran takes the entry's
-creator lock (:meth:`ortmem.cache.Cache.creating`) without waiting *before* it starts the packer and
+creator lock (:meth:`ortmem.store.cache.Cache.creating`) without waiting *before* it starts the packer and
 hands the locked descriptor to it, so the packer holds the lock from its first instruction to its
 exit. Workers forked after ``--preload`` inherit the cold start's pending packing, and each one's
 first run tries that lock: one wins, the others find it taken (or ``prepacked.json`` published) and
@@ -33,15 +33,15 @@ as a plain cache hit), which is faster than waiting for a niced packer; one that
 lock was taken packs itself under it, and the packer then finds the files and stops. If the packer
 fails or is killed, nothing is published (``prepacked.json`` goes last), the kernel releases its lock,
 and the next start packs, as before. Its memory is its own process's: the fixed cost of
-Python with onnxruntime plus one group of ``B`` (``ortmem.prepacked.DEFAULT_GROUP_BYTES``), returned
+Python with onnxruntime plus one group of ``B`` (``ortmem.store.prepacked.DEFAULT_GROUP_BYTES``), returned
 whole when it exits: 167 MiB at its peak for 1.6 s on the demo model (onnxruntime 1.32.0,
-``/usr/bin/time -v python -m ortmem.prepack_later ...``), where the session itself peaks at 524 MiB.
+``/usr/bin/time -v python -m ortmem.store.packer ...``), where the session itself peaks at 524 MiB.
 
 Below :data:`MIN_WEIGHT_BYTES` of converted weights no process is started: the first hit packs so
 little that its own packing costs less than starting a Python interpreter with onnxruntime.
 
 The same process, lock and rules build a model's *prepared* entry (``kind="prepared"``,
-:mod:`ortmem.prepared_cache`): a model ortmem does not convert, started from its path on the CPU EP,
+:mod:`ortmem.store.prepared_entries`): a model ortmem does not convert, started from its path on the CPU EP,
 gets ORT's pre-packed weights of every kernel saved into a cache entry of its own after its first run,
 so the next start maps them. Its key is computed by the starter and checked again by the packer from
 the source as it is then: a source changed in between gets no entry under the old key.
@@ -60,12 +60,20 @@ from typing import Optional
 
 import onnxruntime as ort
 
-from .cache import (MANIFEST, WEIGHTS_FILE, Cache, Entry, LockBusyError, acquire_creator_lock, creator_lock_path,
-                    release_creator_lock)
-from .ortmodel.settings import OrtSettings
-from .helper_env import helper_environment
+from .cache import (
+    MANIFEST,
+    WEIGHTS_FILE,
+    Cache,
+    Entry,
+    LockBusyError,
+    acquire_creator_lock,
+    creator_lock_path,
+    release_creator_lock,
+)
+from ..ortmodel.settings import OrtSettings
+from ..helper_env import helper_environment
 from .prepacked import PREPACKED_MANIFEST, packing_settings, prepacked_model, save_prepacked
-from .prepared_cache import build_prepared, lookup_prepared, prepared_key
+from .prepared_entries import build_prepared, lookup_prepared, prepared_key
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +112,7 @@ class PrepackLater:
     lock_fd: Optional[int] = None
     #: "prepacked": a converted entry's pre-packed files; "prepared": a prepared entry of ``source``.
     kind: str = "prepacked"
-    #: "prepared": the model file, and the key parts :func:`ortmem.prepared_cache.prepared_key` takes
+    #: "prepared": the model file, and the key parts :func:`ortmem.store.prepared_entries.prepared_key` takes
     #: (level, config, disabled optimizers, conversion enabled), to check ``key`` against the source as
     #: it is when the packer runs.
     source: str = ""
@@ -255,7 +263,7 @@ def _prepare(cache: Cache, job: PrepackLater) -> Optional[Path]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m ortmem.prepack_later '<PrepackLater as JSON>'``."""
+    """``python -m ortmem.store.packer '<PrepackLater as JSON>'``."""
     args = sys.argv[1:] if argv is None else argv
     try:
         os.nice(NICENESS)

@@ -5,7 +5,7 @@ Why
 onnxruntime-genai (``og``) creates plain ORT sessions over the ONNX files its ``genai_config.json``
 names, so every process packs every MatMul/MatMulNBits weight into private heap memory again. ORT can
 save those packed buffers beside the weights and map them on the next load
-(:mod:`ortmem.prepared`); genai then only needs its config to name the prepared files. Measured with
+(:mod:`ortmem.store.prepared`); genai then only needs its config to name the prepared files. Measured with
 the folder ``tests/test_genai.py`` builds (384 MiB of fp32 MatMul weights; onnxruntime 1.32.0, genai
 0.18.0; docs/genai.md): a process's private memory after a generation step fell from 409 to 45 MiB,
 and 4 processes' total PSS from 1666 to 600 MiB (0.36x), with bit-identical tokens and logits.
@@ -15,7 +15,7 @@ What genai does with files (read from microsoft/onnxruntime-genai ``src/config.c
 -----------------------------------------------------------------------------------------
 * On Linux it loads the ``onnxruntime`` pip package's own ``libonnxruntime.so`` (``_dll_directory``
   sets ``ORT_LIB_PATH`` to it); that library is the same release and build as the Python module that
-  writes the prepared files, so :func:`ortmem.prepacked.prepacked_key_parts` describes both.
+  writes the prepared files, so :func:`ortmem.store.prepacked.prepacked_key_parts` describes both.
   :func:`genai_ort_problem` checks this at run time from ``/proc/self/maps``.
 * Every ``filename`` is opened as ``<folder>/<filename>`` (``Model::CreateSession``) and must be a
   relative path without ``..`` (``ValidateConfigPath``): prepared files are written beside their
@@ -33,7 +33,7 @@ What genai does with files (read from microsoft/onnxruntime-genai ``src/config.c
 
 What ortmem checks, and when
 ----------------------------
-:func:`genai_config` (each start): for every prepared file, :func:`ortmem.prepared.prepared_problem`
+:func:`genai_config` (each start): for every prepared file, :func:`ortmem.store.prepared.prepared_problem`
 in full mode: owner, mode, no symbolic link, sizes and full digests of the prepared ``.onnx``/``.data``,
 key parts equal to this ORT build and CPU, and the source file unchanged; plus the ORT library genai
 has loaded. Anything failing: that file is loaded as given, one warning says why.
@@ -54,11 +54,11 @@ from typing import Any, Iterator, Optional
 
 import onnxruntime as ort
 
-from .errors import OrtmemError
-from .hygiene import allocator_hygiene
-from .ortmodel.settings import OrtSettings
-from .prepacked import packing_settings as ort_packing_settings
-from .prepared import PreparedReport, prepare_model, prepared_problem
+from ..errors import OrtmemError
+from ..hygiene import allocator_hygiene
+from ..ortmodel.settings import OrtSettings
+from ..store.prepacked import packing_settings as ort_packing_settings
+from ..store.prepared import PreparedReport, prepare_model, prepared_problem
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ def model_files(config: dict[str, Any]) -> list[GenaiModelFile]:
 def packing_settings(config: dict[str, Any], item: GenaiModelFile) -> tuple[OrtSettings, int]:
     """What of the session options genai gives ``item`` may change how ORT packs it, for the
     preparing session: genai passes every key it does not read itself to ORT as a session config
-    entry, and of those :func:`ortmem.prepacked.packing_settings` keeps the ones packing depends on
+    entry, and of those :func:`ortmem.store.prepacked.packing_settings` keeps the ones packing depends on
     (the same choice as for an ``ortmem.InferenceSession``), with ``intra_op_num_threads``."""
     obj: Any = config
     for step in item.where:
@@ -261,7 +261,7 @@ class GenaiPrepareReport:
 
 def prepare_genai_folder(folder: Path) -> GenaiPrepareReport:
     """Write ``<source stem>.ortmem-prepared.{onnx,data,json}`` beside every ONNX file of a genai
-    folder that runs on the CPU EP (:func:`ortmem.prepared.prepare_model`), inside the folder because
+    folder that runs on the CPU EP (:func:`ortmem.store.prepared.prepare_model`), inside the folder because
     genai refuses paths outside it. ``genai_config.json`` is left as it is (:func:`genai_config` or
     :func:`rewrite_config` make genai use the files). Run it where the folder will be served, as the
     user that serves it: the prepared files record the source's identity, the ORT build and the CPU.
@@ -391,12 +391,12 @@ def genai_config(folder: Path, *, mode: str = "full") -> Any:
         elif filename == item.source:
             raise GenaiFolderError(f"{item.filename} failed its check ({'; '.join(reasons)}) and is a "
                                    "pipeline stage og.Config cannot re-point: restore the config "
-                                   "(ortmem.genai.restore_config)", file=folder / GENAI_CONFIG)
+                                   "(ortmem.reach.genai.restore_config)", file=folder / GENAI_CONFIG)
         else:
             kept.append(item.filename)
     if kept:
         reasons.append(f"pipeline stages keep their files ({', '.join(kept)}): og.Config.overlay cannot "
-                       "re-point them; ortmem.genai.rewrite_config can")
+                       "re-point them; ortmem.reach.genai.rewrite_config can")
     if reasons:
         log.warning("ortmem: genai folder %s: %s; those files load as given", folder, "; ".join(reasons))
     return config

@@ -27,12 +27,12 @@ such tensors (a Conv net: plain ``Conv`` does not pre-pack, the NCHWc one made a
 What is checked, and when (:func:`prepared_path`, on every use)
 -------------------------------------------------------------
 ``<stem>.json`` is written last and atomically; it records what the blobs are valid for
-(:func:`ortmem.prepacked.prepacked_key_parts`: ORT release, CPU, format), the source's identity (the
+(:func:`ortmem.store.prepacked.prepacked_key_parts`: ORT release, CPU, format), the source's identity (the
 .onnx and each external data file: :func:`ortmem.convert.source_record`) and a full digest of each
 written file. Before use, every file passes the cache's one trust check
-(:func:`ortmem.cache.cache_file_problem`: owner, mode, no symbolic link, size and, in ``"full"``
+(:func:`ortmem.store.cache.cache_file_problem`: owner, mode, no symbolic link, size and, in ``"full"``
 mode, every byte), the key parts must equal this ORT and CPU's and (``source`` given) the source must
-be unchanged. This module knows nothing of the cache: :mod:`ortmem.prepared_cache` keeps these files
+be unchanged. This module knows nothing of the cache: :mod:`ortmem.store.prepared_entries` keeps these files
 in cache entries; onnxruntime-genai folders keep them inside the folder.
 """
 from __future__ import annotations
@@ -53,11 +53,11 @@ import onnxruntime as ort
 
 from . import digest
 from .cache import cache_file_problem, fsync_dir
-from .convert import source_record, sources_problem
-from .errors import CacheError
-from .filetrust import PRIVATE_FILE_MODE, make_private_dir, read_nofollow, write_new
-from .onnx_walk import external_data_dict, is_external, iter_tensor_sites
-from .ortmodel.settings import OrtSettings
+from ..convert import source_record, sources_problem
+from ..errors import CacheError
+from .trust import PRIVATE_FILE_MODE, make_private_dir, read_nofollow, write_new
+from ..onnx_walk import external_data_dict, is_external, iter_tensor_sites
+from ..ortmodel.settings import OrtSettings
 from .prepacked import prepacked_key_parts
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def prepare_model(source: Path, folder: Path, stem: str = "prepared", *, setting
     """Write ``folder/<stem>.onnx``, ``folder/<stem>.data`` and, last and atomically,
     ``folder/<stem>.json`` (see the module docstring). ``settings``: its ``session_config`` entries go
     to the throw-away session (pass those ORT's packing depends on,
-    :func:`ortmem.prepacked.packing_settings`); ``prepacking`` False writes nothing (``useful`` False).
+    :func:`ortmem.store.prepacked.packing_settings`); ``prepacking`` False writes nothing (``useful`` False).
     ``threads``: intra-op threads of the throw-away session (0: ORT's default).
 
     Raises :class:`PrepareError` when ORT fails to load or save the model; nothing is published then.
@@ -159,8 +159,8 @@ def worth_mapping(source: Path, prepared: Path, settings: OrtSettings, threads: 
     whose kernel is fused away at the session's optimization level is never mapped. Feeds are synthetic
     (floats from a fixed seed, integers 0, symbolic dims 1): a model these cannot run is not prepared.
     """
-    from .hygiene import trim
-    from .measure.inputs import make_inputs
+    from ..hygiene import trim
+    from ..measure.inputs import make_inputs
 
     def run(path: Path) -> tuple[list[Any], int]:
         so = ort.SessionOptions()
@@ -197,7 +197,7 @@ def _rss_anon() -> int:
     """Private resident bytes of this process (``RssAnon``; 0 where /proc is absent). Imported here, as
     :func:`worth_mapping` imports its feeds: only the builder measures, the session path loads no
     measure code (tests/test_import.py)."""
-    from .measure.procfs import read_status
+    from ..measure.procfs import read_status
 
     return (read_status("self") or {}).get("RssAnon", 0)
 
@@ -285,7 +285,7 @@ def prepared_problem(folder: Path, stem: str = "prepared", *, source: Optional[P
 def prepared_path(folder: Path, stem: str = "prepared", *, source: Optional[Path] = None,
                   mode: str = "full") -> Optional[Path]:
     """``folder/<stem>.onnx`` when ``<stem>.json``, ``<stem>.onnx`` and ``<stem>.data`` all pass
-    :func:`ortmem.cache.cache_file_problem` (owner, mode, no symlink, size, and the full digest when
+    :func:`ortmem.store.cache.cache_file_problem` (owner, mode, no symlink, size, and the full digest when
     ``mode == "full"``; ``"sampled"``/``"off"`` check the data file's size only), the manifest's key
     parts equal this ORT and CPU's, and (``source`` given) the source is unchanged; else None (logged)."""
     problem = prepared_problem(folder, stem, source=source, mode=mode)

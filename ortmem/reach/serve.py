@@ -3,7 +3,7 @@
 The recipe (docs/workers.md)::
 
     ORTMEM_SERVE_MODEL=model.onnx gunicorn -w 4 -k uvicorn_worker.UvicornWorker \\
-        --bind 127.0.0.1:8000 ortmem.serve:app            # add --preload to create it before fork
+        --bind 127.0.0.1:8000 ortmem.reach.serve:app            # add --preload to create it before fork
 
 The session is created when this module is imported: in every worker without ``--preload``, once
 in gunicorn's master before it forks the workers with ``--preload``. Both work: a session created
@@ -16,14 +16,14 @@ Environment: ``ORTMEM_SERVE_MODEL`` (required), ``ORTMEM_SERVE_ENGINE`` = ``ortm
 ``ort`` (plain ``onnxruntime.InferenceSession``, to compare), ``ORTMEM_SERVE_THREADS`` (ORT's intra-op
 threads per worker; default ORT's choice), ``ORTMEM_CACHE_DIR`` as everywhere; the request limits
 ``ORTMEM_SERVE_MAX_BODY_BYTES``, ``ORTMEM_SERVE_MAX_INPUT_ELEMENTS``, ``ORTMEM_SERVE_MAX_TOTAL_ELEMENTS``,
-``ORTMEM_SERVE_MAX_OUTPUT_ELEMENTS`` (0 turns one off; defaults in ``ortmem.request_checks``) and
+``ORTMEM_SERVE_MAX_OUTPUT_ELEMENTS`` (0 turns one off; defaults in ``ortmem.reach.request_checks``) and
 ``ORTMEM_SERVE_CHECK_INDICES=0`` to skip checking Gather indices against their tables.
 
 HTTP: ``GET /info`` -> the serving pid, the pid that created the session, inputs, outputs and limits;
 ``POST /run`` with ``{"inputs": {name: {"dtype", "shape", "b64"}}, "outputs": [names] (optional)}``
 (raw little-endian bytes, base64) -> ``{"pid", "outputs": {name: {"dtype", "shape", "b64"}}}``: exact,
 unlike JSON floats. A malformed request gets 400, 413 or 422 and ``{"error": reason}``
-(``ortmem.request_checks``); 500 means the server failed, and its log has the traceback.
+(``ortmem.reach.request_checks``); 500 means the server failed, and its log has the traceback.
 """
 from __future__ import annotations
 
@@ -36,9 +36,21 @@ from typing import Any
 import numpy as np
 
 from .request_checks import (
-    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INPUT_ELEMENTS, DEFAULT_MAX_OUTPUT_ELEMENTS, DEFAULT_MAX_TOTAL_ELEMENTS,
-    Limits, RequestRejected, check_request, decode_b64_tensor, gather_index_bounds, ort_client_error,
-    parse_json_object, read_body, request_inputs, request_outputs, specs,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_INPUT_ELEMENTS,
+    DEFAULT_MAX_OUTPUT_ELEMENTS,
+    DEFAULT_MAX_TOTAL_ELEMENTS,
+    Limits,
+    RequestRejected,
+    check_request,
+    decode_b64_tensor,
+    gather_index_bounds,
+    ort_client_error,
+    parse_json_object,
+    read_body,
+    request_inputs,
+    request_outputs,
+    specs,
 )
 
 ENGINES = ("ortmem", "ort")
@@ -82,7 +94,7 @@ def create_app(session: Any, *, engine: str = "ortmem", model: str = "",
     """A Starlette app serving ``session`` (``/info``, ``/run``; module docstring).
 
     A request the client got wrong is answered 400, 413 or 422 with ``{"error": reason}`` and never
-    reaches ORT (``ortmem.request_checks`` says which code when); the limits bound what one request
+    reaches ORT (``ortmem.reach.request_checks`` says which code when); the limits bound what one request
     may ask of the worker (0 turns one off). With ``check_indices`` and a ``model`` path, indices
     fed to the model's Gathers are checked against their tables before the run.
     """
@@ -107,7 +119,7 @@ def create_app(session: Any, *, engine: str = "ortmem", model: str = "",
 
 
 class _Runner:
-    """``POST /run``: checks the request (``ortmem.request_checks``), runs it off the event loop,
+    """``POST /run``: checks the request (``ortmem.reach.request_checks``), runs it off the event loop,
     and tells the client's mistakes (4xx, no traceback) from the server's (500, logged)."""
 
     def __init__(self, session: Any, limits: Limits, index_bounds: dict[str, int]):
@@ -146,10 +158,10 @@ class _Runner:
 
 
 def app_from_env() -> Any:
-    """The app gunicorn/uvicorn import as ``ortmem.serve:app``, configured by the environment."""
+    """The app gunicorn/uvicorn import as ``ortmem.reach.serve:app``, configured by the environment."""
     model = os.environ.get("ORTMEM_SERVE_MODEL")
     if not model:
-        raise RuntimeError("set ORTMEM_SERVE_MODEL to the model to serve (see ortmem.serve)")
+        raise RuntimeError("set ORTMEM_SERVE_MODEL to the model to serve (see ortmem.reach.serve)")
     engine = os.environ.get("ORTMEM_SERVE_ENGINE", "ortmem")
     threads = int(os.environ.get("ORTMEM_SERVE_THREADS", "0")) or None
     limits = Limits.from_env(os.environ)
@@ -159,7 +171,7 @@ def app_from_env() -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    # ``ortmem.serve:app`` is built on first access (importing the module alone creates nothing).
+    # ``ortmem.reach.serve:app`` is built on first access (importing the module alone creates nothing).
     if name == "app":
         global app
         app = app_from_env()

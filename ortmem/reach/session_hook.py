@@ -43,11 +43,11 @@ from typing import Any, Callable, Optional, Union
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_inference_collection as _collection
 
-from .helper_env import ENV_OPTIONS, ENV_SWITCH
-from .hygiene import trim as trim_heap
+from ..helper_env import ENV_OPTIONS, ENV_SWITCH
+from ..hygiene import trim as trim_heap
 from .model_facts import FOLDER_KEY, FUSING_PROVIDERS, min_prepared_bytes, link_skeleton, read_facts
-from .options import get_config
-from .ort_original import ORT_SESSION
+from ..options import get_config
+from ..ort_original import ORT_SESSION
 from .plain_run import process_memory  # the standard library only: the hook stays light
 
 log = logging.getLogger(__name__)
@@ -239,7 +239,7 @@ def _create(args: tuple, kwargs: dict) -> Any:
         return _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: f"untouched: {refused}")
     # Imported only now, for a model that needs ortmem: the session path imports onnx, the passes and
     # the loader (about 16 MiB private and 0.1 s; model_facts' docstring), which a model left to ORT never pays.
-    from .session import InferenceSession
+    from ..session import InferenceSession
 
     own = {"convert": opts.convert, "cache": opts.cache, "trim": opts.trim, "prepacked": opts.prepacked}
 
@@ -262,7 +262,7 @@ _QDQ_CONFIG_KEYS = ("session.qdq_matmulnbits_accuracy_level", "session.qdq_matmu
 
 def _light_route(model: Any, args: tuple, kwargs: dict, opts: HookOptions) -> Optional[Any]:
     """The session, made without importing ortmem's session path, for a model file that needs nothing
-    of it (decided from the file's bytes, :mod:`ortmem.model_facts`); None when the model needs it:
+    of it (decided from the file's bytes, :mod:`ortmem.reach.model_facts`); None when the model needs it:
     DequantizeLinear to convert, recompute metadata, external data or tensors the loader must check,
     weights enough for a prepared entry (the session path looks it up or builds it), caller options
     that set ortmem-relevant keys, or embedded weights that cannot be handed over by a hard link
@@ -410,7 +410,7 @@ def _options_refused(sess_options: Any, kwargs: dict) -> Optional[str]:
     on (an accuracy level that is no integer or out of range), or no options object at all. Left to
     ORT before anything is made, so ORT's error is printed and raised once, as without the hook."""
     # Imported here, for a model that needs the session path: ortmem.ortmodel imports onnx.
-    from .ortmodel.settings import session_settings
+    from ..ortmodel.settings import session_settings
 
     try:
         settings = session_settings(sess_options, disabled_optimizers=kwargs.get("disabled_optimizers"))

@@ -17,13 +17,13 @@ written through a mapping, so a full disk is a clean ``CacheError``, never a SIG
 
 Trust (docs/cache-security.md): the root, every entry and every file in it are created private
 (0700/0600, or the source's mode where stricter) and are read only when this user owns them, they
-are not symbolic links, and neither group nor others may write them (:mod:`ortmem.filetrust`).
+are not symbolic links, and neither group nor others may write them (:mod:`ortmem.store.trust`).
 :func:`cache_file_problem` is the one check every file read from the cache passes (an entry's files and
 manifest, and every other file in its folder, pre-packed weights included), so a new kind of file
 cannot be read unchecked. A folder that already exists is never re-moded (a user's 0777
 ``ORTMEM_CACHE_DIR`` stays 0777 and is then not used; with the sticky bit, as /tmp has, the private
 ``converted/`` folder ortmem creates in it is).
-Integrity: the manifest records a full digest of every file (:mod:`ortmem.digest`), checked on
+Integrity: the manifest records a full digest of every file (:mod:`ortmem.store.digest`), checked on
 every lookup in full, sampled or not at all (``verify=``), and in full before anything is derived
 from the entry (pre-packing) and by ``ortmem cache verify``.
 """
@@ -47,10 +47,18 @@ from typing import Any, Callable, Iterator, Optional
 import platformdirs
 
 from . import digest
-from .errors import CacheError
-from .helper_env import CACHE_DIR_ENV
-from .filetrust import (PRIVATE_FILE_MODE, make_private_dir, open_new, parent_untrusted_reason, read_nofollow,
-                        stat_untrusted_reason, untrusted_reason, write_new)
+from ..errors import CacheError
+from ..helper_env import CACHE_DIR_ENV
+from .trust import (
+    PRIVATE_FILE_MODE,
+    make_private_dir,
+    open_new,
+    parent_untrusted_reason,
+    read_nofollow,
+    stat_untrusted_reason,
+    untrusted_reason,
+    write_new,
+)
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +161,7 @@ class Entry:
 
 
 def spot_digest(path: Path, spans: list[tuple[int, int]]) -> str:
-    """Sampled digest of ``spans`` (:func:`ortmem.digest.sampled_digest`)."""
+    """Sampled digest of ``spans`` (:func:`ortmem.store.digest.sampled_digest`)."""
     return digest.sampled_digest(path, spans)
 
 
@@ -164,9 +172,9 @@ def cache_file_problem(path: Path, *, size: Optional[int] = None, recorded: Opti
     The one check every file ortmem reads from its cache passes (an entry's files and manifest,
     every other file in its folder, the pre-packed weights, their model and manifest), so no kind
     of file is read unchecked: a symbolic link, a file another user owns (``owner_only``; hard-linked
-    sources keep their owner), one group or others may write (:mod:`ortmem.filetrust`), anything but
+    sources keep their owner), one group or others may write (:mod:`ortmem.store.trust`), anything but
     a regular file, a size other than ``size`` (when given), or content whose full digest is not
-    ``recorded`` (:mod:`ortmem.digest`; when given, and an empty string never matches) is refused.
+    ``recorded`` (:mod:`ortmem.store.digest`; when given, and an empty string never matches) is refused.
     """
     try:
         st = os.lstat(path)
@@ -287,7 +295,7 @@ class Cache:
         digests = m.get("digests")
         if not isinstance(files, dict) or not isinstance(digests, dict) or (MODEL_FILE not in files
                                                                           and m.get("marker") is not True):
-            return "manifest lists no files"  # only a marker (a decision, no model: ortmem.prepared_cache) has none
+            return "manifest lists no files"  # only a marker (a decision, no model: ortmem.store.prepared_entries) has none
         for name in files:
             if os.sep in str(name) or str(name).startswith("."):
                 return f"manifest names {name!r}"
@@ -376,7 +384,7 @@ class Cache:
         holds it after ``timeout``: a stopped or starved holder must never stall later starts, so the
         caller goes on without the entry's new work (loads the entry as it is, converts in memory).
         ``timeout=0`` never waits. ``inherited_fd``: a descriptor of the lock file already locked by
-        the process that started this one (:mod:`ortmem.prepack_later`), adopted instead of locking anew.
+        the process that started this one (:mod:`ortmem.store.packer`), adopted instead of locking anew.
 
         The lock is an ``flock`` on ``<root>/.lock-<key>``, whose holder writes its pid into it and
         removes it before it lets go, so nothing is left behind (:func:`acquire_creator_lock`). A lock
@@ -488,7 +496,7 @@ class Cache:
         limit = os.environ.get("ORTMEM_CACHE_MAX_SIZE")
         if not limit:
             return 0
-        from .units import parse_bytes
+        from ..units import parse_bytes
 
         freed = self.prune(parse_bytes(limit), keep=keep)
         if freed:
@@ -716,7 +724,7 @@ def remove_unheld_lock(path: Path) -> bool:
     """Remove the creator lock file ``path`` when no live process holds its lock; True if removed.
 
     A creator killed after publishing leaves its lock file, which no one removes otherwise (and
-    whose presence tells :mod:`ortmem.prepack_later` that packing is under way). Safe beside live
+    whose presence tells :mod:`ortmem.store.packer` that packing is under way). Safe beside live
     processes: the lock is taken without waiting, exactly as a creator takes it, and the file removed
     as its holder removes it (:func:`release_creator_lock`), so a holder keeps its lock and a waiter
     that opened the old file opens the path again. Where ``flock`` is missing the file stays: who

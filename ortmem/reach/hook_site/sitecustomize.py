@@ -15,7 +15,7 @@ import sys
 
 def _install() -> None:
     try:
-        from ortmem.session_hook import hook_from_environment
+        from ortmem.reach.session_hook import hook_from_environment
 
         hook_from_environment()
     except Exception as exc:  # noqa: BLE001 - a broken hook must never stop the program

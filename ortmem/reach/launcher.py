@@ -6,13 +6,13 @@ args...``: the hook is installed before the program's first import, then the pro
 
 Child interpreters (``multiprocessing`` spawn, a process manager starting workers, ``subprocess``
 running Python) get the hook too: the launcher puts ``$ORTMEM_HOOK=1``, the options in
-``$ORTMEM_HOOK_OPTIONS`` and the folder of :mod:`ortmem.hook_site`'s ``sitecustomize.py`` on
+``$ORTMEM_HOOK_OPTIONS`` and the folder of :mod:`ortmem.reach.hook_site`'s ``sitecustomize.py`` on
 ``$PYTHONPATH``, and that file installs the hook in every interpreter that starts with them (and then
 runs the ``sitecustomize`` it shadows). ``$ORTMEM_HOOK=0`` makes the launcher run the program plain.
 
 ``--report out.json`` writes, at exit, every session created (see ``ortmem.hook.sessions``) and the
 process's memory; ``--compare`` runs the program twice in fresh processes, truly plain (no ortmem, no
-onnx imported: :mod:`ortmem.plain_run`) then hooked, and prints the difference in peak, private memory
+onnx imported: :mod:`ortmem.reach.plain_run`) then hooked, and prints the difference in peak, private memory
 and wall time.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import plain_run
-from .helper_env import ENV_OPTIONS, ENV_SWITCH, SITE_DIR, helper_environment
+from ..helper_env import ENV_OPTIONS, ENV_SWITCH, SITE_DIR, helper_environment
 from .plain_run import process_memory, run_program
 from .session_hook import hook, report
 

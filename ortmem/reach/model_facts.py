@@ -24,8 +24,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .protowire import (ATTR_T, ATTR_TENSORS, DATA_LOCATION_EXTERNAL, GRAPH_INITIALIZER, GRAPH_NODE, LEN, MODEL_GRAPH,
-                        NODE_ATTRIBUTE, TENSOR_DATA_LOCATION, VARINT, FileBytes, WireReader, externalize_embedded)
+from ..protowire import (
+    ATTR_T,
+    ATTR_TENSORS,
+    DATA_LOCATION_EXTERNAL,
+    GRAPH_INITIALIZER,
+    GRAPH_NODE,
+    LEN,
+    MODEL_GRAPH,
+    NODE_ATTRIBUTE,
+    TENSOR_DATA_LOCATION,
+    VARINT,
+    FileBytes,
+    WireReader,
+    externalize_embedded,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -64,7 +77,7 @@ def min_prepared_bytes() -> int:
     text = os.environ.get(MIN_BYTES_ENV, "").strip()
     if not text:
         return MIN_PREPARED_BYTES
-    from .units import parse_bytes
+    from ..units import parse_bytes
 
     try:
         return int(parse_bytes(text))

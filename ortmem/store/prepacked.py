@@ -46,7 +46,7 @@ other tensor still maps from ``weights.bin``; the graph is the original one, not
 dump, so nothing hardware-specific but the blobs is baked in). ``prepacked.json`` is written last
 and records what the blobs are valid for (:func:`prepacked_key_parts`) and a full digest of each file.
 Before any of them is used, every one (the manifest too) passes the cache's one file check
-(:func:`ortmem.cache.cache_file_problem`: owner, mode, no symbolic link, size, digest).
+(:func:`ortmem.store.cache.cache_file_problem`: owner, mode, no symbolic link, size, digest).
 
 A full disk: the entry may fit where its pre-packed files do not. ORT then fails with "Failed to write
 ... external file", naming no cause; :func:`save_prepacked` tells it by the free space left on the
@@ -81,12 +81,12 @@ from onnx import TensorProto, helper
 
 from . import digest as content_digest
 from .cache import MANIFEST, MODEL_FILE, WEIGHTS_FILE, Entry, cache_file_problem, fsync_dir
-from .filetrust import PRIVATE_FILE_MODE, make_private_dir, open_new, read_nofollow, write_new
-from .errors import CacheError
-from .options import get_config
-from .ortmodel.release import cpu_flags
-from .ortmodel.settings import session_settings
-from .weights import PAGE, page_align
+from .trust import PRIVATE_FILE_MODE, make_private_dir, open_new, read_nofollow, write_new
+from ..errors import CacheError
+from ..options import get_config
+from ..ortmodel.release import cpu_flags
+from ..ortmodel.settings import session_settings
+from ..weights import PAGE, page_align
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ PREPACKED_MODEL = "model.prepacked.onnx"
 PREPACKED_DATA = "prepacked.bin"
 PREPACKED_MANIFEST = "prepacked.json"
 #: Bumped whenever what this module writes changes.
-PREPACKED_FORMAT = 3  # 2: full digests of both files; 3: every file's digest in ortmem.digest's form
+PREPACKED_FORMAT = 3  # 2: full digests of both files; 3: every file's digest in ortmem.store.digest's form
 #: ``B`` bytes packed per throw-away session. The saver's peak is about the session's fixed cost
 #: plus ~3.5x this (``B`` mapped, packed copy kept for saving, the copy ORT writes); a single
 #: larger ``B`` gets a group of its own.
@@ -189,9 +189,9 @@ def _digest(path: Path, spans: Iterable[tuple[int, int]]) -> str:
 def verify_prepacked(entry_dir: Path, mode: str = content_digest.DEFAULT_VERIFY) -> Optional[str]:
     """None when ``entry_dir``'s pre-packed model may be used on this machine and ORT; otherwise why
     not. Every file (manifest, model, data, the base model it was packed from) passes the cache's one
-    check (:func:`ortmem.cache.cache_file_problem`: owner, mode, no symbolic link, size). ``mode`` as
+    check (:func:`ortmem.store.cache.cache_file_problem`: owner, mode, no symbolic link, size). ``mode`` as
     the cache's ``verify``: "full" digests every byte of every file (xxh3, about 0.05 s/GB, see
-    ortmem.digest), "sampled" checks sampled pages of the data (:func:`_digest`), "off" its size; the
+    ortmem.store.digest), "sampled" checks sampled pages of the data (:func:`_digest`), "off" its size; the
     models are small and always digested in full."""
     entry_dir = Path(entry_dir)
     manifest = entry_dir / PREPACKED_MANIFEST
@@ -521,7 +521,7 @@ def _pack_and_save(entry_dir: Path, *, sess_options: Optional[ort.SessionOptions
     if not packables:
         return None
     types = _value_types(model)
-    token = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"  # the pid tells a crash leftover (ortmem.cache.reclaim_stale)
+    token = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"  # the pid tells a crash leftover (ortmem.store.cache.reclaim_stale)
     work = entry_dir / f"{_SUB_DIR_PREFIX}{token}"
     tmp_data = entry_dir / f".{PREPACKED_DATA}.{token}"
     tmp_model = entry_dir / f".{PREPACKED_MODEL}.{token}"
@@ -651,7 +651,7 @@ def _pack_and_save(entry_dir: Path, *, sess_options: Optional[ort.SessionOptions
 
 def _trim() -> None:
     try:
-        from .hygiene import trim
+        from ..hygiene import trim
         trim()
     except Exception:  # pragma: no cover - hygiene is best effort
         pass

@@ -17,7 +17,7 @@ import hashlib
 import os
 from typing import Iterable, Optional, Union
 
-from .weights import PAGE
+from ..weights import PAGE
 
 try:  # pragma: no cover - exercised whichever way the environment is
     import xxhash as _xxhash
@@ -120,7 +120,7 @@ def sampled_digest(path: PathLike, spans: Iterable[tuple[int, int]]) -> str:
 def check_mode(verify: str) -> str:
     """``verify`` validated (a clear error for a typo, not a silent default)."""
     if verify not in VERIFY_MODES:
-        from .errors import OrtmemError
+        from ..errors import OrtmemError
 
         raise OrtmemError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
     return verify

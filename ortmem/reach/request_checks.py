@@ -1,4 +1,4 @@
-"""Checks of an inference request before it reaches ORT, shared by ``ortmem.serve`` and the Ray Serve
+"""Checks of an inference request before it reaches ORT, shared by ``ortmem.reach.serve`` and the Ray Serve
 deployment (``ortmem.distributed.serving``).
 
 Why a module of its own: a server must answer a client's mistake with a 4xx and the reason, never a
@@ -41,11 +41,11 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
-from .errors import OrtmemError
-from .loader import load
-from .measure.inputs import ORT_NUMPY_TYPES
-from .ortmodel.value_types import ValueTypes
-from .units import parse_bytes
+from ..errors import OrtmemError
+from ..loader import load
+from ..measure.inputs import ORT_NUMPY_TYPES
+from ..ortmodel.value_types import ValueTypes
+from ..units import parse_bytes
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ DRAIN_MAX_BYTES = 256 * 2**20
 # A shape with more dims than this is no tensor ORT runs (numpy stops at 64).
 MAX_RANK = 64
 
-#: The environment variables ``ortmem.serve.app_from_env`` reads, one per :class:`Limits` field.
+#: The environment variables ``ortmem.reach.serve.app_from_env`` reads, one per :class:`Limits` field.
 LIMIT_ENV = {
     "max_body_bytes": "ORTMEM_SERVE_MAX_BODY_BYTES",
     "max_input_elements": "ORTMEM_SERVE_MAX_INPUT_ELEMENTS",
@@ -237,7 +237,7 @@ def _names(names: list[str], most: int = 5) -> str:
 # -- one tensor -------------------------------------------------------------------------------------
 
 def decode_b64_tensor(name: str, value: Any, spec: TensorSpec, limits: Limits) -> np.ndarray:
-    """``{"dtype", "shape", "b64"}`` (``ortmem.serve``'s wire format) as the array the model takes.
+    """``{"dtype", "shape", "b64"}`` (``ortmem.reach.serve``'s wire format) as the array the model takes.
     The dtype, shape and element count are checked before a byte is decoded."""
     if not isinstance(value, dict) or not all(k in value for k in ("dtype", "shape", "b64")):
         raise RequestRejected(BAD_REQUEST, 'each input must be an object {"dtype", "shape", "b64"}', tensor=name)
