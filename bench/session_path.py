@@ -1,0 +1,201 @@
+"""How the session path walks through ortmem's modules: stays, entries per module, climbs back up.
+
+Why: an architecture review (issue 21) followed ``model`` from ``InferenceSession.__init__`` through
+every branch and counted where it went. This script makes that count repeatable instead of read by
+eye. It creates real sessions of a small Llama-shaped QDQ model (:mod:`ortmem.synth`) under
+``sys.setprofile`` in fresh interpreters, one per start: a **cold** start (empty cache: convert and
+publish an entry), a **second** start (the entry's first hit, which saves the pre-packed weights where
+ORT does not leave that to the background packer) and a **warm** start (the entry with its pre-packed
+file), plus ``cache=False`` (in memory).
+
+What is counted (Python frames only; ORT's C++ is one call):
+
+- the *current module* is the ortmem module of the innermost ortmem frame; a **move** is a change of it,
+  named by the functions on both sides (``handoff.prepare -> store.cache.lookup``), and a loop that
+  repeats a move counts it once, as reading the code would; the path is counted at module level: each
+  distinct move from one module to another once, calls into the utilities every layer uses (errors,
+  units, dtypes, protowire, onnx_walk, lazy, progress) left out; a module's **entries** are the
+  distinct moves into it;
+- the bodies of modules imported on the way do not count (importing is not a step of the path);
+- a **climb** is a stay in a module of a higher layer than the stay before it, where a module's layer
+  is its height in ortmem's import graph (every ``import`` statement, function-level ones included:
+  a module is one above the highest module it imports). A return from a lower layer to its caller is
+  a climb, so a caller that asks a lower layer once and gets its answer climbs once; a path that
+  bounces (handoff -> cache -> handoff -> cache) climbs on every bounce.
+
+Run: ``python -m bench.session_path`` (from the repository root; a table per start) or
+``--json`` for the raw counts.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import ortmem
+
+PACKAGE = Path(ortmem.__file__).resolve().parent
+
+_CHILD = r"""
+import json, os, sys, threading
+from pathlib import Path
+import numpy as np
+import onnxruntime
+import ortmem
+pkg = str(Path(ortmem.__file__).resolve().parent)
+seq = []
+def module_of(filename):
+    if not filename.startswith(pkg):
+        return None
+    rel = os.path.relpath(filename, os.path.dirname(pkg))[:-3].replace(os.sep, ".")
+    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+cache = {}
+last = [None]
+def prof(frame, event, arg):
+    if event not in ("call", "return"):
+        return
+    f = frame if event == "call" else frame.f_back
+    while f is not None:
+        code = f.f_code
+        if code.co_name == "<module>":  # a module's body running on first import: not a step of the path
+            return
+        m = cache.get(code.co_filename, 0)
+        if m == 0:
+            m = cache[code.co_filename] = module_of(code.co_filename)
+        if m is not None:
+            here = (m, code.co_name)
+            if last[0] is not None and last[0][0] != m:
+                seq.append([*last[0], *here])
+            last[0] = here
+            return
+        f = f.f_back
+model, cache_arg = sys.argv[1], sys.argv[2] == "1"
+sys.setprofile(prof)
+s = ortmem.InferenceSession(model, providers=["CPUExecutionProvider"], cache=cache_arg)
+sys.setprofile(None)
+feeds = {i.name: np.ones([d if isinstance(d, int) else 1 for d in i.shape], dtype=np.int64) for i in s.get_inputs()}
+s.run(None, feeds)
+from ortmem.store import packer
+packer.wait_background(300)
+print(json.dumps({"action": s.ortmem_action, "moves": seq}))
+"""
+
+
+def import_layers(package: Path = PACKAGE) -> dict[str, int]:
+    """Each module's height in ortmem's import graph (0: imports no ortmem module)."""
+    imports: dict[str, set[str]] = {}
+    for path in package.rglob("*.py"):
+        rel = path.relative_to(package.parent).with_suffix("")
+        parts = list(rel.parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        name = ".".join(parts)
+        base = parts if is_pkg else parts[:-1]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod = node.module or ""
+                if node.level:
+                    root = base[: len(base) - node.level + 1]
+                    mod = ".".join(root + ([mod] if mod else []))
+                if mod.startswith("ortmem"):
+                    found.add(mod)
+                    found.update(f"{mod}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("ortmem"))
+        imports[name] = found
+    known = set(imports)
+    graph = {m: {d for d in deps if d in known and d != m} for m, deps in imports.items()}
+    layers: dict[str, int] = {}
+
+    def height(m: str, stack: frozenset = frozenset()) -> int:
+        if m in layers:
+            return layers[m]
+        if m in stack:  # a cycle (tests/test_import_graph.py forbids them): count it once
+            return 0
+        h = 1 + max((height(d, stack | {m}) for d in graph[m]), default=-1)
+        layers[m] = h
+        return h
+
+    for m in graph:
+        height(m)
+    return layers
+
+
+#: The loading core and utilities every layer uses (exceptions, element types, the wire-format walk, byte
+#: parsing, progress lines, lazy attributes): a call into them is a use, not a step of the path.
+UTILITIES = frozenset({"ortmem", "ortmem.errors", "ortmem.units", "ortmem.dtypes", "ortmem.protowire",
+                       "ortmem.onnx_walk", "ortmem.lazy", "ortmem.progress"})
+
+
+def module_moves(moves: list[list[str]]) -> list[tuple[str, str]]:
+    """The distinct module-to-module moves of one traced start, utilities left out."""
+    path = [m for m in _collapse(moves) if m not in UTILITIES]
+    path = [m for i, m in enumerate(path) if i == 0 or path[i - 1] != m]
+    return list(dict.fromkeys(zip(path, path[1:])))
+
+
+def summarize(distinct: list[tuple[str, str]], layers: dict[str, int]) -> dict:
+    """Counts over distinct module-to-module moves.
+
+    A move is counted once however often the code makes it (a loop, or two functions of one module
+    calling the same module), as reading the code module by module would.
+    """
+    entries = Counter(to_mod for _, to_mod in distinct)
+    climbs = sum(1 for a, b in distinct if layers.get(b, 0) > layers.get(a, 0))
+    modules = {m for move in distinct for m in move}
+    return {"modules": len(modules), "moves": len(distinct), "climbs": climbs,
+            "max_entries": max(entries.values(), default=0), "entries": dict(entries.most_common())}
+
+
+def _collapse(moves: list[list[str]]) -> list[str]:
+    """The sequence of current modules the moves walk through."""
+    seq = [moves[0][0]] if moves else []
+    for _, _, to_mod, _ in moves:
+        seq.append(to_mod)
+    return seq
+
+
+def trace(model: Path, cache: bool, env: dict) -> dict:
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(model), "1" if cache else "0"], env=env,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print the raw counts as JSON")
+    args = ap.parse_args(argv)
+    from ortmem.synth import SynthConfig, write_model
+
+    layers = import_layers()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_model(SynthConfig(storage="external"), Path(tmp) / "model.onnx")
+        env = {**os.environ, "ORTMEM_CACHE_DIR": str(Path(tmp) / "cache")}
+        every: list[tuple[str, str]] = []
+        for label, cache in (("cold", True), ("second", True), ("warm", True), ("cache=False", False)):
+            r = trace(Path(model), cache, env)
+            moves = module_moves(r["moves"])
+            every += moves
+            results[label] = {"action": r["action"], **summarize(moves, layers)}
+        results["every branch"] = {"action": "(all four)", **summarize(list(dict.fromkeys(every)), layers)}
+    if args.json:
+        print(json.dumps(results, indent=1))
+        return 0
+    print(f"{'start':<12} {'action':<22} {'modules':>7} {'moves':>6} {'climbs':>6}  most entered")
+    for label, r in results.items():
+        top = ", ".join(f"{m.removeprefix('ortmem.')} {n}" for m, n in list(r["entries"].items())[:4])
+        print(f"{label:<12} {r['action']:<22} {r['modules']:>7} {r['moves']:>6} {r['climbs']:>6}  {top}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
