@@ -17,7 +17,7 @@ from ortmem.ortmodel.settings import session_settings
 from ortmem.passes import nbits_layout as nb
 from ortmem.passes.conversion import plan_conversion
 
-from synth_models import synth_model
+from bench.synth_models import synth_model
 
 VARIANTS = {
     "int4": {},

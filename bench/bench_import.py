@@ -2,7 +2,7 @@
 interpreters (medians of 7). Goal (issue: a thin ``import ortmem``): <= 5 MiB RSS and <= 60 ms above
 ``import onnxruntime``.
 
-Run: ``python bench/bench_import.py`` (a table) or ``pytest bench/bench_import.py --benchmark-only``.
+Run: ``python -m bench.bench_import`` (a table) or ``pytest bench/bench_import.py --benchmark-only``.
 """
 from __future__ import annotations
 

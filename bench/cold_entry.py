@@ -1,7 +1,7 @@
 """What building a cache entry costs (a cold start's conversion), and how much of it is digests.
 
-    python bench/cold_entry.py                 # demo model (0.24 GB of int4 codes), 7 fresh processes
-    python bench/cold_entry.py --repeat 11 --size 0.6
+    python -m bench.cold_entry                 # demo model (0.24 GB of int4 codes), 7 fresh processes
+    python -m bench.cold_entry --repeat 11 --size 0.6
 
 Each run converts the model into a new cache folder in a fresh process (``convert_cached``: plan,
 write weights.bin and model.onnx, digest, publish) and reports, as medians and minimums over the runs:
@@ -11,6 +11,9 @@ write weights.bin and model.onnx, digest, publish) and reports, as medians and m
   while written where the entry needs their digests),
 * ``read_digest_s``: seconds spent in :func:`ortmem.store.digest.file_digest`, i.e. reading files to
   digest them (the sources' content digests; entry files are no longer read back).
+
+The model is generated once by this process and its path handed to each child, so a child imports
+only ortmem (its imports, and the load, happen before the timed build).
 """
 from __future__ import annotations
 
@@ -21,22 +24,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
 
 _CHILD = r"""
 import json, sys, tempfile, time
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
-from synth_models import synth_model
 import ortmem
 from ortmem.store import digest
 from ortmem.store.cache import Cache
 from ortmem.convert import convert_cached
 from ortmem.ortmodel.settings import session_settings
 
-model = synth_model(sys.argv[2])
+model = sys.argv[1]
 spent = [0.0]
 real = digest.file_digest
 
@@ -48,7 +46,7 @@ def timed(*a, **k):
         spent[0] += time.perf_counter() - t
 
 digest.file_digest = timed
-with tempfile.TemporaryDirectory(dir=sys.argv[3]) as tmp, ortmem.load(model) as m:
+with tempfile.TemporaryDirectory(dir=sys.argv[2]) as tmp, ortmem.load(model) as m:
     t = time.perf_counter()
     entry, hit, report = convert_cached(m, session_settings(), Cache(Path(tmp)))
     cold = time.perf_counter() - t
@@ -60,20 +58,18 @@ print(json.dumps({"cold_s": cold, "write_s": report.seconds, "read_digest_s": sp
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=7)
-    ap.add_argument("--size", default="demo", help="bench/synth_models.py preset: demo, 0.6, 1.6")
+    ap.add_argument("--size", default="demo", help="bench.synth_models preset: demo, 0.6, 1.6")
     args = ap.parse_args(argv)
     import onnxruntime as ort
 
+    from bench.synth_models import synth_model
     from ortmem.store.cache import cache_root
 
-    sys.path.insert(0, str(HERE))
-    from synth_models import synth_model
-
-    synth_model(args.size)  # generated once, outside the timed runs
+    model = synth_model(args.size)  # generated once, outside the timed runs
     runs = []
     with tempfile.TemporaryDirectory(dir=cache_root()) as work:
         for _ in range(args.repeat):
-            r = subprocess.run([sys.executable, "-c", _CHILD, str(HERE), args.size, work], capture_output=True,
+            r = subprocess.run([sys.executable, "-c", _CHILD, model, work], capture_output=True,
                                text=True, check=True, env=os.environ.copy())
             runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
     print(f"onnxruntime {ort.__version__}, model {args.size}, {args.repeat} fresh processes")

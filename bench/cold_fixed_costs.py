@@ -1,6 +1,6 @@
 """What a cold start's type questions cost a process, measured piece by piece in fresh processes.
 
-    python bench/cold_fixed_costs.py            # medians of 5 fresh interpreters
+    python -m bench.cold_fixed_costs            # medians of 5 fresh interpreters
 
 A cold start (``ortmem.InferenceSession`` on an empty cache) peaks while ORT creates its session on
 the freshly written entry; what it holds then beyond a process running the native twin with plain

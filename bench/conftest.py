@@ -1,14 +1,9 @@
 """Fixtures for the pytest-benchmark suites: ``pytest bench/ --benchmark-only``."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from synth_models import sizes, synth_model  # noqa: E402
+from bench.synth_models import sizes, synth_model
 
 
 @pytest.fixture(params=sizes())

@@ -3,8 +3,8 @@ must leave them byte-identical.
 
 Run before and after a change to ``ortmem/passes`` and compare (``diff``)::
 
-    python bench/converted_digests.py > before.txt   # on the old tree
-    python bench/converted_digests.py > after.txt    # on the new tree
+    python -m bench.converted_digests > before.txt   # on the old tree
+    python -m bench.converted_digests > after.txt    # on the new tree
     diff before.txt after.txt
 
 Three ways out of the same plan are covered, for every model:
@@ -24,22 +24,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import onnx
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))  # the tests' hand-built graphs
-
-import ortmem  # noqa: E402
-from ortmem.store.cache import Cache  # noqa: E402
-from ortmem.convert import convert_cached, convert_to  # noqa: E402
-from ortmem.ortmodel.settings import session_settings  # noqa: E402
-from ortmem.inmemory import convert_in_memory  # noqa: E402
-from ortmem.passes.conversion import plan_conversion  # noqa: E402
-from ortmem.synth import SynthConfig, write_model  # noqa: E402
+import ortmem
+from ortmem.store.cache import Cache
+from ortmem.convert import convert_cached, convert_to
+from ortmem.ortmodel.settings import session_settings
+from ortmem.inmemory import convert_in_memory
+from ortmem.passes.conversion import plan_conversion
+from ortmem.synth import SynthConfig, write_model
+from tests.support.dq_graphs import fp16_graphs, hand_gather_models
 
 SYNTH = {
     "int4": {},
@@ -72,10 +69,8 @@ def _models(work: Path) -> list[tuple[str, Path]]:
         path = work / "synth" / name / "model.onnx"
         path.parent.mkdir(parents=True)
         out.append((f"synth/{name}", write_model(SynthConfig.tiny(**kw), path)))
-    from test_convert import _fp16_graphs, _hand_gather_models
-
-    hand = {f"gather/{k}": m for k, (m, _) in _hand_gather_models().items()}
-    hand.update({f"fp16/{k}": m for k, (m, _) in _fp16_graphs().items()})
+    hand = {f"gather/{k}": m for k, (m, _) in hand_gather_models().items()}
+    hand.update({f"fp16/{k}": m for k, (m, _) in fp16_graphs().items()})
     for name, m in hand.items():
         for storage in ("inline", "external"):
             path = work / "hand" / f"{name}-{storage}".replace("/", "_") / "model.onnx"

@@ -1,11 +1,11 @@
 """The long fuzz run (issue 13): mutated models through ``ortmem.load`` and through both sessions.
 
-    python bench/fuzz.py                         # 100,000 loads + 5,000 sessions (about 10 minutes)
-    python bench/fuzz.py --loads 2000 --sessions 200 --seed 3
+    python -m bench.fuzz                         # 100,000 loads + 5,000 sessions (about 10 minutes)
+    python -m bench.fuzz --loads 2000 --sessions 200 --seed 3
 
 Prints the counts and every failure (a non-OrtmemError out of ortmem, a model whose validity ortmem
 changes, outputs that differ from plain ORT); exits 1 if there is any. The mutations and verdicts
-are those of the default test run (tests/fuzz_models.py, tests/test_fuzz.py), only more of them.
+are those of the default test run (tests/support/fuzz_models.py, tests/test_fuzz.py), only more of them.
 """
 from __future__ import annotations
 
@@ -15,9 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from fuzz_models import run_fuzz  # noqa: E402
+from tests.support.fuzz_models import run_fuzz
 
 
 def main(argv=None) -> int:

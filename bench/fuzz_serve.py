@@ -1,8 +1,8 @@
 """Random malformed requests against a live ``ortmem.reach.serve`` (issue 20): every one must get 4xx, never 500.
 
-    python bench/fuzz_serve.py                          # a tiny synthetic model, 20,000 requests (under a minute)
-    python bench/fuzz_serve.py --model m.onnx --requests 20000 --seed 3
-    python bench/fuzz_serve.py --url http://127.0.0.1:8000 --requests 500   # a server already running
+    python -m bench.fuzz_serve                          # a tiny synthetic model, 20,000 requests (under a minute)
+    python -m bench.fuzz_serve --model m.onnx --requests 20000 --seed 3
+    python -m bench.fuzz_serve --url http://127.0.0.1:8000 --requests 500   # a server already running
 
 Without ``--url`` it starts the recipe of docs/workers.md (gunicorn, one uvicorn worker, a free
 loopback port, small limits so the 413 cases stay cheap), and reads the server's log at the end.

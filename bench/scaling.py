@@ -1,10 +1,10 @@
 """Does ortmem's cost grow linearly with model size? Conversion planning + writing over 100..3,200
 DQ+MatMul patterns, and ``ortmem.load`` over 1e3..1e5 initializers against ``onnx.load``.
 
-    python bench/scaling.py                    # the full sweep (a few minutes)
-    python bench/scaling.py --quick            # 100..800 patterns, 1e3..1e5 initializers (CI check)
-    python bench/scaling.py --only load        # the loader alone (also: --only convert)
-    python bench/scaling.py --only load --kinds tiny,embedded,external --initializers 1000,10000
+    python -m bench.scaling                    # the full sweep (a few minutes)
+    python -m bench.scaling --quick            # 100..800 patterns, 1e3..1e5 initializers (CI check)
+    python -m bench.scaling --only load        # the loader alone (also: --only convert)
+    python -m bench.scaling --only load --kinds tiny,embedded,external --initializers 1000,10000
 
 Prints one line per size (seconds, seconds per pattern / per initializer) and the ratios the issue
 asks for: per-pattern time at 800 vs 100 (target <= 2x), ``ortmem.load`` vs ``onnx.load`` at 1e5

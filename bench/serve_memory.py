@@ -1,6 +1,6 @@
 """Memory of the server recipe: gunicorn with N uvicorn workers serving ortmem.reach.serve, summed PSS.
 
-    python bench/serve_memory.py MODEL [--workers 4] [--engine ortmem --engine ort] [--preload both]
+    python -m bench.serve_memory MODEL [--workers 4] [--engine ortmem --engine ort] [--preload both]
 
 For each (engine, preload) it starts the server on a free loopback port, waits until every worker
 has loaded the app (uvicorn logs "Application startup complete" once per worker), sends a few

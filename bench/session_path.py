@@ -13,10 +13,12 @@ What is counted (Python frames only; ORT's C++ is one call):
 - the *current module* is the ortmem module of the innermost ortmem frame; a **move** is a change of it,
   named by the functions on both sides (``handoff.prepare -> store.cache.lookup``), and a loop that
   repeats a move counts it once, as reading the code would; the path is counted at module level: each
-  distinct move from one module to another once, calls into the utilities every layer uses (errors,
-  units, dtypes, protowire, onnx_walk, lazy, progress) left out; a module's **entries** are the
+  distinct move from one module to another once, calls into the leaves of the import graph (modules
+  that import no other ortmem module: errors, units, dtypes, digests, trust checks...) and into package
+  ``__init__`` files left out, since a leaf cannot carry the path anywhere; a module's **entries** are the
   distinct moves into it;
-- the bodies of modules imported on the way do not count (importing is not a step of the path);
+- what runs under an import (module and class bodies of modules imported on the way) does not count:
+  importing is not a step of the path;
 - a **climb** is a stay in a module of a higher layer than the stay before it, where a module's layer
   is its height in ortmem's import graph (every ``import`` statement, function-level ones included:
   a module is one above the highest module it imports). A return from a lower layer to its caller is
@@ -63,8 +65,11 @@ def prof(frame, event, arg):
     f = frame if event == "call" else frame.f_back
     while f is not None:
         code = f.f_code
-        if code.co_name == "<module>":  # a module's body running on first import: not a step of the path
-            return
+        g = f
+        while g is not None:  # anything running under an import (a module or class body) is not a step
+            if g.f_code.co_name == "<module>" and g.f_code.co_filename != "<string>":
+                return
+            g = g.f_back
         m = cache.get(code.co_filename, 0)
         if m == 0:
             m = cache[code.co_filename] = module_of(code.co_filename)
@@ -129,15 +134,18 @@ def import_layers(package: Path = PACKAGE) -> dict[str, int]:
     return layers
 
 
-#: The loading core and utilities every layer uses (exceptions, element types, the wire-format walk, byte
-#: parsing, progress lines, lazy attributes): a call into them is a use, not a step of the path.
-UTILITIES = frozenset({"ortmem", "ortmem.errors", "ortmem.units", "ortmem.dtypes", "ortmem.protowire",
-                       "ortmem.onnx_walk", "ortmem.lazy", "ortmem.progress"})
+def utilities(layers: dict[str, int]) -> frozenset[str]:
+    """Modules a call into is a *use*, not a step of the path: the leaves of ortmem's import graph (a
+    module that imports no other ortmem module cannot carry the path anywhere: exceptions, element types,
+    the wire-format walk, byte parsing, digests, file-trust checks...) and package ``__init__`` files
+    (lazy attribute tables)."""
+    packages = {str(p.relative_to(PACKAGE.parent).parent).replace("/", ".") for p in PACKAGE.rglob("__init__.py")}
+    return frozenset(m for m, h in layers.items() if h == 0) | frozenset(packages)
 
 
-def module_moves(moves: list[list[str]]) -> list[tuple[str, str]]:
-    """The distinct module-to-module moves of one traced start, utilities left out."""
-    path = [m for m in _collapse(moves) if m not in UTILITIES]
+def module_moves(moves: list[list[str]], skip: frozenset[str]) -> list[tuple[str, str]]:
+    """The distinct module-to-module moves of one traced start, the modules in ``skip`` left out."""
+    path = [m for m in _collapse(moves) if m not in skip]
     path = [m for i, m in enumerate(path) if i == 0 or path[i - 1] != m]
     return list(dict.fromkeys(zip(path, path[1:])))
 
@@ -176,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     from ortmem.synth import SynthConfig, write_model
 
     layers = import_layers()
+    skip = utilities(layers)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = write_model(SynthConfig(storage="external"), Path(tmp) / "model.onnx")
@@ -183,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         every: list[tuple[str, str]] = []
         for label, cache in (("cold", True), ("second", True), ("warm", True), ("cache=False", False)):
             r = trace(Path(model), cache, env)
-            moves = module_moves(r["moves"])
+            moves = module_moves(r["moves"], skip)
             every += moves
             results[label] = {"action": r["action"], **summarize(moves, layers)}
         results["every branch"] = {"action": "(all four)", **summarize(list(dict.fromkeys(every)), layers)}

@@ -1,7 +1,7 @@
 """The cache stress run (issue 20's audit, kept running): every start must give ORT's own outputs.
 
-    python bench/stress_cache.py                         # all cases, about 5 minutes on 2 cores
-    python bench/stress_cache.py --only kill --kills 80  # one case, more of it
+    python -m bench.stress_cache                         # all cases, about 5 minutes on 2 cores
+    python -m bench.stress_cache --only kill --kills 80  # one case, more of it
 
 Cases, each in fresh processes on a fresh cache folder, against plain ORT's outputs on the same QDQ
 model (bit-identical, same accuracy level):

@@ -1,7 +1,7 @@
 """What a full check of a cache entry costs: hash speed per GB, and its share of a warm start.
 
-    python bench/verify_cost.py              # demo model (0.5 GB entry), 5 warm starts per mode
-    python bench/verify_cost.py --quick      # hashes only
+    python -m bench.verify_cost              # demo model (0.5 GB entry), 5 warm starts per mode
+    python -m bench.verify_cost --quick      # hashes only
 
 1. Each hash over an in-memory buffer (s/GB): what the algorithm alone costs.
 2. ``ortmem.store.digest.file_digest`` over a hot entry file (s/GB): hash plus reading the page cache.
@@ -68,8 +68,7 @@ def main(argv=None) -> int:
         print(f"hash {name:9s} in memory: {s:.3f} s/GB")
     if args.quick:
         return 0
-    sys.path.insert(0, str(Path(__file__).parent))
-    from synth_models import synth_model
+    from bench.synth_models import synth_model
 
     from ortmem.store.digest import file_digest
 

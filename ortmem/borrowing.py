@@ -20,9 +20,9 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from .passes.skeleton_edit import MS_DOMAIN
 from .weights import page_align
 
-MS_DOMAIN = "com.microsoft"
 BORROW_KEY = "session.use_external_initializer_file_buffers_directly"
 
 #: MatMulNBits input positions.

@@ -8,10 +8,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from .errors import UnsupportedDtypeError
+
+
+#: The numpy scalar type of each ORT value type string (``NodeArg.type``) a feed can have.
+ORT_NUMPY_TYPES: dict[str, Any] = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(int16)": np.int16,
+    "tensor(int8)": np.int8,
+    "tensor(uint64)": np.uint64,
+    "tensor(uint32)": np.uint32,
+    "tensor(uint16)": np.uint16,
+    "tensor(uint8)": np.uint8,
+    "tensor(bool)": np.bool_,
+    "tensor(string)": np.str_,
+}
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,23 @@ ENV_OPTIONS = "ORTMEM_HOOK_OPTIONS"
 SITE_DIR = Path(__file__).parent / "reach" / "hook_site"
 #: The folder holding this ``ortmem`` package: first on a helper's ``$PYTHONPATH``.
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent
-#: Where ``ortmem.store.cache.cache_root`` looks for the cache folder.
+#: Where :func:`cache_folder` looks for the cache folder.
 CACHE_DIR_ENV = "ORTMEM_CACHE_DIR"
+
+
+def cache_folder() -> Path:
+    """Where ortmem's cache folder is: ``$ORTMEM_CACHE_DIR``, else the platform's user cache folder.
+
+    Not created here: :func:`ortmem.store.cache.cache_root` creates it private for the store, and
+    :mod:`ortmem.ortmodel.release` keeps its probe answers under it (one definition of the place, so
+    the release model needs nothing of the store). ``platformdirs`` is imported only when asked: the
+    hook imports this module and stays light."""
+    root = os.environ.get(CACHE_DIR_ENV)
+    if root:
+        return Path(root)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("ortmem"))
 
 
 def helper_environment(*, cache_dir: Optional[str] = None, **extra: str) -> dict[str, str]:

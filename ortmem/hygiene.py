@@ -85,6 +85,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from .units import split_pair
+
 __all__ = ["HygieneReport", "MallocThresholds", "allocator_hygiene", "set_malloc_thresholds", "trim"]
 
 log = logging.getLogger("ortmem.hygiene")
@@ -257,9 +259,10 @@ def _configured_from_environ(environ: Mapping[str, str], glibc_version: str = "2
             values[key] = _parse_glibc_number(environ[alias])
     if _version_tuple(glibc_version) >= (2, 26):
         for item in environ.get("GLIBC_TUNABLES", "").split(":"):
-            name, eq, value = item.partition("=")
-            if not eq:
+            pair = split_pair(item)
+            if pair is None:
                 continue
+            name, value = pair
             if name == "glibc.malloc.mmap_threshold":
                 values["mmap"] = _parse_glibc_number(value)
             elif name == "glibc.malloc.trim_threshold":
@@ -291,10 +294,10 @@ def _startup_environ() -> dict[str, str]:
         if in_tunables and text.startswith("glibc."):
             env["GLIBC_TUNABLES"] += ":" + text
             continue
-        key, eq, value = text.partition("=")
-        in_tunables = key == "GLIBC_TUNABLES"
-        if eq:
-            env[key] = value
+        pair = split_pair(text)
+        in_tunables = (pair[0] if pair else text) == "GLIBC_TUNABLES"
+        if pair is not None:
+            env[pair[0]] = pair[1]
     return env
 
 

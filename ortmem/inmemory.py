@@ -28,6 +28,7 @@ from .errors import WeightStateError
 from .model import Model
 from .weights import page_align
 from .passes.conversion import convert_into_memory, rewrite_skeleton
+from .passes import dq_matmul
 from .passes.conversion_plan import ConversionPlan
 from .passes.writers import Progress
 
@@ -102,13 +103,13 @@ def convert_in_memory(model: Model, plan: ConversionPlan, *, progress: Optional[
         if location not in conv.sources:
             with open(ref.file, "rb") as f:
                 conv.sources[location] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    # Only MatMulNBits inputs can ever be released. GatherBlockQuantized (plan.gathers) has no PrePack
+    # Only MatMulNBits inputs can ever be released. GatherBlockQuantized (the dq_gather rule) has no PrePack
     # (onnxruntime/contrib_ops/cpu/quantization/gather_block_quantized.cc defines Compute only): it
     # reads data, scales and zero points from our buffers on every run, so none of its tensors --
     # neither those materialized into `buffer` nor the carried table in a source mapping -- is listed
     # here (tests/test_convert.py::test_in_memory_never_releases_gbq_inputs).
     if prepacking:
-        for r in plan.rewrites:
+        for r in plan.of_rule(dq_matmul.NAME):
             c = r.candidate
             # the node's own scale type: fp32 where ortmem emits an fp16 DQ's MatMulNBits in fp32, as
             # ORT's CPU EP runs it (ortmem.ortmodel.fp16_kernels.runs_fp16_matmulnbits_in_fp32)

@@ -16,8 +16,7 @@ from .dtypes import byte_size, dtype_info
 from .model import Model
 from .onnx_walk import is_external, iter_graphs, iter_tensor_sites
 from .plan.estimate import Estimate, estimate
-
-MiB = 1 << 20
+from .units import MiB
 
 
 @dataclass
@@ -102,7 +101,7 @@ def _patterns(skel: onnx.ModelProto) -> list[dict[str, Any]]:
     except ImportError:  # pragma: no cover - the matcher ships with the package
         return []
     out = []
-    result = dq_matmul_match.match(skel)
+    result = dq_matmul_match.dq_matmul_match(skel)
     for c in result.candidates:
         out.append({"node": c.node_name, "convertible": True, "detail": c.describe()})
     for r in result.rejected:

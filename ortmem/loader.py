@@ -8,7 +8,7 @@ silently wrong model.
 
 Cost: one pass over the file's non-weight bytes (the walk, which also screens inline tensors), one
 protobuf parse, and a pass over the parsed tensors only when there is something to register or the
-screen could not confirm an inline tensor. ``python bench/scaling.py`` compares it with ``onnx.load``.
+screen could not confirm an inline tensor. ``python -m bench.scaling`` compares it with ``onnx.load``.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from .dtypes import byte_size, dtype_info
 from .errors import CorruptModelError, ExternalDataError, TensorShapeError, UnsafePathError
 from .model import Model
-from .reach.model_facts import INLINE_MAX_BYTES  # defined beside the hook's decision from a file's bytes
+from .model_facts import INLINE_MAX_BYTES  # defined beside the hook's decision from a file's bytes
 from .onnx_walk import iter_tensor_sites
 from .ortmodel.external_data import EntryError, has_reserved_marker, parse_integer, read_entries
 from .protowire import FileBytes, externalize_embedded

@@ -1,8 +1,18 @@
-"""Byte counts and dimension sizes as people write them on command lines and in environment variables."""
+"""Byte counts, dimension sizes and ``NAME=VALUE`` pairs as people write them on command lines and in
+environment variables.
+
+``argparse`` is imported only where an argument is refused: the hook's allocator hygiene reads the
+environment's pairs with this module and loads nothing it does not need.
+"""
 from __future__ import annotations
 
-import argparse
 import re
+from typing import Optional
+
+#: Binary byte units, defined once: every module that prints or computes in them imports them from here.
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
 
 _UNITS = {
     "": 1, "b": 1,
@@ -25,23 +35,45 @@ def parse_bytes(text: str) -> int:
     return int(round(float(m.group(1)) * unit))
 
 
+def _usage_error(message: str) -> Exception:
+    """What an ``argparse`` type function raises: a usage error, not a traceback."""
+    import argparse
+
+    return argparse.ArgumentTypeError(message)
+
+
 def bytes_arg(text: str) -> int:
     """:func:`parse_bytes` for ``argparse`` (``type=bytes_arg``): a usage error, not a traceback."""
     try:
         return parse_bytes(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise _usage_error(str(e)) from None
+
+
+def split_pair(text: str, *, at_last: bool = False) -> Optional[tuple[str, str]]:
+    """``"seq=512"`` -> ``("seq", "512")``: a ``NAME=VALUE`` pair split at its first ``=`` (the value may
+    hold more), or at its last with ``at_last`` (the name may); None when there is no ``=``. The one
+    reader of such pairs: command-line arguments, environment blocks, glibc's tunables."""
+    name, sep, value = text.rpartition("=") if at_last else text.partition("=")
+    return (name, value) if sep else None
+
+
+def pair_arg(text: str, form: str = "NAME=VALUE", *, value_required: bool = False, at_last: bool = False) -> tuple[str, str]:
+    """:func:`split_pair` for ``argparse``: a usage error ("expected ``form``") without an ``=``, without a
+    name, or (``value_required``) without a value."""
+    pair = split_pair(text, at_last=at_last)
+    if pair is None or not pair[0] or (value_required and not pair[1]):
+        raise _usage_error(f"expected {form}, got {text!r}")
+    return pair
 
 
 def parse_dim(text: str) -> tuple[str, int]:
     """``"seq=512"`` -> ``("seq", 512)`` for ``argparse`` (``type=parse_dim``): a usage error, not a traceback."""
-    name, sep, value = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    name, value = pair_arg(text)
     try:
         v = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"dimension {name!r} needs an integer value, got {value!r}") from None
+        raise _usage_error(f"dimension {name!r} needs an integer value, got {value!r}") from None
     if v < 0:
-        raise argparse.ArgumentTypeError(f"dimension {name!r} must be >= 0")
+        raise _usage_error(f"dimension {name!r} must be >= 0")
     return name, v

@@ -34,6 +34,10 @@ from .dtypes import dtype_info
 from .errors import WeightStateError
 
 PAGE = mmap.PAGESIZE
+#: Where tensors start in the weights files ortmem lays out at a fixed offset grid (a partition's shared
+#: weights.bin, synthetic models' external data): 4096 bytes, the page of x86-64 and of most ARM
+#: builds, fixed rather than this machine's page so that a file's bytes do not depend on where it was made.
+FILE_ALIGN = 4096
 
 
 def page_align(n: int) -> int:

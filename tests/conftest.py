@@ -1,12 +1,10 @@
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 # The release probe's answers (ortmem.ortmodel.release) depend on the ORT build and CPU only: one folder
 # for the whole run, inherited by fresh-process children, so no test pays or measures a probe.
 os.environ.setdefault("ORTMEM_PROBE_DIR", str(Path(tempfile.gettempdir()) / f"ortmem-test-probes-{os.getuid()}"))

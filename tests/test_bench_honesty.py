@@ -123,9 +123,9 @@ def test_report_flags_a_bimodal_init_and_gives_fastest_ratios() -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from test_measure import _tiny_model
+    from tests.support.builders import embedding_relu_model
 
-    return str(_tiny_model(tmp_path_factory.mktemp("honesty") / "tiny.onnx"))
+    return str(embedding_relu_model(tmp_path_factory.mktemp("honesty") / "tiny.onnx"))
 
 
 @slow

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ortmem.measure.bench import run_bench
 from ortmem.measure.workers import run_workers
 from ortmem.ortmodel.release import capabilities
-from ortmem.store.prepared_entries import MIN_BYTES_ENV
+from ortmem.model_facts import MIN_BYTES_ENV
 
 pytestmark = pytest.mark.skipif(not capabilities().prepacked_save, reason="this onnxruntime saves no pre-packed weights")
 
@@ -66,11 +66,9 @@ def test_prepared_warm_runs_as_workers(bench_env):
 @pytest.mark.skipif(importlib.util.find_spec("onnxruntime_genai") is None,
                     reason="onnxruntime-genai is not installed (pip install '.[genai]')")
 def test_genai_strategies_generate_the_same_tokens_and_logits(bench_env):
-    spec = importlib.util.spec_from_file_location("_genai_builders", Path(__file__).with_name("test_genai.py"))
-    assert spec is not None and spec.loader is not None
-    builders = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builders)
-    folder = builders.build_genai_folder(bench_env / "genai")
+    from tests.support.genai_folder import build_genai_folder
+
+    folder = build_genai_folder(bench_env / "genai")
     report = run_bench([folder], ["genai", "genai-prepared"], 1, progress=False)
     mr = report.models[0]
     plain, prepared = mr.strategies["genai"], mr.strategies["genai-prepared"]

@@ -1,5 +1,5 @@
 """One test per cache-key field (finding 11): changing the field is a miss, and the session's outputs
-equal plain ORT's under the new settings. Removing any field from ``ortmem.convert.cache_key`` makes
+equal plain ORT's under the new settings. Removing any field from ``ortmem.store.verdict.converted_key`` makes
 its test fail (the entry built under the old settings would be served)."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import onnxruntime as ort
 import pytest
 
 import ortmem
-from compare import assert_same_outputs
 from ortmem.synth import SynthConfig, write_model
+from tests.support.compare import assert_same_outputs
 
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 
@@ -70,33 +70,32 @@ def test_disabled_optimizers(tmp_path):
 @pytest.mark.parametrize("module", ["onnxruntime", "onnx", "ortmem"])
 def test_library_versions(tmp_path, monkeypatch, module):
     path, cache = _built(tmp_path)
-    import ortmem.convert as conv
+    import ortmem.store.verdict as verdict
 
-    target = {"onnxruntime": ort, "onnx": onnx, "ortmem": conv}[module]
+    target = {"onnxruntime": ort, "onnx": onnx, "ortmem": verdict}[module]
     monkeypatch.setattr(target, "__version__", "0.0.0-other")
     _miss_and_equal(path, cache, _options)
 
 
 def test_conversion_format(tmp_path, monkeypatch):
     path, cache = _built(tmp_path)
-    import ortmem.convert as conv
+    import ortmem.store.verdict as verdict
 
-    monkeypatch.setattr(conv, "CONVERSION_FORMAT", conv.CONVERSION_FORMAT + 1)
+    monkeypatch.setattr(verdict, "CONVERSION_FORMAT", verdict.CONVERSION_FORMAT + 1)
     _miss_and_equal(path, cache, _options)
 
 
 def test_fp16_in_fp32(tmp_path):
     """The CPU EP runs a fused fp16 MatMulNBits in fp32 and CUDA/DML in fp16: the two forms have
     their own entries (asked of the handoff directly: no GPU here)."""
-    from ortmem import handoff
+    from ortmem.handoff.prepare import Request, prepare
 
     folder = tmp_path / "m"
     folder.mkdir()
     path = write_model(SynthConfig.tiny(scale_dtype="float16", embedding="quantized"), folder / "model.onnx")
     cache = ortmem.store.cache.Cache(tmp_path / "cache")
     for fp16_in_fp32 in (None, False):
-        opts = handoff.ConvertOptions(cache=cache, fp16_in_fp32=fp16_in_fp32)
-        h = handoff.prepare(path, opts)
-        assert not opts.cache_hit and opts.report is not None
+        h = prepare(path, Request(cache=cache, fp16_in_fp32=fp16_in_fp32))
+        assert not h.cache_hit and h.report is not None
         h.cleanup()
     assert len(list(cache.entries())) == 2

@@ -21,12 +21,14 @@ import pytest
 
 import ortmem
 from ortmem.store import packer as prepack_later
+from ortmem.store import layout
 from ortmem.store import prepacked as pp
 from ortmem.store.cache import creator_lock_path
-from ortmem.convert import cache_key
+from ortmem.store.verdict import converted_key
 from ortmem.ortmodel.release import capabilities
 from ortmem.ortmodel.settings import session_settings
 from ortmem.synth import SynthConfig, write_model
+from tests.support.reference import run_plain
 
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 CPU = ["CPUExecutionProvider"]
@@ -76,10 +78,6 @@ def model(tmp_path) -> Path:
     return write_model(SynthConfig.tiny(storage="external"), tmp_path / "model.onnx")
 
 
-def _ort(path: Path) -> np.ndarray:
-    return ort.InferenceSession(str(path), providers=CPU).run(None, FEEDS)[0]
-
-
 def _release(proc: subprocess.Popen) -> None:
     """Let go of a held lock the hard way (SIGKILL), which leaves its file behind as a crash would."""
     proc.kill()
@@ -92,10 +90,10 @@ def test_a_stopped_builder_delays_a_cold_start_by_the_limit_only(model, tmp_path
     lock and its holder; outputs are ORT's."""
     monkeypatch.setenv("ORTMEM_LOCK_TIMEOUT", "1")
     cache = tmp_path / "cache"
-    key = cache_key(model, session_settings(None), {"fp16_in_fp32": None})  # what the session's start locks
+    key = converted_key(model, session_settings(None), {"fp16_in_fp32": None})  # what the session's start locks
     cache.mkdir(mode=0o700)
     holder = hold_lock(cache, key)
-    expected = _ort(model)
+    expected = run_plain(model, FEEDS)[0]
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="ortmem"):
         s = ortmem.InferenceSession(model, providers=CPU, cache=cache)
@@ -116,10 +114,10 @@ def test_a_warm_start_never_waits_for_a_held_lock_and_packs_nothing(model, tmp_p
     is gone (killed: its lock file stays), the next start packs and maps the pre-packed weights."""
     monkeypatch.setenv("ORTMEM_LOCK_TIMEOUT", "60")  # would be seen if the warm start waited at all
     cache = tmp_path / "cache"
-    expected = _ort(model)
+    expected = run_plain(model, FEEDS)[0]
     cold = ortmem.InferenceSession(model, providers=CPU, cache=cache)
-    entry = Path(cold._ortmem_handoff.model).parent
-    assert cold.ortmem_action == "converted" and cold._ortmem_handoff.prepack_later is None  # small: the hit packs
+    entry = Path(cold.ortmem_handoff.model).parent
+    assert cold.ortmem_action == "converted" and cold.ortmem_handoff.prepack_later is None  # small: the hit packs
     holder = hold_lock(cache, entry.name)
     t0 = time.monotonic()
     warm = ortmem.InferenceSession(model, providers=CPU, cache=cache)
@@ -153,10 +151,10 @@ def test_the_packer_never_packs_while_another_process_holds_the_lock(model, tmp_
     before = len(prepack_later.started_packers())
     assert job.start() is None and len(prepack_later.started_packers()) == before
     assert _packer(job).returncode == 0
-    assert pp.prepacked_model(entry) is None and not (entry / pp.PREPACKED_DATA).exists()
+    assert pp.prepacked_model(entry) is None and not (entry / layout.PREPACKED_DATA).exists()
     _release(holder)
     assert _packer(job).returncode == 0
-    assert pp.prepacked_model(entry) == entry / pp.PREPACKED_MODEL
+    assert pp.prepacked_model(entry) == entry / layout.PREPACKED_MODEL
 
 
 @needs_saving
@@ -184,7 +182,7 @@ from ortmem.store import packer as prepack_later
 prepack_later.MIN_WEIGHT_BYTES = 0  # the tiny model gets a background packer, as a large one would
 feeds = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 s = ortmem.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"], cache=sys.argv[2])
-assert s.ortmem_action == "converted" and s._ortmem_handoff.prepack_later is not None
+assert s.ortmem_action == "converted" and s.ortmem_handoff.prepack_later is not None
 go_r, go_w = os.pipe()
 res_r, res_w = os.pipe()
 kids = []
@@ -221,7 +219,7 @@ def test_workers_forked_after_a_cold_start_start_one_packer(model, tmp_path):
     assert report["status"] == [0, 0, 0] and report["parent"] == 0
     assert sorted(w["packers"] for w in report["results"]) == [0, 0, 1]
     assert all(w["done"] for w in report["results"])
-    expected = hashlib.sha256(_ort(model).tobytes()).hexdigest()
+    expected = hashlib.sha256(run_plain(model, FEEDS)[0].tobytes()).hexdigest()
     assert {w["out"] for w in report["results"]} == {expected}
     entries = [p for p in cache.iterdir() if not p.name.startswith(".")]
     assert len(entries) == 1 and pp.verify_prepacked(entries[0], "full") is None

@@ -23,6 +23,7 @@ import onnxruntime as ort
 import pytest
 
 import ortmem
+from ortmem.store import layout
 from ortmem.store import prepacked as pp
 from ortmem.store import trust as filetrust
 from ortmem.store.cache import SOURCE_LINK_PREFIX, Cache, UntrustedCacheError, creator_lock_path
@@ -30,8 +31,10 @@ from ortmem.cli import main as cli_main
 from ortmem.store.trust import open_new, untrusted_reason, write_new
 from ortmem.loader import load
 from ortmem.synth import SynthConfig, write_model
-from compare import assert_same_outputs
 from ortmem.ortmodel.release import capabilities
+from tests.support.builders import tiny_decoder
+from tests.support.compare import assert_same_outputs
+from tests.support.reference import run_plain
 
 #: pre-packed weights exist only on releases that save them (not 1.25): ortmem.ortmodel.release
 needs_saving = pytest.mark.skipif(not capabilities().prepacked_save,
@@ -40,20 +43,8 @@ needs_saving = pytest.mark.skipif(not capabilities().prepacked_save,
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 
 
-def _model(folder: Path, **kw) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    return write_model(SynthConfig.tiny(storage="external", **kw), folder / "model.onnx")
-
-
-def _ort(path: Path) -> list[np.ndarray]:
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, FEEDS)
-
-
-_assert_same = assert_same_outputs
-
-
 def _entry_dir(sess) -> Path:
-    return Path(sess._ortmem_handoff.model).parent
+    return Path(sess.ortmem_handoff.model).parent
 
 
 def _flip(path: Path, offset: int) -> None:
@@ -102,7 +93,7 @@ def world_dir():
 
 # ------------------------------------------------------------------------------------ privacy
 def test_cache_folders_and_files_are_private(tmp_path):
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     os.chmod(path, 0o644)
     sess = ortmem.InferenceSession(path, cache=tmp_path / "cache")
     assert sess.ortmem_report is not None
@@ -114,18 +105,18 @@ def test_cache_folders_and_files_are_private(tmp_path):
 
 
 def test_a_stricter_source_mode_is_kept(tmp_path):
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     os.chmod(path, 0o400)
     sess = ortmem.InferenceSession(path, cache=tmp_path / "cache")
     entry = _entry_dir(sess)
     assert stat.S_IMODE((entry / "weights.bin").stat().st_mode) == 0o400
     assert stat.S_IMODE((entry / "model.onnx").stat().st_mode) == 0o400
-    _assert_same(ortmem.InferenceSession(path, cache=tmp_path / "cache").run(None, FEEDS), _ort(path))
+    assert_same_outputs(ortmem.InferenceSession(path, cache=tmp_path / "cache").run(None, FEEDS), run_plain(path, FEEDS))
 
 
 def test_default_cache_root_is_created_private(tmp_path, monkeypatch):
     monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "a" / "b"))
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     ortmem.InferenceSession(path)
     for d in (tmp_path / "a" / "b", tmp_path / "a" / "b" / "converted"):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700
@@ -150,7 +141,7 @@ def test_prepack_temp_files_never_write_through_a_planted_link(tmp_path, monkeyp
     name derived from a token visible in the work folder's name."""
     import uuid
 
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     cache = tmp_path / "cache"
     entry = _entry_dir(ortmem.InferenceSession(path, cache=cache))
     victim = tmp_path / "victim"
@@ -161,7 +152,7 @@ def test_prepack_temp_files_never_write_through_a_planted_link(tmp_path, monkeyp
 
     monkeypatch.setattr(uuid, "uuid4", lambda: FixedUUID())
     token = f"{os.getpid()}-{FixedUUID.hex[:12]}"
-    for name in (f".{pp.PREPACKED_MODEL}.{token}", f".{pp.PREPACKED_MANIFEST}.{token}", f".{pp.PREPACKED_DATA}.{token}"):
+    for name in (f".{layout.PREPACKED_MODEL}.{token}", f".{layout.PREPACKED_MANIFEST}.{token}", f".{layout.PREPACKED_DATA}.{token}"):
         (entry / name).symlink_to(victim)
         with pytest.raises(pp.PrepackError):
             pp.save_prepacked(entry)
@@ -173,7 +164,7 @@ def test_prepack_temp_files_never_write_through_a_planted_link(tmp_path, monkeyp
 def test_entry_owned_by_another_user_is_never_read(tmp_path, caplog):
     if os.geteuid() != 0:
         pytest.skip("needs root to give an entry to another user")
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     cache = tmp_path / "cache"
     entry = _entry_dir(ortmem.InferenceSession(path, cache=cache))
     for f in [entry, *entry.iterdir()]:
@@ -182,17 +173,17 @@ def test_entry_owned_by_another_user_is_never_read(tmp_path, caplog):
         sess = ortmem.InferenceSession(path, cache=cache)
     assert not sess.ortmem_cache_hit and sess.ortmem_report is not None
     assert any("owned by uid 65534" in r.getMessage() for r in caplog.records)
-    _assert_same(sess.run(None, FEEDS), _ort(path))
+    assert_same_outputs(sess.run(None, FEEDS), run_plain(path, FEEDS))
 
 
 def test_group_writable_entry_file_is_refused(tmp_path):
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     cache = tmp_path / "cache"
     entry = _entry_dir(ortmem.InferenceSession(path, cache=cache))
     os.chmod(entry / "weights.bin", 0o620)
     sess = ortmem.InferenceSession(path, cache=cache)
     assert not sess.ortmem_cache_hit and sess.ortmem_report is not None
-    _assert_same(sess.run(None, FEEDS), _ort(path))
+    assert_same_outputs(sess.run(None, FEEDS), run_plain(path, FEEDS))
 
 
 def test_shared_cache_poisoned_by_a_second_user_is_not_used(world_dir, caplog):
@@ -204,27 +195,28 @@ def test_shared_cache_poisoned_by_a_second_user_is_not_used(world_dir, caplog):
     shared = world_dir / "shared"
     shared.mkdir()
     os.chmod(shared, 0o1777)
-    victim_model = _model(world_dir / "victim", seed=1)
-    attacker_model = _model(world_dir / "attacker", seed=2)
+    victim_model = tiny_decoder(world_dir / "victim", storage="external", seed=1)
+    attacker_model = tiny_decoder(world_dir / "attacker", storage="external", seed=2)
     for p in (world_dir / "victim", world_dir / "attacker"):
         for f in [p, *p.iterdir()]:
             os.chmod(f, 0o755 if f.is_dir() else 0o644)
-    expected = _ort(victim_model)
-    assert not np.array_equal(expected[0], _ort(attacker_model)[0])
+    expected = run_plain(victim_model, FEEDS)
+    assert not np.array_equal(expected[0], run_plain(attacker_model, FEEDS)[0])
     # The attacker builds an entry for *their* model under the key of the victim's (the key is computable).
     code = r"""
 import os, shutil, sys
 from pathlib import Path
 os.umask(0)
 from ortmem.store.cache import Cache
-from ortmem.convert import cache_key, convert_cached
+from ortmem.convert import convert_cached
+from ortmem.store.verdict import converted_key
 from ortmem.ortmodel.settings import session_settings
 from ortmem.loader import load
 shared, victim, attacker = map(Path, sys.argv[1:4])
 root = shared / "converted"
 cache = Cache(root)
 entry, hit, report = convert_cached(load(attacker), session_settings(None), cache)
-key = cache_key(victim, session_settings(None), {"fp16_in_fp32": None})
+key = converted_key(victim, session_settings(None), {"fp16_in_fp32": None})
 os.rename(entry.path, root / key)
 for f in [root / key, *(root / key).iterdir()]:
     os.chmod(f, 0o777 if f.is_dir() else 0o666)
@@ -239,7 +231,7 @@ print(key)
         sess = ortmem.InferenceSession(victim_model, cache=shared / "converted")
     assert any("not used" in r.getMessage() for r in caplog.records)
     assert not sess.ortmem_cache_hit and sess.ortmem_report is not None  # converted privately, in memory
-    _assert_same(sess.run(None, FEEDS), expected)
+    assert_same_outputs(sess.run(None, FEEDS), expected)
 
 
 def test_read_only_cache_folder_degrades_with_one_warning(world_dir, caplog):
@@ -247,7 +239,7 @@ def test_read_only_cache_folder_degrades_with_one_warning(world_dir, caplog):
     reason = _as_nobody_available()
     if reason:
         pytest.skip(reason)
-    model = _model(world_dir / "m")
+    model = tiny_decoder(world_dir / "m", storage="external")
     for f in [world_dir / "m", *(world_dir / "m").iterdir()]:
         os.chmod(f, 0o755 if f.is_dir() else 0o644)
     ro = world_dir / "ro"
@@ -277,14 +269,14 @@ print("OK")
 
 
 def test_uncreatable_cache_path_degrades(tmp_path, caplog):
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     with caplog.at_level(logging.WARNING, logger="ortmem"):
         sess = ortmem.InferenceSession(path, cache=blocker / "cache")
     assert sess.ortmem_report is not None
     assert len([r for r in caplog.records if "not using the cache" in r.getMessage()]) == 1
-    _assert_same(sess.run(None, FEEDS), _ort(path))
+    assert_same_outputs(sess.run(None, FEEDS), run_plain(path, FEEDS))
 
 
 def test_cache_folder_writable_by_others_is_refused(tmp_path):
@@ -310,24 +302,24 @@ def _dq_weight(path: Path):
 
 def test_in_place_edit_with_restored_mtime_is_a_miss(tmp_path):
     """Finding 2: editing a weight in place and restoring the mtime served the old conversion."""
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     cache = tmp_path / "cache"
     first = ortmem.InferenceSession(path, cache=cache)
-    _assert_same(first.run(None, FEEDS), _ort(path))
+    assert_same_outputs(first.run(None, FEEDS), run_plain(path, FEEDS))
     file, offset, length = _dq_weight(path)
     _flip(file, offset + length // 2)
     _flip(file, offset + length // 3)
     again = ortmem.InferenceSession(path, cache=cache)
     assert not again.ortmem_cache_hit and again.ortmem_report is not None
-    expected = _ort(path)
-    _assert_same(again.run(None, FEEDS), expected)
+    expected = run_plain(path, FEEDS)
+    assert_same_outputs(again.run(None, FEEDS), expected)
 
 
 def test_another_entry_linking_and_dropping_the_source_keeps_the_hit(tmp_path):
     """Every entry hard-links its sources: another cache's entry made then cleared moves the source's
     ctime but leaves the link count where it was. That is no edit (the content digest says so): still a
     hit, and the identity is recorded anew so the next start needs no digest."""
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     cache = tmp_path / "cache"
     ortmem.InferenceSession(path, cache=cache)
     data = next(p for p in path.parent.iterdir() if p != path)  # the external data file entries link
@@ -339,12 +331,12 @@ def test_another_entry_linking_and_dropping_the_source_keeps_the_hit(tmp_path):
     assert after.st_nlink == before.st_nlink and after.st_ctime_ns != before.st_ctime_ns
     again = ortmem.InferenceSession(path, cache=cache)
     assert again.ortmem_cache_hit
-    _assert_same(again.run(None, FEEDS), _ort(path))
+    assert_same_outputs(again.run(None, FEEDS), run_plain(path, FEEDS))
 
 
 def _entry_with_a_flipped_weight(tmp_path: Path) -> tuple[Path, Path]:
     """(model, cache): the model's entry built, then one byte flipped mid-span in its largest tensor."""
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     cache = tmp_path / "cache"
     entry = _entry_dir(ortmem.InferenceSession(path, cache=cache))
     offset, length = max(json.loads((entry / "manifest.json").read_text())["spans"], key=lambda s: s[1])
@@ -355,55 +347,55 @@ def _entry_with_a_flipped_weight(tmp_path: Path) -> tuple[Path, Path]:
 def test_weights_byte_flip_mid_span_is_detected_and_rebuilt(tmp_path, caplog):
     """Finding 3: one byte flipped in the middle of a tensor in weights.bin gave wrong outputs."""
     path, cache = _entry_with_a_flipped_weight(tmp_path)
-    expected = _ort(path)
+    expected = run_plain(path, FEEDS)
     with caplog.at_level(logging.WARNING, logger="ortmem"):
         sess = ortmem.InferenceSession(path, cache=cache, prepacked=False)
     assert not sess.ortmem_cache_hit and sess.ortmem_report is not None
     assert any("weights.bin content changed" in r.getMessage() for r in caplog.records)
-    _assert_same(sess.run(None, FEEDS), expected)
+    assert_same_outputs(sess.run(None, FEEDS), expected)
 
 
 @needs_saving
 def test_sampled_verify_still_checks_in_full_before_prepacking(tmp_path):
     """A flip before the first warm start was baked into prepacked.bin for every later session."""
     path, cache = _entry_with_a_flipped_weight(tmp_path)
-    expected = _ort(path)
+    expected = run_plain(path, FEEDS)
     sess = ortmem.InferenceSession(path, cache=cache, verify="sampled")
     assert not sess.ortmem_cache_hit
-    _assert_same(sess.run(None, FEEDS), expected)
+    assert_same_outputs(sess.run(None, FEEDS), expected)
     warm = ortmem.InferenceSession(path, cache=cache, verify="sampled")
-    assert warm.ortmem_cache_hit and Path(warm._ortmem_handoff.model).name == pp.PREPACKED_MODEL
-    _assert_same(warm.run(None, FEEDS), expected)
+    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == layout.PREPACKED_MODEL
+    assert_same_outputs(warm.run(None, FEEDS), expected)
 
 
 @needs_saving
 def test_prepacked_byte_flip_inside_a_weight_copy_is_detected(tmp_path):
     """Finding 3: a flip in a B copy inside prepacked.bin was wrong in every later session."""
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     cache = tmp_path / "cache"
-    expected = _ort(path)
+    expected = run_plain(path, FEEDS)
     ortmem.InferenceSession(path, cache=cache)
     warm = ortmem.InferenceSession(path, cache=cache)
     entry = _entry_dir(warm)
-    assert Path(warm._ortmem_handoff.model).name == pp.PREPACKED_MODEL
-    offset, length = json.loads((entry / pp.PREPACKED_MANIFEST).read_text())["spans"][0]  # a B copy
-    _flip(entry / pp.PREPACKED_DATA, offset + length // 2 + 7)
+    assert Path(warm.ortmem_handoff.model).name == layout.PREPACKED_MODEL
+    offset, length = json.loads((entry / layout.PREPACKED_MANIFEST).read_text())["spans"][0]  # a B copy
+    _flip(entry / layout.PREPACKED_DATA, offset + length // 2 + 7)
     assert "content changed" in pp.verify_prepacked(entry, "full")
     again = ortmem.InferenceSession(path, cache=cache)
     assert again.ortmem_cache_hit
     assert pp.verify_prepacked(entry, "full") is None  # packed afresh
-    _assert_same(again.run(None, FEEDS), expected)
+    assert_same_outputs(again.run(None, FEEDS), expected)
 
 
 def test_verify_rejects_unknown_modes(tmp_path):
     with pytest.raises(ortmem.OrtmemError, match="verify must be one of"):
-        ortmem.InferenceSession(_model(tmp_path / "m"), cache=tmp_path / "c", verify="fast")
+        ortmem.InferenceSession(tiny_decoder(tmp_path / "m", storage="external"), cache=tmp_path / "c", verify="fast")
 
 
 # ---------------------------------------------------------------------------- leftovers
 def test_crash_leftovers_are_reclaimed_by_the_next_writer_and_prune(tmp_path):
     """Finding 8: after kill -9, .tmp-* folders and pre-pack temp files stayed forever."""
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     cache_dir = tmp_path / "cache"
     entry = _entry_dir(ortmem.InferenceSession(path, cache=cache_dir))
     dead = 2**22 + 12345  # above pid_max's default: no such process
@@ -412,7 +404,7 @@ def test_crash_leftovers_are_reclaimed_by_the_next_writer_and_prune(tmp_path):
     for d in leftovers:
         d.mkdir()
         (d / "weights.bin").write_bytes(b"x" * 4096)
-    files = [entry / f".{pp.PREPACKED_DATA}.{dead}-ef56", entry / f".{pp.PREPACKED_MODEL}.{dead}-ef56"]
+    files = [entry / f".{layout.PREPACKED_DATA}.{dead}-ef56", entry / f".{layout.PREPACKED_MODEL}.{dead}-ef56"]
     for f in files:
         f.write_bytes(b"y")
     live = cache_dir / f".tmp-{os.getpid()}-live"  # a live writer's folder is kept, however old
@@ -428,13 +420,13 @@ def test_crash_leftovers_are_reclaimed_by_the_next_writer_and_prune(tmp_path):
     # and the next writer reclaims too
     (cache_dir / f".tmp-{dead}-again").mkdir()
     os.utime(cache_dir / f".tmp-{dead}-again", (old, old))
-    ortmem.InferenceSession(_model(tmp_path / "m2", seed=3), cache=cache_dir)
+    ortmem.InferenceSession(tiny_decoder(tmp_path / "m2", storage="external", seed=3), cache=cache_dir)
     assert not (cache_dir / f".tmp-{dead}-again").exists()
 
 
 def test_cache_verify_cli_checks_every_entry_in_full(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "root"))
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     entry = _entry_dir(ortmem.InferenceSession(path))
     assert cli_main(["cache", "verify"]) == 0
     assert "1 entry, 0 damaged" in capsys.readouterr().out
@@ -450,19 +442,19 @@ def test_racy_source_is_checked_by_content(tmp_path, monkeypatch):
     """A same-size rewrite inside one timestamp tick is invisible to stat ("racy"): an entry built
     from a source written moments ago records the source's digest and checks it until the source
     is old enough for stat to tell."""
-    from ortmem import convert
+    from ortmem.store import sources
 
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     cache = tmp_path / "cache"
     entry = _entry_dir(ortmem.InferenceSession(path, cache=cache))
     assert "source_digests" in json.loads((entry / "manifest.json").read_text())
     file, offset, length = _dq_weight(path)
     _flip(file, offset + length // 2)
-    monkeypatch.setattr(convert, "same_source", lambda recorded, current: True)  # stat sees nothing
+    monkeypatch.setattr(sources, "same_source", lambda recorded, current: True)  # stat sees nothing
     again = ortmem.InferenceSession(path, cache=cache)
     assert not again.ortmem_cache_hit and again.ortmem_report is not None
-    _assert_same(again.run(None, FEEDS), _ort(path))
-    monkeypatch.setattr(convert, "RACY_SECONDS", 0.0)  # the source is now "old": one last check, then stat
+    assert_same_outputs(again.run(None, FEEDS), run_plain(path, FEEDS))
+    monkeypatch.setattr(sources, "RACY_SECONDS", 0.0)  # the source is now "old": one last check, then stat
     assert ortmem.InferenceSession(path, cache=cache).ortmem_cache_hit
     entry = next(Cache(cache).entries()).path
     assert "source_digests" not in json.loads((entry / "manifest.json").read_text())
@@ -474,7 +466,7 @@ def test_a_writer_killed_mid_conversion_leaves_a_folder_the_next_writer_removes(
 
     from ortmem.store import cache as cache_module
 
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     cache_dir = tmp_path / "cache"
     marker = tmp_path / "converting"
     child = subprocess.Popen([sys.executable, "-c", r"""
@@ -501,14 +493,14 @@ ortmem.InferenceSession(sys.argv[1], cache=sys.argv[2], progress=progress)
     sess = ortmem.InferenceSession(path, cache=cache_dir)  # the next writer
     assert not any(p.exists() for p in leftovers)
     assert sess.ortmem_report is not None
-    _assert_same(sess.run(None, FEEDS), _ort(path))
+    assert_same_outputs(sess.run(None, FEEDS), run_plain(path, FEEDS))
 
 
 # ------------------------------------------- issue 20: every cache file checked, smaller faults
 #: Every file a warm start reads from an entry with pre-packed weights (besides ``source-*`` links).
 #: ``test_every_entry_file_is_in_the_trust_matrix`` fails when an entry gains a file not listed here.
-ENTRY_FILES = ("manifest.json", "model.onnx", "weights.bin", pp.PREPACKED_MODEL, pp.PREPACKED_DATA,
-               pp.PREPACKED_MANIFEST)
+ENTRY_FILES = ("manifest.json", "model.onnx", "weights.bin", layout.PREPACKED_MODEL, layout.PREPACKED_DATA,
+               layout.PREPACKED_MANIFEST)
 _OWNER_WAYS = ["fake", pytest.param("chown", marks=pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root"))]
 #: Another user's uid (``nobody``, unless the tests run as ``nobody``).
 OTHER_UID = 65534 if os.geteuid() != 65534 else 65533
@@ -516,32 +508,32 @@ OTHER_UID = 65534 if os.geteuid() != 65534 else 65533
 
 def _prepacked_entry(tmp_path: Path) -> tuple[Path, Path, Path]:
     """(model, cache, entry): the entry built and its pre-packed weights saved and used once."""
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     cache = tmp_path / "cache"
     ortmem.InferenceSession(path, cache=cache)
     warm = ortmem.InferenceSession(path, cache=cache)
-    assert warm.ortmem_cache_hit and Path(warm._ortmem_handoff.model).name == pp.PREPACKED_MODEL
+    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == layout.PREPACKED_MODEL
     return path, cache, _entry_dir(warm)
 
 
 def _refused_then_rebuilt(path: Path, cache: Path, name: str, why: str, caplog) -> None:
     """The next start refuses the tampered entry (one warning naming the file and why), converts
     afresh with ORT's outputs, and the start after it is warm again on private files."""
-    expected = _ort(path)
+    expected = run_plain(path, FEEDS)
     with caplog.at_level(logging.WARNING, logger="ortmem"):
         sess = ortmem.InferenceSession(path, cache=cache)
     assert not sess.ortmem_cache_hit and sess.ortmem_report is not None, f"a tampered {name} was used"
     assert any(f"{name} {why}" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
-    _assert_same(sess.run(None, FEEDS), expected)
+    assert_same_outputs(sess.run(None, FEEDS), expected)
 
 
 def _warm_again(path: Path, cache: Path) -> None:
     warm = ortmem.InferenceSession(path, cache=cache)
     entry = _entry_dir(warm)
-    assert warm.ortmem_cache_hit and Path(warm._ortmem_handoff.model).name == pp.PREPACKED_MODEL
+    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == layout.PREPACKED_MODEL
     for name in ENTRY_FILES:
         assert untrusted_reason(entry / name) is None, name
-    _assert_same(warm.run(None, FEEDS), _ort(path))
+    assert_same_outputs(warm.run(None, FEEDS), run_plain(path, FEEDS))
 
 
 @needs_saving
@@ -610,7 +602,7 @@ def test_a_users_world_writable_cache_dir_is_left_alone_and_not_used(tmp_path, m
     root.mkdir()
     os.chmod(root, 0o777)
     monkeypatch.setenv("ORTMEM_CACHE_DIR", str(root))
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     with caplog.at_level(logging.WARNING, logger="ortmem"):
         sess = ortmem.InferenceSession(path)
     assert stat.S_IMODE(root.stat().st_mode) == 0o777
@@ -618,7 +610,7 @@ def test_a_users_world_writable_cache_dir_is_left_alone_and_not_used(tmp_path, m
     assert len(warnings) == 1 and "without the sticky bit" in warnings[0], warnings
     assert sess.ortmem_report is not None and not sess.ortmem_cache_hit
     assert list(root.iterdir()) == []
-    _assert_same(sess.run(None, FEEDS), _ort(path))
+    assert_same_outputs(sess.run(None, FEEDS), run_plain(path, FEEDS))
 
 
 def test_a_sticky_world_writable_cache_dir_is_used_through_a_private_folder(tmp_path, monkeypatch):
@@ -628,13 +620,13 @@ def test_a_sticky_world_writable_cache_dir_is_used_through_a_private_folder(tmp_
     root.mkdir()
     os.chmod(root, 0o1777)
     monkeypatch.setenv("ORTMEM_CACHE_DIR", str(root))
-    path = _model(tmp_path / "m")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     ortmem.InferenceSession(path)
     assert stat.S_IMODE(root.stat().st_mode) == 0o1777
     assert stat.S_IMODE((root / "converted").stat().st_mode) == 0o700
     again = ortmem.InferenceSession(path)
     assert again.ortmem_cache_hit and _entry_dir(again).parent == root / "converted"
-    _assert_same(again.run(None, FEEDS), _ort(path))
+    assert_same_outputs(again.run(None, FEEDS), run_plain(path, FEEDS))
 
 
 def _hold_lock(cache_dir: Path, key: str) -> subprocess.Popen:
@@ -691,11 +683,11 @@ def test_prune_reports_the_crash_leftovers_it_frees(tmp_path, monkeypatch, capsy
     import re
 
     monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "root"))
-    entry = _entry_dir(ortmem.InferenceSession(_model(tmp_path / "m")))
+    entry = _entry_dir(ortmem.InferenceSession(tiny_decoder(tmp_path / "m", storage="external")))
     dead = 2**22 + 12345  # above pid_max's default: no such process
     old = time.time() - 3600
     leftovers = {entry.parent / f".tmp-{dead}-ab12" / "weights.bin": 8 << 20,
-                 entry / f".{pp.PREPACKED_DATA}.{dead}-ef56": 4 << 20}
+                 entry / f".{layout.PREPACKED_DATA}.{dead}-ef56": 4 << 20}
     for f, size in leftovers.items():
         f.parent.mkdir(exist_ok=True)
         f.write_bytes(b"\x01" * size)
@@ -737,7 +729,7 @@ for _ in range(3):
     messages.clear()
     s = ortmem.InferenceSession(model, cache=mnt / "c")
     got = s.run(None, feeds)
-    entry = Path(s._ortmem_handoff.model).parent
+    entry = Path(s.ortmem_handoff.model).parent
     starts.append({"action": s.ortmem_action, "hit": s.ortmem_cache_hit, "entry": str(entry),
                    "same": all(np.array_equal(a, b) for a, b in zip(got, want)), "log": list(messages),
                    "record": "prepacked_no_space" in json.loads((entry / "manifest.json").read_text())})

@@ -26,7 +26,8 @@ import pytest
 import ortmem
 from ortmem.options import get_config
 from ortmem.synth import SynthConfig, write_model
-from compare import assert_same_outputs
+from tests.support.compare import assert_same_outputs
+from tests.support.reference import run_plain
 
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 #: Every session config key ortmem has ever set on options it was given: none may be left behind.
@@ -45,10 +46,6 @@ def _two_models(tmp_path: Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def _plain(path: Path) -> list[np.ndarray]:
-    return ort.InferenceSession(str(path), ort.SessionOptions(), providers=["CPUExecutionProvider"]).run(None, FEEDS)
-
-
 #: How each conversion path receives the model: (model argument, extra keyword arguments).
 PATHS: dict[str, Callable[[Path], tuple[Any, dict[str, Any]]]] = {
     "path, cache=False": lambda p: (str(p), {"cache": False}),
@@ -61,7 +58,7 @@ PATHS: dict[str, Callable[[Path], tuple[Any, dict[str, Any]]]] = {
 @pytest.mark.parametrize("how", sorted(PATHS))
 def test_reused_options_give_every_model_its_own_outputs(tmp_path, how):
     first, second = _two_models(tmp_path)
-    expected_first, expected_second = _plain(first), _plain(second)
+    expected_first, expected_second = run_plain(first, FEEDS), run_plain(second, FEEDS)
     assert not np.array_equal(expected_first[0], expected_second[0])  # the models really differ
     options = ort.SessionOptions()
     model, kwargs = PATHS[how](first)
@@ -94,10 +91,10 @@ def test_unusable_cache_with_caller_options_converts_without_touching_them(tmp_p
     options = ort.SessionOptions()
     sess = ortmem.InferenceSession(str(first), options, providers=["CPUExecutionProvider"])
     assert sess.ortmem_action == "converted-temporary" and sess.ortmem_report.converted > 0
-    assert_same_outputs(sess.run(None, FEEDS), _plain(first))
+    assert_same_outputs(sess.run(None, FEEDS), run_plain(first, FEEDS))
     assert_same_outputs(ort.InferenceSession(str(second), options, providers=["CPUExecutionProvider"]).run(None, FEEDS),
-                        _plain(second))
-    assert not Path(sess._ortmem_handoff.model).parent.exists()  # the private folder went after creation
+                        run_plain(second, FEEDS))
+    assert not Path(sess.ortmem_handoff.model).parent.exists()  # the private folder went after creation
     assert [r.levelname for r in caplog.records if r.name.startswith("ortmem")].count("WARNING") == 1
 
 
@@ -106,7 +103,7 @@ def test_without_caller_options_the_conversion_stays_in_memory(tmp_path):
     first, _ = _two_models(tmp_path)
     sess = ortmem.InferenceSession(str(first), providers=["CPUExecutionProvider"], cache=False)
     assert sess.ortmem_action == "in-memory"
-    assert_same_outputs(sess.run(None, FEEDS), _plain(first))
+    assert_same_outputs(sess.run(None, FEEDS), run_plain(first, FEEDS))
 
 
 def test_hooked_program_with_unusable_cache_keeps_its_options_clean(tmp_path):
@@ -129,8 +126,8 @@ def test_hooked_program_with_unusable_cache_keeps_its_options_clean(tmp_path):
     done = subprocess.run([sys.executable, "-m", "ortmem", "run", str(program)], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert_same_outputs([np.load(tmp_path / "a.npy")], _plain(first)[:1])
-    assert_same_outputs([np.load(tmp_path / "b.npy")], _plain(second)[:1])
+    assert_same_outputs([np.load(tmp_path / "a.npy")], run_plain(first, FEEDS)[:1])
+    assert_same_outputs([np.load(tmp_path / "b.npy")], run_plain(second, FEEDS)[:1])
 
 
 def test_in_memory_release_frees_the_pages_and_forbids_a_second_creation(tmp_path):
@@ -139,11 +136,11 @@ def test_in_memory_release_frees_the_pages_and_forbids_a_second_creation(tmp_pat
     that buffer (``set_providers``) must raise instead of letting ORT read zeros as weights."""
     first, _ = _two_models(tmp_path)
     sess = ortmem.InferenceSession(str(first), providers=["CPUExecutionProvider"], cache=False)
-    memory = sess._ortmem_handoff.memory
+    memory = sess.ortmem_handoff.memory
     assert memory.released and memory.releasable
     buf = np.frombuffer(memory.buffer, np.uint8)
     assert all(not buf[offset:offset + length].any() for offset, length in memory.releasable)
     del buf
-    assert_same_outputs(sess.run(None, FEEDS), _plain(first))
+    assert_same_outputs(sess.run(None, FEEDS), run_plain(first, FEEDS))
     with pytest.raises(ortmem.OrtmemError, match="given back"):
         sess.set_providers(["CPUExecutionProvider"])

@@ -16,19 +16,24 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from release_expect import gather_refusal
 
 import ortmem
 from ortmem.store.cache import Cache
+from ortmem.store.layout import WEIGHTS_FILE
 from ortmem.convert import convert_to
 from ortmem.inmemory import convert_in_memory
 from ortmem.passes.conversion import plan_conversion
 from ortmem.ortmodel.settings import session_settings
 from ortmem.errors import ConversionError
 from ortmem.ortmodel.variants import onnx_type_name
-from ortmem.passes.dq_matmul_match import dq_gather_match
+from ortmem.passes import dq_gather, dq_matmul
+from ortmem.passes.dq_gather_match import dq_gather_match
 from ortmem.synth import SynthConfig, write_model
-from compare import assert_same_outputs
+from tests.support.builders import tiny_decoder
+from tests.support.compare import assert_close_outputs, assert_same_outputs
+from tests.support.dq_graphs import GATHER_VARIANTS, fp16_graphs, hand_gather_models
+from tests.support.release_expect import gather_refusal
+from tests.support.threads import run_in_threads
 
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 
@@ -48,12 +53,6 @@ VARIANTS = {
 }
 
 
-def _model(tmp_path: Path, **kw) -> Path:
-    path = tmp_path / "m" / "model.onnx"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return write_model(SynthConfig.tiny(**kw), path)
-
-
 def _ort(path: Path, accuracy_level: int | None = None, level=None) -> list[np.ndarray]:
     so = ort.SessionOptions()
     if accuracy_level is not None:
@@ -71,7 +70,7 @@ def _count_ops(path: Path, op: str) -> int:
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("cache", [True, False])
 def test_hook_equals_ort_on_the_qdq_model(tmp_path, variant, cache):
-    path = _model(tmp_path, **VARIANTS[variant])
+    path = tiny_decoder(tmp_path / "m", **VARIANTS[variant])
     expected = _ort(path)
     sess = ortmem.InferenceSession(path, cache=cache)
     assert sess.ortmem_report is not None and sess.ortmem_report.converted > 0
@@ -81,14 +80,14 @@ def test_hook_equals_ort_on_the_qdq_model(tmp_path, variant, cache):
 
 @pytest.mark.parametrize("level", [0, 4])
 def test_accuracy_level_follows_the_session_option(tmp_path, level):
-    path = _model(tmp_path)
+    path = tiny_decoder(tmp_path / "m")
     so = ort.SessionOptions()
     so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
     got = ortmem.InferenceSession(path, so).run(None, FEEDS)
     assert np.array_equal(got[0], _ort(path, accuracy_level=level)[0])
     if level == 0:  # accuracy 0 is the unfused math: within 1e-5 relative of ORT_DISABLE_ALL
         ref = _ort(path, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)[0]
-        np.testing.assert_allclose(got[0], ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
+        assert_close_outputs(got[:1], [ref], rtol=1e-5, atol_of_max=1e-5)
 
 
 @pytest.mark.parametrize("level", [4, 0])
@@ -97,7 +96,7 @@ def test_fp16_scales_bit_identical_to_ort(tmp_path, level, cache):
     """On x86-64 ORT runs the MatMulNBits it fuses from an fp16 DQ+MatMul with its fp32 kernel
     (InsertCastTransformer + FuseInitializersTransformer + RemoveDuplicateCastTransformer, see
     ortmem.ortmodel.fp16_kernels.runs_fp16_matmulnbits_in_fp32); ortmem emits that form itself."""
-    path = _model(tmp_path, scale_dtype="float16", embedding="quantized")
+    path = tiny_decoder(tmp_path / "m", scale_dtype="float16", embedding="quantized")
     so = ort.SessionOptions()
     so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
     expected = _ort(path, accuracy_level=level)
@@ -107,8 +106,8 @@ def test_fp16_scales_bit_identical_to_ort(tmp_path, level, cache):
 
 
 def test_embedded_and_external_give_the_same_graph(tmp_path):
-    a = _model(tmp_path / "a")
-    b = _model(tmp_path / "b", storage="external")
+    a = tiny_decoder(tmp_path / "a" / "m")
+    b = tiny_decoder(tmp_path / "b" / "m", storage="external")
     out_a, out_b = tmp_path / "ca", tmp_path / "cb"
     with ortmem.load(a) as m:
         convert_to(m, out_a, session_settings())
@@ -123,7 +122,7 @@ def test_embedded_and_external_give_the_same_graph(tmp_path):
 def test_convert_cli_writes_a_standalone_folder(tmp_path, capsys):
     from ortmem.cli import main
 
-    path = _model(tmp_path, storage="external")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     out = tmp_path / "out"
     assert main(["convert", str(path), str(out), "--accuracy-level", "0"]) == 0
     assert "converted" in capsys.readouterr().out
@@ -139,23 +138,24 @@ def test_convert_cli_writes_a_standalone_folder(tmp_path, capsys):
 
 
 def test_convert_cli_prepack_writes_a_model_plain_ort_loads(tmp_path, capsys):
+    from ortmem.store import layout
     from ortmem.store import prepacked as pp
     from ortmem.cli import main
 
-    path = _model(tmp_path, storage="external")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     out = tmp_path / "out"
     assert main(["convert", str(path), str(out), "--prepack"]) == 0
     from ortmem.ortmodel.release import capabilities
 
     if not capabilities().prepacked_save:  # 1.25 saves no pre-packed MatMulNBits weights
         assert "nothing for ORT to pre-pack" in capsys.readouterr().out
-        assert not (out / pp.PREPACKED_MODEL).exists()
+        assert not (out / layout.PREPACKED_MODEL).exists()
         got = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, FEEDS)[0]
         assert np.array_equal(got, _ort(path)[0])
         return
     assert "pre-packed for this CPU" in capsys.readouterr().out
     assert pp.verify_prepacked(out) is None
-    got = ort.InferenceSession(str(out / pp.PREPACKED_MODEL), providers=["CPUExecutionProvider"]).run(None, FEEDS)[0]
+    got = ort.InferenceSession(str(out / layout.PREPACKED_MODEL), providers=["CPUExecutionProvider"]).run(None, FEEDS)[0]
     assert np.array_equal(got, _ort(path)[0])
 
 
@@ -181,13 +181,13 @@ def test_unconvertible_patterns_are_left_and_reported(tmp_path):
         from ortmem.passes.conversion import plan_conversion
 
         plan = plan_conversion(m)
-    assert not plan.rewrites and plan.skipped and "block" in plan.skipped[0][1]
+    assert not plan.of_rule(dq_matmul.NAME) and plan.skipped and "block" in plan.skipped[0][1]
 
 
 # ---- the cache ----
 
 def test_second_start_is_a_cache_hit_and_converts_nothing(tmp_path):
-    path = _model(tmp_path, storage="external")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     cache_dir = tmp_path / "cache"
     first = ortmem.InferenceSession(path, cache=cache_dir)
     assert not first.ortmem_cache_hit and first.ortmem_report.converted > 0
@@ -201,7 +201,7 @@ def test_second_start_is_a_cache_hit_and_converts_nothing(tmp_path):
 
 
 def test_options_that_change_the_result_change_the_key(tmp_path):
-    path = _model(tmp_path)
+    path = tiny_decoder(tmp_path / "m")
     cache_dir = tmp_path / "cache"
     ortmem.InferenceSession(path, cache=cache_dir)
     so = ort.SessionOptions()
@@ -212,7 +212,7 @@ def test_options_that_change_the_result_change_the_key(tmp_path):
 
 
 def test_edited_source_is_a_miss(tmp_path):
-    path = _model(tmp_path)
+    path = tiny_decoder(tmp_path / "m")
     cache_dir = tmp_path / "cache"
     ortmem.InferenceSession(path, cache=cache_dir)
     os.utime(path, ns=(1, 1))  # same bytes, new identity: never trust a stale entry
@@ -220,7 +220,7 @@ def test_edited_source_is_a_miss(tmp_path):
 
 
 def test_edited_external_data_is_a_miss(tmp_path):
-    path = _model(tmp_path, storage="external")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     cache_dir = tmp_path / "cache"
     ortmem.InferenceSession(path, cache=cache_dir)
     assert ortmem.InferenceSession(path, cache=cache_dir).ortmem_cache_hit
@@ -232,7 +232,7 @@ def test_edited_external_data_is_a_miss(tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncate", "scribble", "manifest", "model"])
 def test_corrupt_entry_is_rebuilt(tmp_path, damage):
-    path = _model(tmp_path, storage="external")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     cache_dir = tmp_path / "cache"
     expected = ortmem.InferenceSession(path, cache=cache_dir).run(None, FEEDS)[0]
     (entry,) = Cache(cache_dir).entries()
@@ -253,29 +253,16 @@ def test_corrupt_entry_is_rebuilt(tmp_path, damage):
 
 
 def test_concurrent_creators_agree(tmp_path):
-    path = _model(tmp_path, storage="external")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     cache_dir = tmp_path / "cache"
-    results, errors = [], []
-
-    def start():
-        try:
-            results.append(ortmem.InferenceSession(path, cache=cache_dir).run(None, FEEDS)[0])
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=start) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    results = run_in_threads(lambda: ortmem.InferenceSession(path, cache=cache_dir).run(None, FEEDS)[0])
     assert all(np.array_equal(r, results[0]) for r in results)
     assert len(list(Cache(cache_dir).entries())) == 1
     assert not [p for p in cache_dir.iterdir() if p.name.startswith(".")]
 
 
 def test_full_disk_leaves_nothing_half_written(tmp_path, monkeypatch, caplog):
-    path = _model(tmp_path, storage="external")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     cache_dir = tmp_path / "cache"
 
     def no_space(fd, offset, length):
@@ -294,7 +281,7 @@ def test_cache_cli_lists_and_clears(tmp_path, capsys, monkeypatch):
     from ortmem.cli import main
 
     monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "root"))
-    path = _model(tmp_path)
+    path = tiny_decoder(tmp_path / "m")
     ortmem.InferenceSession(path)
     assert main(["cache", "list"]) == 0
     out = capsys.readouterr().out
@@ -307,12 +294,12 @@ def test_cache_cli_lists_and_clears(tmp_path, capsys, monkeypatch):
 # ---- cache=False: buffers borrowed by ORT, released after creation ----
 
 def test_in_memory_releases_what_ort_no_longer_reads(tmp_path):
-    path = _model(tmp_path, storage="external")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     sess = ortmem.InferenceSession(path, cache=False)
-    mem = sess._ortmem_handoff.memory
+    mem = sess.ortmem_handoff.memory
     assert mem is not None and mem.released and mem.releasable
     # int4 at accuracy 4: ORT pre-packs B and scales, so both were released
-    assert sum(length for _, length in mem.releasable) >= 0.9 * sum(r.B.nbytes for r in mem.plan.rewrites)
+    assert sum(length for _, length in mem.releasable) >= 0.9 * sum(r.B.nbytes for r in mem.plan.of_rule(dq_matmul.NAME))
     # ORT never reads a released page: overwrite all of them, outputs do not move
     buf = np.frombuffer(mem.buffer, np.uint8)
     for offset, length in mem.releasable:
@@ -325,12 +312,12 @@ def test_in_memory_keeps_what_ort_still_reads(tmp_path):
     """With pre-packing disabled ORT reads B on every run: nothing may be released. Such settings
     come with the caller's options, which never carry in-memory files (tests/test_caller_options.py):
     the session converts into a private folder, and the in-memory plan is checked on its own."""
-    path = _model(tmp_path, storage="external")
+    path = tiny_decoder(tmp_path / "m", storage="external")
     so = ort.SessionOptions()
     so.add_session_config_entry("session.disable_prepacking", "1")
     model = ortmem.load(path)
     plan = plan_conversion(model, session_settings(so))
-    assert plan.rewrites and convert_in_memory(model, plan, prepacking=False).releasable == []
+    assert plan.of_rule(dq_matmul.NAME) and convert_in_memory(model, plan, prepacking=False).releasable == []
     sess = ortmem.InferenceSession(path, so, cache=False)
     assert sess.ortmem_action == "converted-temporary"
     expected = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, FEEDS)[0]
@@ -338,20 +325,6 @@ def test_in_memory_keeps_what_ort_still_reads(tmp_path):
 
 
 # ---- DQ(+Cast)+Gather -> GatherBlockQuantized ----
-
-GATHER_VARIANTS = {
-    "int4": {},
-    "int4+zp": {"zero_points": True},
-    "uint4": {"weight_type": "uint4"},
-    "uint4+zp": {"weight_type": "uint4", "zero_points": True},
-    "uint8": {"weight_type": "uint8"},  # GBQ's uint8 default zero point is 128: an explicit 0 is made
-    "uint8+zp": {"weight_type": "uint8", "zero_points": True},
-    "uint2": {"weight_type": "uint2"},  # the table travels as uint8 bits=2 over the same bytes
-    "uint2+zp": {"weight_type": "uint2", "zero_points": True},
-    "block128": {"block_size": 128},
-    "external": {"storage": "external"},
-}
-
 
 def _gbq_nodes(model_path: Path) -> list[onnx.NodeProto]:
     m = onnx.load(str(model_path), load_external_data=False)
@@ -361,7 +334,7 @@ def _gbq_nodes(model_path: Path) -> list[onnx.NodeProto]:
 @pytest.mark.parametrize("variant", sorted(GATHER_VARIANTS))
 @pytest.mark.parametrize("cache", [True, False])
 def test_gbq_hook_equals_ort_on_the_qdq_model(tmp_path, variant, cache):
-    path = _model(tmp_path, embedding="quantized", **GATHER_VARIANTS[variant])
+    path = tiny_decoder(tmp_path / "m", embedding="quantized", **GATHER_VARIANTS[variant])
     expected = _ort(path)
     sess = ortmem.InferenceSession(path, cache=tmp_path / "cache" if cache else False)
     got = sess.run(None, FEEDS)
@@ -382,18 +355,18 @@ def test_gbq_hook_equals_ort_on_the_qdq_model(tmp_path, variant, cache):
         table = next(t for t in m.graph.initializer if t.name == gbq.input[0])
         assert dict((e.key, e.value) for e in table.external_data)["location"].startswith("source-")
     else:
-        skel = onnx.load_from_string(sess._ortmem_handoff.memory.skeleton)
+        skel = onnx.load_from_string(sess.ortmem_handoff.memory.skeleton)
         assert [n.op_type for n in skel.graph.node].count("GatherBlockQuantized") == 1
 
 
 def test_gbq_fp16_cast_form(tmp_path):
     """DQ(fp16) -> Cast(float) -> Gather: GBQ in fp16, the Cast moves onto the gathered rows."""
-    path = _model(tmp_path, embedding="quantized", scale_dtype="float16")
+    path = tiny_decoder(tmp_path / "m", embedding="quantized", scale_dtype="float16")
     with ortmem.load(path) as m:
         from ortmem.passes.conversion import plan_conversion
 
         plan = plan_conversion(m)
-    (g,) = plan.gathers
+    (g,) = plan.of_rule(dq_gather.NAME)
     assert g.candidate.cast and g.candidate.cast_to == onnx.TensorProto.FLOAT
     out = tmp_path / "out"
     with ortmem.load(path) as m:
@@ -406,40 +379,25 @@ def test_gbq_fp16_cast_form(tmp_path):
 
 def test_gbq_int8_and_int2_tables_are_left_and_reported(tmp_path):
     for wtype in ("int8", "int2"):
-        path = _model(tmp_path / wtype, embedding="quantized", weight_type=wtype)
+        path = tiny_decoder(tmp_path / wtype / "m", embedding="quantized", weight_type=wtype)
         with ortmem.load(path) as m:
             from ortmem.passes.conversion import plan_conversion
 
             plan = plan_conversion(m)
-        assert not plan.gathers
+        assert not plan.of_rule(dq_gather.NAME)
         assert any("GatherBlockQuantized" in reason and "embed" in node for node, reason in plan.skipped)
         assert np.array_equal(ortmem.InferenceSession(path).run(None, FEEDS)[0], _ort(path)[0])
 
 
 def test_gbq_respects_disabled_optimizations(tmp_path):
-    path = _model(tmp_path, embedding="quantized")
+    path = tiny_decoder(tmp_path / "m", embedding="quantized")
     with ortmem.load(path) as m:
         from ortmem.passes.conversion import plan_conversion
 
-        assert plan_conversion(m, session_settings()).gathers
+        assert plan_conversion(m, session_settings()).of_rule(dq_gather.NAME)
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        assert not plan_conversion(m, session_settings(so)).gathers
-
-
-def _hand_gather_models():
-    """The matcher's DQ+Gather forms (tests/test_dq_matmul_match.py GATHERS), as models."""
-    from test_dq_matmul_match import GATHERS, _dq_gather, vi
-
-    out = {}
-    for name, kw in GATHERS.items():
-        m = _dq_gather(name, **kw)
-        feeds = {"ids": np.array([0, 3, -1, 7, 0], np.int32 if kw.get("idx_type") == onnx.TensorProto.INT32 else np.int64)}
-        if name == "tied_with_matmul":
-            m.graph.input.append(vi("Xa", [2, 12]))
-            feeds["Xa"] = np.linspace(-1, 1, 24, dtype=np.float32).reshape(2, 12)
-        out[name] = (m, feeds)
-    return out
+        assert not plan_conversion(m, session_settings(so)).of_rule(dq_gather.NAME)
 
 
 @pytest.mark.parametrize("storage", ["inline", "external"])
@@ -448,7 +406,7 @@ def test_gbq_every_matcher_form_converts_bit_identically(tmp_path, storage):
     as-is/reshape/expand/zeros/repack, uint2 as uint8, tied tables, fp16 + Cast), converted by
     ``ortmem convert``, reproduces ORT's own DQ+Gather run bit for bit; inline (skeleton) tensors
     and external ones (placed in weights.bin) alike."""
-    for name, (m, feeds) in _hand_gather_models().items():
+    for name, (m, feeds) in hand_gather_models().items():
         src = tmp_path / storage / name / "model.onnx"
         src.parent.mkdir(parents=True)
         if storage == "external":
@@ -467,13 +425,12 @@ def test_gbq_every_matcher_form_converts_bit_identically(tmp_path, storage):
         dqs = [n for n in conv.graph.node if n.op_type == "DequantizeLinear"]
         assert len(dqs) == (1 if name == "tied_with_matmul" or refused else 0), name  # a tied table keeps its DQ
         got = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)
-        for a, b in zip(want, got):
-            assert a.dtype == b.dtype and np.array_equal(a, b), name
+        assert_same_outputs(got, want, name)
 
 
 def test_gbq_table_is_copied_only_by_convert(tmp_path):
     """``ortmem convert`` output is self-contained (table copied file to file); a cache entry links it."""
-    path = _model(tmp_path, embedding="quantized", storage="external")
+    path = tiny_decoder(tmp_path / "m", embedding="quantized", storage="external")
     out = tmp_path / "out"
     with ortmem.load(path) as m:
         convert_to(m, out, session_settings())
@@ -489,11 +446,11 @@ def test_in_memory_never_releases_gbq_inputs(tmp_path):
     """ORT's GatherBlockQuantized has no PrePack: it reads its inputs from our buffers on every run.
     Nothing of them may be released, and scribbling on them changes the output (proof that ORT
     reads the borrowed bytes, so releasing them would be wrong)."""
-    path = _model(tmp_path, embedding="quantized", weight_type="uint8", storage="external")
+    path = tiny_decoder(tmp_path / "m", embedding="quantized", weight_type="uint8", storage="external")
     expected = _ort(path)[0]
     sess = ortmem.InferenceSession(path, cache=False)
-    mem = sess._ortmem_handoff.memory
-    (g,) = mem.plan.gathers
+    mem = sess.ortmem_handoff.memory
+    (g,) = mem.plan.of_rule(dq_gather.NAME)
     # the explicit zero point (GBQ's uint8 default would be 128); the index check's arange beside it
     (made,) = [t for role, t in g.made if role == "zero_points"]
     assert mem.released and mem.releasable
@@ -516,65 +473,13 @@ def test_in_memory_never_releases_gbq_inputs(tmp_path):
 
 # ---- fp16: the fused node runs in fp32 on x86-64 CPUs, as in ORT's own session ----
 
-def _fp16_graphs():
-    """Hand-built fp16 graphs around DQ(int4, fp16 scales)+MatMul/Gemm: what sits next to the fused
-    node decides which Casts ORT removes and which fp16 CPU kernels it forces to fp32."""
-    from onnx import TensorProto as T
-    from onnx import helper as H
-    from onnx import numpy_helper as nh
-
-    rng = np.random.default_rng(7)
-    K = N = 64
-
-    def q(name):
-        codes = rng.integers(0, 256, size=(K * N // 2,), dtype=np.uint8)
-        return [H.make_tensor(name, T.INT4, [K, N], codes.tobytes(), raw=True),
-                nh.from_array((rng.random((K // 32, N)) * 0.02 + 0.005).astype(np.float16), name + "_s")]
-
-    def dq(name):
-        return H.make_node("DequantizeLinear", [name, name + "_s"], [name + "_d"], axis=0, block_size=32)
-
-    def vi(n, shape):
-        return H.make_tensor_value_info(n, T.FLOAT16, shape)
-
-    ln = [nh.from_array(rng.random(K).astype(np.float16), "b0"),
-          nh.from_array((rng.random(K) + 0.5).astype(np.float16), "g"),
-          nh.from_array((rng.random(K) * 0.1).astype(np.float16), "beta")]
-    x3 = rng.standard_normal((1, 3, K)).astype(np.float16)
-    graphs = {
-        # LayerNormalization has an fp16 CPU kernel, but sits between two unassigned nodes (Add and the
-        # fused node): ORT's ForceSingleNodeCPUFloat16ToFloat32 runs it in fp32
-        "layernorm_forced_to_fp32": ([H.make_node("Add", ["X", "b0"], ["x1"]),
-                                      H.make_node("LayerNormalization", ["x1", "g", "beta"], ["x2"], axis=-1),
-                                      dq("W1"), H.make_node("MatMul", ["x2", "W1_d"], ["y1"]),
-                                      H.make_node("Add", ["y1", "x1"], ["Y"])], q("W1") + ln, [1, 3, K], x3),
-        "transpose_forced_to_fp32": ([H.make_node("Add", ["X", "b0"], ["x1"]),
-                                      H.make_node("Transpose", ["x1"], ["x2"], perm=[0, 1, 2]),
-                                      dq("W1"), H.make_node("MatMul", ["x2", "W1_d"], ["y1"]),
-                                      H.make_node("Transpose", ["y1"], ["y2"], perm=[0, 1, 2]),
-                                      H.make_node("Add", ["y2", "x1"], ["Y"])], q("W1") + ln, [1, 3, K], x3),
-        "softmax_between_two": ([dq("W1"), H.make_node("MatMul", ["X", "W1_d"], ["y1"]),
-                                 H.make_node("Softmax", ["y1"], ["r"], axis=-1),
-                                 dq("W2"), H.make_node("MatMul", ["r", "W2_d"], ["Y"])], q("W1") + q("W2"), [1, 3, K], x3),
-        "chained_and_bias": ([dq("W1"), H.make_node("MatMul", ["X", "W1_d"], ["y1"]),
-                              H.make_node("Add", ["y1", "b0"], ["y2"]),
-                              dq("W2"), H.make_node("Gemm", ["y2", "W2_d", "b0"], ["Y"])],
-                             q("W1") + q("W2") + ln[:1], [2, K], rng.standard_normal((2, K)).astype(np.float16)),
-    }
-    out = {}
-    for name, (nodes, inits, shape, x) in graphs.items():
-        g = H.make_graph(nodes, name, [vi("X", shape)], [vi("Y", shape[:-1] + [N])], inits)
-        out[name] = (H.make_model(g, ir_version=10, opset_imports=[H.make_opsetid("", 21)]), {"X": x})
-    return out
-
-
 @pytest.mark.parametrize("level", [4, 0])
 def test_fp16_neighbourhoods_bit_identical_to_ort(tmp_path, level):
     from ortmem.ortmodel.fp16_kernels import runs_fp16_matmulnbits_in_fp32
 
     if not runs_fp16_matmulnbits_in_fp32("MatMul"):
         pytest.skip("this ORT build keeps the fused fp16 MatMulNBits in fp16 (fp16 MatMul CPU kernel)")
-    for name, (m, feeds) in _fp16_graphs().items():
+    for name, (m, feeds) in fp16_graphs().items():
         src = tmp_path / name / "model.onnx"
         src.parent.mkdir(parents=True)
         onnx.save(m, src)
@@ -594,16 +499,18 @@ def test_fp16_kept_where_the_caller_says_the_ep_runs_fp16(tmp_path):
     """``fp16_in_fp32=False`` (an EP with fp16 kernels) keeps the fp16 node and scales."""
     from ortmem.passes.conversion import plan_conversion, rewrite_skeleton
 
-    path = _model(tmp_path, scale_dtype="float16")
+    path = tiny_decoder(tmp_path / "m", scale_dtype="float16")
     with ortmem.load(path) as m:
         kept = plan_conversion(m, fp16_in_fp32=False)
-        assert kept.rewrites and all(not r.fp32 and r.scales.data_type == onnx.TensorProto.FLOAT16 for r in kept.rewrites)
+        kept_mm = kept.of_rule(dq_matmul.NAME)
+        assert kept_mm and all(not r.fp32 and r.scales.data_type == onnx.TensorProto.FLOAT16 for r in kept_mm)
         as_cpu = plan_conversion(m, fp16_in_fp32=True)
-        assert all(r.fp32 and r.scales.data_type == onnx.TensorProto.FLOAT for r in as_cpu.rewrites)
-        assert all(r.scales.nbytes == 2 * k.scales.nbytes for r, k in zip(as_cpu.rewrites, kept.rewrites))
-        skel = rewrite_skeleton(m, as_cpu)
+        cpu_mm = as_cpu.of_rule(dq_matmul.NAME)
+        assert all(r.fp32 and r.scales.data_type == onnx.TensorProto.FLOAT for r in cpu_mm)
+        assert all(r.scales.nbytes == 2 * k.scales.nbytes for r, k in zip(cpu_mm, kept_mm))
+        skel = rewrite_skeleton(m, as_cpu, WEIGHTS_FILE)
     casts = [n for n in skel.graph.node if n.op_type == "Cast" and n.name.startswith("InsertedPrecisionFreeCast_")]
-    assert len(casts) >= 2 * len(as_cpu.rewrites)
+    assert len(casts) >= 2 * len(cpu_mm)
 
 
 def test_level2_bias_fold_is_left_to_ort(tmp_path):
@@ -633,7 +540,7 @@ def test_level2_bias_fold_is_left_to_ort(tmp_path):
     x = {"X": rng.standard_normal((2, 5, K)).astype(np.float32)}
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, x)[0]
     sess = ortmem.InferenceSession(path, cache=False)
-    skel = onnx.load_from_string(sess._ortmem_handoff.memory.skeleton)
+    skel = onnx.load_from_string(sess.ortmem_handoff.memory.skeleton)
     ops = [n.op_type for n in skel.graph.node][:2]
     assert np.array_equal(sess.run(None, x)[0], want)
     assert ops == ["MatMulNBits", "Add"]  # the Add is ORT's to fold

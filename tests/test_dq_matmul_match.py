@@ -22,86 +22,35 @@ from onnx import helper as H
 from onnx import numpy_helper as nh
 
 import ortmem
-from ortmem.passes.dq_matmul_match import (
-    dq_gather_match,
-    dq_matmul_match,
-    effective_block_size,
+from ortmem.passes.dq_gather_match import dq_gather_match
+from ortmem.passes.dq_matmul_checks import effective_block_size
+from ortmem.passes.dq_matmul_match import dq_matmul_match
+from tests.support.dq_graphs import (
+    D,
+    GATHERS,
+    INT2,
+    K,
+    MS,
+    N,
+    RANGES,
+    UINT2,
+    V,
+    dq_gather,
+    dq_mm,
+    dqn,
+    mm,
+    model,
+    rng_for,
+    st,
+    vi,
+    wt,
 )
 
 EXT = int(ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED)  # 2
 BASIC = int(ort.GraphOptimizationLevel.ORT_ENABLE_BASIC)  # 1
 ALL = 99
-INT2, UINT2 = 26, 25
-K, N = 64, 16
-RANGES = {T.INT4: (-8, 8), T.UINT4: (0, 16), T.INT8: (-128, 128), T.UINT8: (0, 256), INT2: (-2, 2), UINT2: (0, 4),
-          T.INT16: (-100, 100), T.UINT16: (0, 100)}
-_NP = {T.INT4: "int4", T.UINT4: "uint4", INT2: "int2", UINT2: "uint2"}
 
 ort.set_default_logger_severity(3)
-
-
-# ------------------------------------------------------------------------------------------------
-# model building
-# ------------------------------------------------------------------------------------------------
-
-def rng_for(tag: str) -> np.random.Generator:
-    return np.random.default_rng(zlib.crc32(tag.encode()))  # hash() differs per process
-
-
-def wt(name: str, shape, dtype=T.INT4, rng=None, values=None) -> T:
-    rng = rng or np.random.default_rng(0)
-    lo, hi = RANGES[dtype]
-    v = rng.integers(lo, hi, shape) if values is None else np.asarray(values)
-    if dtype in _NP:
-        import ml_dtypes  # onnx's own dependency
-
-        return nh.from_array(v.astype(getattr(ml_dtypes, _NP[dtype])), name)
-    return nh.from_array(v.astype(onnx.helper.tensor_dtype_to_np_dtype(dtype)), name)
-
-
-def st(name: str, shape, dtype=T.FLOAT, rng=None, value=None) -> T:
-    rng = rng or np.random.default_rng(1)
-    v = (rng.random(shape) + 0.5) if value is None else np.full(shape, value)
-    if dtype == T.BFLOAT16:
-        bits = (np.asarray(v, np.float32).view(np.uint32) >> 16).astype(np.uint16)
-        t = T(name=name, data_type=T.BFLOAT16, dims=list(np.shape(v)))
-        t.raw_data = bits.tobytes()
-        return t
-    return nh.from_array(np.asarray(v, onnx.helper.tensor_dtype_to_np_dtype(dtype)), name)
-
-
-def vi(name, shape, dtype=T.FLOAT):
-    return H.make_tensor_value_info(name, dtype, shape)
-
-
-def dqn(w="W", s="S", z=None, out="Wd", name="dq", **attrs):
-    return H.make_node("DequantizeLinear", [w, s] + ([z] if z is not None else []), [out], name=name, **attrs)
-
-
-def mm(a="A", b="Wd", y="Y", name="mm"):
-    return H.make_node("MatMul", [a, b], [y], name=name)
-
-
-def model(nodes, inputs, outputs, inits, opset=21, extra_opsets=()):
-    g = H.make_graph(nodes, "g", inputs, outputs, inits)
-    return H.make_model(g, ir_version=10, opset_imports=[H.make_opsetid("", opset), *extra_opsets])
-
-
-def dq_mm(*, k=K, n=N, wtype=T.INT4, stype=T.FLOAT, block=32, axis=0, scale_shape=None, zp=False,
-          zp_shape=None, attrs=None, opset=21, tag="m"):
-    """DQ(W) -> MatMul(A, .) with the knobs the rule looks at."""
-    rng = rng_for(tag)
-    if scale_shape is None:
-        scale_shape = [-(-k // block), n]
-    inits = [wt("W", [k, n], wtype, rng), st("S", scale_shape, stype, rng)]
-    z = None
-    if zp:
-        inits.append(wt("Z", scale_shape if zp_shape is None else zp_shape, wtype, rng))
-        z = "Z"
-    if attrs is None:
-        attrs = dict(axis=axis, block_size=block)
-    at = stype
-    return model([dqn(z=z, **attrs), mm()], [vi("A", [2, k], at)], [vi("Y", [2, n], at)], inits, opset=opset)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -854,29 +803,6 @@ def test_metadata_only_external_weights(tmp_path):
 # DQ + Gather -> GatherBlockQuantized
 # ------------------------------------------------------------------------------------------------
 
-V, D = 12, 64
-MS = H.make_opsetid("com.microsoft", 1)
-
-
-def _dq_gather(tag, *, wtype=T.INT4, stype=T.FLOAT, attrs=None, scale_shape=None, zp=False, table=(V, D),
-               extra_nodes=(), extra_outputs=(), gather_axis=0, idx_type=T.INT64, cast_to=None):
-    rng = rng_for(tag)
-    attrs = dict(axis=1, block_size=16) if attrs is None else attrs
-    if scale_shape is None:
-        scale_shape = [table[0], -(-table[1] // attrs.get("block_size", 16))]
-    inits = [wt("W", list(table), wtype, rng), st("S", scale_shape, stype, rng)]
-    z = None
-    if zp:
-        inits.append(wt("Z", scale_shape, wtype, rng))
-        z = "Z"
-    nodes = [dqn(z=z, **attrs), H.make_node("Gather", ["Wc" if cast_to else "Wd", "ids"], ["Y"], name="gather", axis=gather_axis),
-             *extra_nodes]
-    if cast_to:
-        nodes.insert(1, H.make_node("Cast", ["Wd"], ["Wc"], name="cast", to=cast_to))
-    return model(nodes, [vi("ids", [5], idx_type)], [vi("Y", None, cast_to or stype), *extra_outputs], inits,
-                 opset=25 if wtype in (INT2, UINT2) else 21)
-
-
 def _pack(vals: np.ndarray, bits: int) -> np.ndarray:
     per = 8 // bits
     v = vals.astype(np.int64) & ((1 << bits) - 1)
@@ -940,34 +866,10 @@ def _run(m, tmp_path, feeds, level=ALL):
     return ort.InferenceSession(str(p), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
 
 
-GATHERS = {
-    "int4_blockwise_zp": dict(zp=True),
-    "int4_blockwise": dict(),
-    "uint4_blockwise": dict(wtype=T.UINT4),
-    "uint8_zp": dict(wtype=T.UINT8, zp=True),
-    "uint8_no_zp": dict(wtype=T.UINT8),
-    "uint2_zp": dict(wtype=UINT2, zp=True, attrs=dict(axis=1, block_size=16)),
-    "int4_block_larger_than_row": dict(attrs=dict(axis=1, block_size=128)),
-    "int4_block_1024": dict(attrs=dict(axis=1, block_size=1024)),
-    "int4_odd_width": dict(table=(V, 41)),
-    "int4_blocks_along_rows": dict(attrs=dict(axis=0, block_size=16), scale_shape=[1, D]),
-    "int4_per_row_zp": dict(attrs=dict(axis=0), scale_shape=[V], zp=True),
-    "uint8_per_row": dict(wtype=T.UINT8, attrs=dict(axis=0), scale_shape=[V]),
-    "int4_per_column": dict(attrs=dict(axis=1), scale_shape=[D]),
-    "int4_per_tensor_zp": dict(attrs={}, scale_shape=[], zp=True),
-    "uint8_per_tensor": dict(wtype=T.UINT8, attrs={}, scale_shape=[]),
-    "fp16_scales": dict(stype=T.FLOAT16),
-    "int32_indices": dict(idx_type=T.INT32),
-    "fp16_then_cast_to_float": dict(stype=T.FLOAT16, zp=True, cast_to=T.FLOAT),
-    "tied_with_matmul": dict(extra_nodes=[H.make_node("MatMul", ["Xa", "Wd"], ["Y2"], name="lm")],
-                             extra_outputs=[vi("Y2", None)]),
-}
-
-
 @pytest.mark.parametrize("name", list(GATHERS))
 def test_gather_candidates_reproduce_dq_gather(name, tmp_path):
     kw = GATHERS[name]
-    m = _dq_gather(name, **kw)
+    m = dq_gather(name, **kw)
     if name == "tied_with_matmul":
         m.graph.input.append(vi("Xa", [2, V]))
     cands, rej = dq_gather_match(m)
@@ -993,7 +895,7 @@ def test_gather_candidates_reproduce_dq_gather(name, tmp_path):
 
 
 def test_ort_has_no_dq_gather_fusion(tmp_path):
-    opt = ort_optimize(_dq_gather("nofuse"), tmp_path, level=ALL)
+    opt = ort_optimize(dq_gather("nofuse"), tmp_path, level=ALL)
     assert [n.op_type for n in opt.graph.node] == ["DequantizeLinear", "Gather"]
 
 
@@ -1015,7 +917,7 @@ GATHER_REJECTS = {
 @pytest.mark.parametrize("name", list(GATHER_REJECTS))
 def test_gather_rejections(name, tmp_path):
     kw, code = GATHER_REJECTS[name]
-    cands, rej = dq_gather_match(_dq_gather(name, **kw))
+    cands, rej = dq_gather_match(dq_gather(name, **kw))
     assert not cands and [r.code for r in rej] == [code]
 
 
@@ -1035,7 +937,7 @@ def test_gbq_kernel_refuses_what_we_reject(attrs, qaxis, wtype, msg, tmp_path):
 
 
 def test_gather_non_constant_table():
-    m = _dq_gather("nc")
+    m = dq_gather("nc")
     m.graph.input.append(vi("W", [V, D], T.INT4))
     cands, rej = dq_gather_match(m)
     assert [r.code for r in rej] == ["weight_not_constant"]

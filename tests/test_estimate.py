@@ -14,15 +14,10 @@ from ortmem.ortmodel import graph_index as og
 from ortmem.plan.estimate import estimate
 from ortmem.plan.estimate.recipe import nbits_packed_bytes, sgemm_packed_bytes
 from ortmem.plan.estimate import add_estimate_arguments, main_estimate
+from tests.support.paths import REPO
+from tests.support.planner_graphs import graph_model
 
 F = TensorProto.FLOAT
-
-
-def _model(nodes, inputs, outputs, inits, opset=17) -> onnx.ModelProto:
-    m = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, inits),
-                          opset_imports=[helper.make_opsetid("", opset)])
-    m.ir_version = 10
-    return m
 
 
 def _save(m: onnx.ModelProto, path: Path, external: bool = False) -> Path:
@@ -39,10 +34,10 @@ def _w(rng, name, shape):
 
 def test_shared_initializer_charged_once(tmp_path, rng):
     # x[1,64] -> MatMul(W) -> h -> MatMul(W) -> y: W (64x64 fp32 = 16384 B) is charged to the first node only
-    m = _model([helper.make_node("MatMul", ["x", "W"], ["h"], name="mm1"),
-                helper.make_node("MatMul", ["h", "W"], ["y"], name="mm2")],
-               [helper.make_tensor_value_info("x", F, [1, 64])], [helper.make_tensor_value_info("y", F, [1, 64])],
-               [_w(rng, "W", (64, 64))])
+    m = graph_model([helper.make_node("MatMul", ["x", "W"], ["h"], name="mm1"),
+                     helper.make_node("MatMul", ["h", "W"], ["y"], name="mm2")],
+                    [helper.make_tensor_value_info("x", F, [1, 64])], [helper.make_tensor_value_info("y", F, [1, 64])],
+                    [_w(rng, "W", (64, 64))])
     e = estimate(_save(m, tmp_path / "m.onnx"))
     rows = {r.node: r for r in e.nodes}
     assert rows["mm1"].weights_bytes == 16384 and rows["mm1"].weights == ["W"]
@@ -66,9 +61,9 @@ def test_subgraph_outer_scope_initializer(tmp_path, rng):
         "then", [], [helper.make_tensor_value_info("t1", F, [2, 32])], [_w(rng, "Wt", (32, 32))])
     else_g = helper.make_graph([helper.make_node("MatMul", ["x", "We"], ["e0"], name="else_mm")],
                                "else", [], [helper.make_tensor_value_info("e0", F, [2, 32])], [_w(rng, "We", (32, 32))])
-    m = _model([helper.make_node("If", ["c"], ["y"], name="branch", then_branch=then_g, else_branch=else_g)],
-               [helper.make_tensor_value_info("x", F, [2, 32]), helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
-               [helper.make_tensor_value_info("y", F, [2, 32])], [_w(rng, "W_outer", (32, 32))])
+    m = graph_model([helper.make_node("If", ["c"], ["y"], name="branch", then_branch=then_g, else_branch=else_g)],
+                    [helper.make_tensor_value_info("x", F, [2, 32]), helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                    [helper.make_tensor_value_info("y", F, [2, 32])], [_w(rng, "W_outer", (32, 32))])
     e = estimate(_save(m, tmp_path / "m.onnx"))
     rows = {r.node: r for r in e.nodes}
     assert rows["branch"].weights == ["W_outer"] and rows["branch"].weights_bytes == 4096
@@ -82,10 +77,10 @@ def test_subgraph_outer_scope_initializer(tmp_path, rng):
 
 
 def test_unknown_dimension_reported_not_guessed(tmp_path, rng):
-    m = _model([helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
-                helper.make_node("Relu", ["h"], ["y"], name="relu")],
-               [helper.make_tensor_value_info("x", F, ["batch", "n", 16])],
-               [helper.make_tensor_value_info("y", F, ["batch", "n", 8])], [_w(rng, "W", (16, 8))])
+    m = graph_model([helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+                     helper.make_node("Relu", ["h"], ["y"], name="relu")],
+                    [helper.make_tensor_value_info("x", F, ["batch", "n", 16])],
+                    [helper.make_tensor_value_info("y", F, ["batch", "n", 8])], [_w(rng, "W", (16, 8))])
     path = _save(m, tmp_path / "m.onnx")
     e = estimate(path, dims={"batch": 2})
     assert e.unresolved_dims == ["n"]
@@ -100,9 +95,9 @@ def test_unknown_dimension_reported_not_guessed(tmp_path, rng):
 
 
 def test_storage_and_embedded_copy(tmp_path, rng):
-    m = _model([helper.make_node("Gather", ["T", "ids"], ["y"], name="g")],
-               [helper.make_tensor_value_info("ids", TensorProto.INT64, [4])],
-               [helper.make_tensor_value_info("y", F, [4, 256])], [_w(rng, "T", (1024, 256))])
+    m = graph_model([helper.make_node("Gather", ["T", "ids"], ["y"], name="g")],
+                    [helper.make_tensor_value_info("ids", TensorProto.INT64, [4])],
+                    [helper.make_tensor_value_info("y", F, [4, 256])], [_w(rng, "T", (1024, 256))])
     emb = estimate(_save(m, tmp_path / "emb.onnx"))
     ext = estimate(_save(m, tmp_path / "ext.onnx", external=True))
     assert emb.weights["embedded_bytes"] == 1 << 20 and ext.weights["external_bytes"] == 1 << 20
@@ -134,8 +129,8 @@ def test_unique_names_and_order_match_ort(tmp_path, rng):
         helper.make_node("Mul", ["a", "half"], ["a2"], name="scale"),
         helper.make_node("Add", ["a2", "b2"], ["y"], name="join"),
     ]
-    m = _model(nodes, [helper.make_tensor_value_info("x", F, [2, 16])], [helper.make_tensor_value_info("y", F, [2, 16])],
-               [_w(rng, "W1", (16, 16)), _w(rng, "W2", (16, 16))])
+    m = graph_model(nodes, [helper.make_tensor_value_info("x", F, [2, 16])], [helper.make_tensor_value_info("y", F, [2, 16])],
+                    [_w(rng, "W1", (16, 16)), _w(rng, "W2", (16, 16))])
     path = _save(m, tmp_path / "m.onnx")
     root = og.build(m.graph)
     for order, ort_order in (("DEFAULT", ort.ExecutionOrder.DEFAULT), ("PRIORITY_BASED", ort.ExecutionOrder.PRIORITY_BASED)):
@@ -167,7 +162,7 @@ def test_real_ort_small_model(tmp_path):
     path = tmp_path / "model.onnx"
     write_model(SynthConfig.tiny(hidden=256, intermediate=704, vocab=2000, form="native", storage="external",
                                  name="model"), path)
-    here = Path(__file__).resolve().parent.parent / "bench" / "estimator" / "strategies.py"
+    here = REPO / "bench" / "estimator" / "strategies.py"
     r = probe(f"{here}:create_ort_hygiene", str(path), options={"dims": {"batch": 1, "seq": 8}})
     e = estimate(path, dims={"batch": 1, "seq": 8})
     assert e.ort.session_peak_bytes_with_hygiene == pytest.approx(r.peak_create_bytes, rel=0.10)
@@ -277,10 +272,10 @@ def test_ortmem_fixed_costs_minilm_qdq(tmp_path, monkeypatch):
     import onnxruntime as ort_module
     from onnxruntime.quantization import QuantFormat
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
-    from test_real_model import _model_dir, build_bert, quantize_table_qdq, read_safetensors
+    from tests.support.bert import build_bert, minilm_dir, quantize_table_qdq, read_safetensors
 
     monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "cache"))
-    d = _model_dir()
+    d = minilm_dir()
     fp32 = build_bert(read_safetensors(d / "model.safetensors"), json.loads((d / "config.json").read_text()))
     ort_module.set_default_logger_severity(3)
     config = DefaultWeightOnlyQuantConfig(block_size=32, quant_format=QuantFormat.QDQ, op_types_to_quantize=("MatMul",),
@@ -301,9 +296,9 @@ def test_ortmem_fixed_costs_minilm_qdq(tmp_path, monkeypatch):
 def test_cli_json(tmp_path, rng, capsys):
     import argparse
 
-    m = _model([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")],
-               [helper.make_tensor_value_info("x", F, ["b", 8])], [helper.make_tensor_value_info("y", F, ["b", 8])],
-               [_w(rng, "W", (8, 8))])
+    m = graph_model([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")],
+                    [helper.make_tensor_value_info("x", F, ["b", 8])], [helper.make_tensor_value_info("y", F, ["b", 8])],
+                    [_w(rng, "W", (8, 8))])
     path = _save(m, tmp_path / "m.onnx")
     p = argparse.ArgumentParser()
     add_estimate_arguments(p)
@@ -330,9 +325,9 @@ def _loop_model(body_nodes, n_scan=0, trip=3, B=16, W=1024, body_inits=(), outer
     louts = ["y"] + [f"ys{k}" for k in range(n_scan)]
     nodes = [helper.make_node("Relu", ["x"], ["h1"], name="pre"),
              helper.make_node("Loop", ["trip", "", "h1"], louts, name="loop", body=body)]
-    return _model(nodes, [helper.make_tensor_value_info("x", F, [B, W])],
-                  [helper.make_tensor_value_info(o, F, None) for o in louts],  # shapes left to the estimator
-                  [*outer_inits, numpy_helper.from_array(np.array(trip, np.int64), "trip")])
+    return graph_model(nodes, [helper.make_tensor_value_info("x", F, [B, W])],
+                       [helper.make_tensor_value_info(o, F, None) for o in louts],  # shapes left to the estimator
+                       [*outer_inits, numpy_helper.from_array(np.array(trip, np.int64), "trip")])
 
 
 T64K = 16 * 1024 * 4  # one [16, 1024] fp32 tensor
@@ -370,10 +365,10 @@ def test_if_branch_writes_into_the_if_output(tmp_path, rng):
                                [helper.make_tensor_value_info("t1", F, [16, 64])])
     else_g = helper.make_graph([helper.make_node("Neg", ["h"], ["e1"], name="en")], "else", [],
                                [helper.make_tensor_value_info("e1", F, [16, 64])])
-    m = _model([helper.make_node("Relu", ["x"], ["h"], name="pre"),
-                helper.make_node("If", ["c"], ["z"], name="branch", then_branch=then_g, else_branch=else_g)],
-               [helper.make_tensor_value_info("x", F, [16, 64]), helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
-               [helper.make_tensor_value_info("z", F, [16, 64])], [_w(rng, "W", (64, 64))])
+    m = graph_model([helper.make_node("Relu", ["x"], ["h"], name="pre"),
+                     helper.make_node("If", ["c"], ["z"], name="branch", then_branch=then_g, else_branch=else_g)],
+                    [helper.make_tensor_value_info("x", F, [16, 64]), helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                    [helper.make_tensor_value_info("z", F, [16, 64])], [_w(rng, "W", (64, 64))])
     e = estimate(_save(m, tmp_path / "if.onnx"))
     assert e.activation_peak_bytes == 3 * 16 * 64 * 4
 
@@ -394,9 +389,9 @@ def test_incomplete_symbolic_inference_writes_nothing_to_the_working_directory(t
     whenever it cannot finish; ortmem must give up silently instead (no write the user did not ask for)."""
     from ortmem.plan.estimate.shapes import _symbolic
 
-    m = _model([helper.make_node("Mystery", ["x"], ["y"], domain="example.unknown")],
-               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
-               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [])
+    m = graph_model([helper.make_node("Mystery", ["x"], ["y"], domain="example.unknown")],
+                    [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [])
     m.opset_import.append(helper.make_opsetid("example.unknown", 1))
     monkeypatch.chdir(tmp_path)
     assert _symbolic(m) is None
@@ -424,8 +419,8 @@ def test_activation_rules_match_ort_run(tmp_path, rng):
             helper.make_node("Neg", ["s"], ["y"], name="neg")]
     inits = [_w(rng, "W1", (n, 4 * n)), _w(rng, "b1", (4 * n,)), _w(rng, "W2", (4 * n, n)),
              c("sqrt2", 2 ** 0.5), c("one", 1.0), c("half", 0.5)]
-    m = _model(gelu, [helper.make_tensor_value_info("x", F, ["batch", n])],
-               [helper.make_tensor_value_info("y", F, ["batch", n])], inits)
+    m = graph_model(gelu, [helper.make_tensor_value_info("x", F, ["batch", n])],
+                    [helper.make_tensor_value_info("y", F, ["batch", n])], inits)
     path = _save(m, tmp_path / "gelu.onnx")
     dims = {"batch": 8}
     e = estimate(path, dims=dims)

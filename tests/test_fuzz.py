@@ -1,12 +1,12 @@
 """Mutation fuzzing (issue 13): ortmem.load gives a model or an OrtmemError; ortmem's session accepts
 exactly the models plain ORT accepts and agrees with it on outputs. The default run is a few
-thousand cases (seconds); ``python bench/fuzz.py`` is the long run (1e5 loads, 5e3 sessions).
+thousand cases (seconds); ``python -m bench.fuzz`` is the long run (1e5 loads, 5e3 sessions).
 """
 from __future__ import annotations
 
 import pytest
 
-from fuzz_models import run_fuzz
+from tests.support.fuzz_models import run_fuzz
 
 
 def _report(tally) -> str:

@@ -14,16 +14,16 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from compare import assert_same_outputs
 from onnx import TensorProto as T
 from onnx import helper as H
 from onnx import numpy_helper as nh
-from release_expect import gather_refusal
-from test_convert import GATHER_VARIANTS
 
 import ortmem
 from ortmem.store.cache import Cache
 from ortmem.synth import SynthConfig, write_model
+from tests.support.compare import assert_same_outputs
+from tests.support.dq_graphs import GATHER_VARIANTS
+from tests.support.release_expect import gather_refusal
 
 Outcome = tuple[str, object]  # ("raised", exception type) or ("ran", outputs)
 
@@ -56,7 +56,7 @@ def ortmem_sessions(path: Path, cache: Path) -> dict[str, ort.InferenceSession]:
 def gbq_count(sessions: dict[str, ort.InferenceSession], cache: Path) -> dict[str, int]:
     """How many GatherBlockQuantized nodes each session's converted graph holds."""
     (entry,) = Cache(cache).entries()
-    graphs = {"memory": onnx.load_from_string(sessions["memory"]._ortmem_handoff.memory.skeleton),
+    graphs = {"memory": onnx.load_from_string(sessions["memory"].ortmem_handoff.memory.skeleton),
               "cache": onnx.load(str(entry.model_path), load_external_data=False)}
     return {k: sum(n.op_type == "GatherBlockQuantized" for n in g.graph.node) for k, g in graphs.items()}
 

@@ -9,11 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from model_builders import make_model
 from ortmem.errors import PlanError
 from ortmem.plan.partition.device_map import infer_device_map
 from ortmem.ortmodel.graph_index import topological_order as execution_order
 from ortmem.plan.partition.graph_modules import NodeCost, group_modules, scope_of
+from tests.support.builders import make_model
 
 mk = helper.make_node
 F = TensorProto.FLOAT

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import model_builders as mb
 from ortmem.store.cache import Cache
 from ortmem.helper_env import ENV_OPTIONS, ENV_SWITCH, SITE_DIR, helper_environment
 from ortmem.ortmodel import release as rel
+from tests.support import builders as mb
 
 PROGRAM = """
 import sys

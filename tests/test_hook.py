@@ -15,10 +15,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-import model_builders as mb
 import ortmem
-from ortmem.handoff import FOLDER_KEY
+from ortmem.model_facts import FOLDER_KEY
 from ortmem.reach.session_hook import MIN_BYTES, ORIGINAL, sessions, unhook
+from tests.support import builders as mb
+from tests.support.compare import assert_close_outputs
 
 ORT_CLASS = ORIGINAL
 
@@ -46,7 +47,7 @@ def session_path(monkeypatch):
 
 def _is_ortmem(session) -> bool:
     """ortmem made the session, or the hook's light route did (ORT's own object for a model that needs
-    nothing of ortmem's session path, tagged with what it did: ortmem.reach.model_facts)."""
+    nothing of ortmem's session path, tagged with what it did: ortmem.model_facts)."""
     return isinstance(session, ortmem.InferenceSession) or getattr(session, "ortmem_action", None) in ("as-is", "mapped")
 
 
@@ -192,7 +193,7 @@ def test_ortmem_failure_falls_back_with_one_line_unless_strict(model, monkeypatc
     def broken(*a, **k):
         raise RuntimeError("injected failure\nsecond line")
 
-    monkeypatch.setattr(ortmem.session._handoff, "prepare", broken)
+    monkeypatch.setattr(ortmem.session, "prepare", broken)
     with caplog.at_level(logging.WARNING, logger="ortmem"), ortmem.hook():
         s = ort.InferenceSession(str(model[0]))
     assert type(s) is ORT_CLASS
@@ -208,12 +209,12 @@ def test_a_fallback_prints_no_ep_error_banner_and_logs_once(model, monkeypatch, 
     """ORT's __init__ answers a RuntimeError or ValueError from session creation with its "EP Error"
     banner on stdout and a retry on the CPU EP: ortmem's attempt must not trigger it (ORT's EP
     fallback is off while ortmem tries), so a failing attempt shows the application one warning only."""
-    import ortmem.session
+    import ortmem.handoff.handoff
 
     def refuse(*a, **k):
         raise RuntimeError("injected failure inside session creation")
 
-    monkeypatch.setattr(ortmem.session, "scoped_config", refuse)  # reached from ORT's own __init__
+    monkeypatch.setattr(ortmem.handoff.handoff, "scoped_config", refuse)  # reached from ORT's own __init__
     capfd.readouterr()
     with caplog.at_level(logging.WARNING, logger="ortmem"), ortmem.hook():
         s = ort.InferenceSession(str(model[0]))
@@ -258,7 +259,7 @@ def test_qdq_model_is_converted_then_prepacked_without_recursing(tmp_path, rng):
     warm_start = "pre-packed" if capabilities().prepacked_save else "cache-hit"  # 1.25 saves none
     assert [r.action for r in sessions()[-2:]] == ["converted", warm_start]
     for s in (cold, warm):
-        np.testing.assert_allclose(s.run(None, {"x": x})[0], expected, rtol=1e-5, atol=1e-5)
+        assert_close_outputs(s.run(None, {"x": x})[:1], [expected], rtol=1e-5, atol=1e-5)
 
 
 SCRIPT = """

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-CLIENTS = Path(__file__).parent / "hook_clients"
+from tests.support.paths import REPO
+
+CLIENTS = REPO / "tests" / "hook_clients"
 #: Actions that mean ortmem created the session (see ortmem.handoff.Handoff.action).
 ORTMEM_ACTIONS = {"as-is", "mapped", "converted", "cache-hit", "pre-packed", "in-memory", "converted-temporary"}
 

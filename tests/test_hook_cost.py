@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model_builders import matmul_chain, save
+from tests.support.builders import matmul_chain, save
 
 #: The test's margin over the +2 MiB the hook is held to (docs/hook.md): fresh processes of the same
 #: program differ by a fraction of a MiB on a quiet machine, more on a shared one.

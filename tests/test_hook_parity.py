@@ -22,9 +22,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-import model_builders as mb
 from ortmem.helper_env import ENV_SWITCH, SITE_DIR
 from ortmem.reach.session_hook import MIN_BYTES, ORIGINAL
+from tests.support import builders as mb
 
 ORT_SESSION_MODULE = ORIGINAL.__module__
 

@@ -15,12 +15,12 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-import model_builders as mb
 import ortmem
 from ortmem import protowire as pw
 from ortmem.errors import CorruptModelError, ExternalDataError, OrtmemError, UnsafePathError
 from ortmem.synth import SynthConfig, write_model
-from compare import assert_same_outputs
+from tests.support import builders as mb
+from tests.support.compare import assert_same_outputs
 
 TINY_FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 
@@ -223,7 +223,7 @@ def _qdq(tmp_path: Path) -> Path:
 
 
 def test_a_failing_rewrite_leaves_the_model_to_ort(tmp_path, monkeypatch, caplog):
-    from ortmem import handoff
+    from ortmem.handoff import conversion
 
     path = _qdq(tmp_path)
     expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, TINY_FEEDS)
@@ -231,7 +231,7 @@ def test_a_failing_rewrite_leaves_the_model_to_ort(tmp_path, monkeypatch, caplog
     def broken(*a, **k):
         raise IndexError("list index out of range")
 
-    monkeypatch.setattr(handoff, "convert_cached", broken)
+    monkeypatch.setattr(conversion, "publish", broken)
     with caplog.at_level(logging.WARNING, logger="ortmem"):
         sess = ortmem.InferenceSession(path, providers=["CPUExecutionProvider"])
     assert sess.ortmem_report is None and not sess.ortmem_cache_hit

@@ -34,6 +34,7 @@ from onnx import TensorProto, helper
 from ortmem import hygiene
 from ortmem.measure import procfs
 from ortmem.hygiene import HygieneReport, MallocThresholds, allocator_hygiene, set_malloc_thresholds, trim
+from tests.support.threads import run_in_threads
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -325,27 +326,14 @@ def test_threads_create_sessions_concurrently(small_model: Path) -> None:
     """Real sessions from four threads with overlapping blocks; afterwards nothing is left pinned."""
     x = np.random.default_rng(2).standard_normal((2, 1024), dtype=np.float32)
     reference = _session(small_model).run(None, {"x": x})[0]
-    start = threading.Barrier(4)
-    results: list[np.ndarray] = []
-    reports: list[HygieneReport] = []
-    errors: list[BaseException] = []
 
-    def work() -> None:
-        try:
-            start.wait()
-            with allocator_hygiene() as report:
-                sess = _session(small_model)
-            reports.append(report)
-            results.append(sess.run(None, {"x": x})[0])
-        except BaseException as e:  # surfaced below: a thread's assertion would otherwise vanish
-            errors.append(e)
+    def work() -> tuple[HygieneReport, np.ndarray]:
+        with allocator_hygiene() as report:
+            sess = _session(small_model)
+        return report, sess.run(None, {"x": x})[0]
 
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    done = run_in_threads(work)
+    reports, results = [r for r, _ in done], [y for _, y in done]
     assert len(results) == 4
     for r in results:
         np.testing.assert_array_equal(r, reference)

@@ -29,6 +29,29 @@ def test_the_session_path_loads_no_planner_plotting_or_memray():
     assert _loaded("import ortmem; ortmem.InferenceSession; ortmem.load") == ["onnx"]
 
 
+def _modules_after(code: str) -> list[str]:
+    """Every module a fresh interpreter holds after ``code`` (a ``SystemExit`` from ``--help`` included)."""
+    probe = f"import sys, json\ntry:\n    {code}\nexcept SystemExit:\n    pass\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_cli_help_loads_under_300_modules_and_no_onnx():
+    """``ortmem --help`` builds every subcommand's parser and nothing more: no onnx, no passes, no store."""
+    loaded = _modules_after("from ortmem.cli import main; main(['--help'])")
+    assert len(loaded) < 300, len(loaded)
+    assert [m for m in loaded if m == "onnx" or m.startswith(("ortmem.passes", "ortmem.store", "ortmem.ortmodel.release"))] == []
+
+
+def test_load_loads_no_passes_store_or_release_code():
+    """``ortmem.load`` reads a model: the loading core and ORT's external-data rules, nothing of the passes,
+    the store or the release model. onnx itself is inherent: the result holds an onnx ModelProto."""
+    loaded = _modules_after("import ortmem; ortmem.load")
+    assert "onnx" in loaded
+    assert [m for m in loaded if m.startswith(("ortmem.passes", "ortmem.store", "ortmem.reach", "ortmem.ortmodel.release",
+                                               "ortmem.ortmodel.variants", "ortmem.handoff", "ortmem.session"))] == []
+
+
 def test_lazy_names_resolve_to_their_owners():
     import ortmem
 

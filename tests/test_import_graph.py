@@ -1,18 +1,62 @@
-"""The package's import graph: no cycle between its modules (an import inside a function counts; one under
-``if TYPE_CHECKING:`` does not) and no underscored name imported from another module.
+"""The package's import graph and its constants: no cycle between its modules, no underscored name imported
+from another module, no import pointing up the declared layers, and no constant defined in two modules.
 
-Why a test: both rules keep the layers readable (ortmodel and the loading core at the bottom, passes and
-plan above, session, measure and the CLI on top) and were broken before; this makes a regression fail CI.
+Every import counts, one inside a function included (a lazy import is still a dependency); one under
+``if TYPE_CHECKING:`` does not. Why a test: these rules keep the layers readable and were broken before
+(``ortmodel`` imported the session path, the hook reached the passes through one constant, ``MiB`` was
+defined in six modules); this makes a regression fail CI.
 """
 from __future__ import annotations
 
 import ast
 import graphlib
+import re
+from collections import defaultdict
 from pathlib import Path
+from typing import Any, Optional
 
 import ortmem
 
 ROOT = Path(ortmem.__file__).resolve().parent
+
+#: The layers, bottom first: a module may import its own layer and those below, never one above. A
+#: module belongs to the layer of its longest listed prefix. Ordered by what the code needs:
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # stdlib/numpy-level primitives and what the hook reads before it imports anything heavy. The package
+    # root holds only __version__, the exceptions and lazy names. ``store.trust`` and ``store.layout``
+    # import nothing of ortmem: the store is built on them, the release model keeps its probe answers
+    # private with trust, and the converter and the partitioner name their files from layout.
+    ("bottom", ("ortmem", "ortmem.errors", "ortmem.lazy", "ortmem.units", "ortmem.dtypes", "ortmem.protowire",
+                "ortmem.onnx_walk", "ortmem.progress", "ortmem.helper_env", "ortmem.ort_original", "ortmem.options",
+                "ortmem.hygiene", "ortmem.model_facts", "ortmem.store.trust", "ortmem.store.layout")),
+    # one model of ORT: what it fuses, its settings, graph indexes, external-data rules, providers
+    ("ortmodel", ("ortmem.ortmodel",)),
+    # the loader follows ORT's external-data rules (ortmodel.external_data), so it sits just above them;
+    # ``store.digest`` hashes page-aligned spans (weights.PAGE) and the passes' writers digest what they
+    # write, so it sits here though the store's folder holds it
+    ("load", ("ortmem.loader", "ortmem.weights", "ortmem.model", "ortmem.store.digest")),
+    ("passes", ("ortmem.passes",)),
+    ("store", ("ortmem.store",)),
+    ("session", ("ortmem.validity", "ortmem.borrowing", "ortmem.inmemory", "ortmem.convert", "ortmem.handoff",
+                 "ortmem.session")),
+    ("reach", ("ortmem.reach",)),
+    # planners, measurement, commands and programs; PipelineSession runs a partition plan, so it sits
+    # with the planner it reads; the release probe is a child program that puts ORT's questions to the
+    # session path
+    ("top", ("ortmem.plan", "ortmem.measure", "ortmem.cli", "ortmem.__main__", "ortmem.doctor", "ortmem.inspection",
+             "ortmem.synth", "ortmem.distributed", "ortmem.release_probe", "ortmem.reach.pipeline")),
+)
+
+#: Imports that still point up, as (importer prefixes, imported prefix), each with its reason; the test
+#: fails when one no longer matches any import (delete it here).
+UPWARD_ALLOWED: dict[tuple[tuple[str, ...], str], str] = {
+    (("ortmem.session", "ortmem.handoff"), "ortmem.plan.recompute"):
+        "InferenceSession(recompute=...) and recompute-written models plan or replay on demand (imported only then)",
+    (("ortmem.store.prepared",), "ortmem.measure.inputs"):
+        "worth_mapping builds feeds where it measures, inside the prepared-entry builder only",
+    (("ortmem.store.prepared",), "ortmem.measure.procfs"):
+        "worth_mapping reads RssAnon where it measures, inside the prepared-entry builder only",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -23,6 +67,12 @@ def _modules() -> dict[str, Path]:
             parts.pop()
         out[".".join(parts)] = path
     return out
+
+
+def _lazy_owner(name: str) -> Optional[str]:
+    """The module a name read from the package root comes from (``from ortmem import InferenceSession``)."""
+    owners = {**vars(ortmem)["_LAZY"], **vars(ortmem)["_OPTIONAL"]}
+    return "ortmem" + owners[name] if name in owners else None
 
 
 def _graph() -> tuple[dict[str, set[str]], list[str]]:
@@ -46,7 +96,7 @@ def _graph() -> tuple[dict[str, set[str]], list[str]]:
                     continue
                 for alias in node.names:
                     sub = f"{target}.{alias.name}"
-                    dst = sub if sub in mods else target
+                    dst = sub if sub in mods else (target == "ortmem" and _lazy_owner(alias.name)) or target
                     if dst in mods and dst != name and not (path.name == "__init__.py" and dst.startswith(name + ".")):
                         edges[name].add(dst)
                     if alias.name.startswith("_") and not alias.name.startswith("__") and sub not in mods and target != name:
@@ -54,6 +104,16 @@ def _graph() -> tuple[dict[str, set[str]], list[str]]:
             elif isinstance(node, ast.Import):
                 edges[name].update(a.name for a in node.names if a.name in mods and a.name != name)
     return edges, private
+
+
+def _layer(module: str) -> int:
+    best, layer = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, layer = len(p), i
+    assert layer is not None, f"{module} is in no layer: add it to LAYERS"
+    return layer
 
 
 def test_no_import_cycle():
@@ -67,3 +127,71 @@ def test_no_import_cycle():
 def test_no_underscored_name_crosses_a_module():
     _, private = _graph()
     assert not private, "\n".join(private)
+
+
+def _within(module: str, prefixes: str | tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in ((prefixes,) if isinstance(prefixes, str) else prefixes))
+
+
+def test_imports_point_down_the_layers():
+    edges, _ = _graph()
+    upward = {(a, b) for a, targets in edges.items() for b in targets if _layer(b) > _layer(a)}
+    allowed = {(a, b) for a, b in upward for ap, bp in UPWARD_ALLOWED if _within(a, ap) and _within(b, bp)}
+    new = sorted(upward - allowed)
+    assert not new, "imports pointing up:\n" + "\n".join(
+        f"{a} ({LAYERS[_layer(a)][0]}) -> {b} ({LAYERS[_layer(b)][0]})" for a, b in new)
+    gone = [pair for pair in UPWARD_ALLOWED if not any(_within(a, pair[0]) and _within(b, pair[1]) for a, b in upward)]
+    assert not gone, f"no longer imported, remove from UPWARD_ALLOWED: {gone}"
+
+
+# ------------------------------------------------------------------------------------ constants
+
+#: Constant names that mean something different in each module that defines them.
+PER_MODULE_NAMES: dict[str, str] = {
+    "NAME": "each CLI subcommand module's name (the cli/ protocol)",
+    "HELP": "each CLI subcommand module's help line (the cli/ protocol)",
+}
+_CONSTANT_NODES = (ast.Constant, ast.BinOp, ast.UnaryOp, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.operator,
+                   ast.unaryop, ast.Load, ast.Call, ast.Name)
+_BUILDERS = {"frozenset": frozenset, "set": set, "tuple": tuple, "dict": dict}
+
+
+def _constant_value(node: ast.expr) -> Any:
+    """The value of a literal expression (``1 << 20``, ``frozenset({...})``); None for anything that
+    names another object (an alias or a computed value is not a second definition)."""
+    for n in ast.walk(node):
+        if not isinstance(n, _CONSTANT_NODES) or (isinstance(n, ast.Name) and n.id not in _BUILDERS):
+            return None
+        if isinstance(n, ast.Call) and not (isinstance(n.func, ast.Name) and n.func.id in _BUILDERS):
+            return None
+    try:
+        return repr(eval(compile(ast.Expression(node), "<constant>", "eval"), {"__builtins__": _BUILDERS}))  # noqa: S307
+    except Exception:  # noqa: BLE001 - not a literal after all
+        return None
+
+
+def constant_definitions() -> dict[tuple[str, str], list[str]]:
+    """(name without leading underscores, value) -> the modules defining it at module level. A constant
+    is a name starting with a capital (``MiB``, ``WEIGHTS_FILE``, ``_ALIGN``) bound to a literal."""
+    found: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for module, path in sorted(_modules().items()):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign):
+                targets, value = [t for t in node.targets if isinstance(t, ast.Name)], node.value
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+                targets, value = [node.target], node.value
+            else:
+                continue
+            for t in targets:
+                name = t.id.lstrip("_")
+                if not re.match(r"[A-Z]", name) or name in PER_MODULE_NAMES:
+                    continue
+                literal = _constant_value(value)
+                if literal is not None:
+                    found[(name, literal)].append(module)
+    return found
+
+
+def test_no_constant_is_defined_in_two_modules():
+    twice = {f"{name} = {value}": mods for (name, value), mods in constant_definitions().items() if len(mods) > 1}
+    assert not twice, "define once and import:\n" + "\n".join(f"{k}: {v}" for k, v in sorted(twice.items()))

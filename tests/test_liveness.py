@@ -12,42 +12,18 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ortmem.plan.estimate import activations as act
 from ortmem.plan.estimate.liveness import by_order, context, liveness, render
+from tests.support.planner_graphs import N, graph_model, i64, long_cast, two_branches
 
 F, F16, I64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64
-N = 1024  # floats: 4 KiB, a whole number of 256-byte arena granules
-
-
-def _model(nodes, inputs, outputs, inits=()) -> onnx.ModelProto:
-    m = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(inits)),
-                          opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
-    return m
-
-
-def _i64(name, values):
-    return numpy_helper.from_array(np.array(values, np.int64), name)
 
 
 def diamond() -> onnx.ModelProto:
     """a = Neg(x), b = Neg(a), c = Add(a, b), y = Neg(c): every tensor 4 KiB."""
-    return _model([helper.make_node("Neg", ["x"], ["a"], name="a"),
-                   helper.make_node("Neg", ["a"], ["b"], name="b"),
-                   helper.make_node("Add", ["a", "b"], ["c"], name="c"),
-                   helper.make_node("Neg", ["c"], ["y"], name="y")],
-                  [helper.make_tensor_value_info("x", F, [N])], [helper.make_tensor_value_info("y", F, [N])])
-
-
-def long_cast() -> onnx.ModelProto:
-    """One long-lived Cast: c = Cast(x) to double (8 KiB) is read by Sin right away and by the last
-    Add; in between a Tile makes a 64 KiB tensor, the peak."""
-    return _model([helper.make_node("Cast", ["x"], ["c"], name="cast", to=TensorProto.DOUBLE),
-                   helper.make_node("Sin", ["c"], ["p"], name="sin"),
-                   helper.make_node("Tile", ["p", "eight"], ["big"], name="tile"),
-                   helper.make_node("Slice", ["big", "zero", "n"], ["q"], name="slice"),
-                   helper.make_node("Add", ["q", "c"], ["y"], name="add")],
-                  [helper.make_tensor_value_info("x", F, [N])],
-                  [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [N])],
-                  [_i64("eight", [8]), _i64("zero", [0]), _i64("n", [N])])
+    return graph_model([helper.make_node("Neg", ["x"], ["a"], name="a"),
+                        helper.make_node("Neg", ["a"], ["b"], name="b"),
+                        helper.make_node("Add", ["a", "b"], ["c"], name="c"),
+                        helper.make_node("Neg", ["c"], ["y"], name="y")],
+                       [helper.make_tensor_value_info("x", F, [N])], [helper.make_tensor_value_info("y", F, [N])])
 
 
 def test_diamond_by_hand(tmp_path):
@@ -79,18 +55,6 @@ def test_long_lived_cast_is_alive_across_the_peak(tmp_path):
     assert "alive across the peak" in render(lv)
 
 
-def two_branches() -> onnx.ModelProto:
-    """y = Add(Slice(P), Slice(Q)); P = Tile(x, 4) listed last in the file, so DEFAULT (highest index
-    first) builds P before Q's 32 KiB Tile; PRIORITY_BASED follows the file (Q's chain first)."""
-    nodes = [helper.make_node("Tile", ["x", "eight"], ["q1"], name="q1"),
-             helper.make_node("Slice", ["q1", "zero", "n"], ["q2"], name="q2"),
-             helper.make_node("Tile", ["x", "four"], ["p1"], name="p1"),
-             helper.make_node("Slice", ["p1", "zero", "n"], ["p2"], name="p2"),
-             helper.make_node("Add", ["p2", "q2"], ["y"], name="y")]
-    return _model(nodes, [helper.make_tensor_value_info("x", F, [N])], [helper.make_tensor_value_info("y", F, [N])],
-                  [_i64("eight", [8]), _i64("four", [4]), _i64("zero", [0]), _i64("n", [N])])
-
-
 def test_orders_differ_and_both_are_reported(tmp_path):
     m = two_branches()
     path = tmp_path / "o.onnx"
@@ -105,9 +69,9 @@ def test_orders_differ_and_both_are_reported(tmp_path):
 
 def test_inplace_follows_ort_cpu(tmp_path):
     # Relu writes in place (MayInplace on ORT's CPU EP) when ORT can prove the shapes equal; Add never
-    r = _model([helper.make_node("Neg", ["x"], ["a"], name="a"), helper.make_node("Relu", ["a"], ["b"], name="b"),
-                helper.make_node("Neg", ["b"], ["y"], name="y")],
-               [helper.make_tensor_value_info("x", F, [N])], [helper.make_tensor_value_info("y", F, [N])])
+    r = graph_model([helper.make_node("Neg", ["x"], ["a"], name="a"), helper.make_node("Relu", ["a"], ["b"], name="b"),
+                     helper.make_node("Neg", ["b"], ["y"], name="y")],
+                    [helper.make_tensor_value_info("x", F, [N])], [helper.make_tensor_value_info("y", F, [N])])
     path = tmp_path / "r.onnx"
     onnx.save(r, path)
     assert [s.live_bytes for s in liveness(path).steps] == [4096, 4096, 8192]
@@ -121,10 +85,10 @@ def test_inplace_follows_ort_cpu(tmp_path):
 
 def test_where_scratch_is_counted(tmp_path):
     # ORT's CPU Where selects into two temporaries of the output's size (measured: +2x output)
-    m = _model([helper.make_node("Greater", ["x", "zero_f"], ["b"], name="gt"),
-                helper.make_node("Where", ["b", "x", "zero_f"], ["y"], name="where")],
-               [helper.make_tensor_value_info("x", F, [N])], [helper.make_tensor_value_info("y", F, [N])],
-               [numpy_helper.from_array(np.array(0, np.float32), "zero_f")])
+    m = graph_model([helper.make_node("Greater", ["x", "zero_f"], ["b"], name="gt"),
+                     helper.make_node("Where", ["b", "x", "zero_f"], ["y"], name="where")],
+                    [helper.make_tensor_value_info("x", F, [N])], [helper.make_tensor_value_info("y", F, [N])],
+                    [numpy_helper.from_array(np.array(0, np.float32), "zero_f")])
     path = tmp_path / "w.onnx"
     onnx.save(m, path)
     lv = liveness(path)

@@ -10,11 +10,11 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-import model_builders as mb
 from ortmem import protowire as pw
 import ortmem
 from ortmem.errors import CorruptModelError, ExternalDataError, TensorShapeError, UnsafePathError, UnsupportedDtypeError
 from ortmem.weights import WeightState
+from tests.support import builders as mb
 
 
 def _reference_arrays(model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -460,25 +460,16 @@ def test_screen_agrees_with_an_exact_check_on_random_tensors(tmp_path):
 
 
 # ------------------------------------------------------------------------------ cost
-def _bench_scaling():
-    """bench/scaling.py as a module: the test times the loader exactly as the benchmark does."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_scaling", Path(__file__).parent.parent / "bench" / "scaling.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_load_of_many_tiny_initializers_stays_near_onnx_load(tmp_path):
     """Issue 13's target is ``ortmem.load`` <= 2x ``onnx.load`` at 1e5 tiny initializers (wall clock,
-    ``python bench/scaling.py --only load``). This is the regression ceiling: 2e4 initializers, CPU
+    ``python -m bench.scaling --only load``). This is the regression ceiling: 2e4 initializers, CPU
     time of this process (steadier than wall on a shared machine), best of 5, the two alternating.
     Measured with onnxruntime 1.32.0 / onnx 1.23.2: 0.8-1.2x on a quiet machine, up to 1.65x with
     other jobs running; the loader before its speed work (a field object per field, a second pass
     over every parsed tensor): 3.2-4.2x. The ceiling, 3x, is far above the noise and below the old
     loader."""
-    scaling = _bench_scaling()
+    from bench import scaling  # the test times the loader exactly as the benchmark does
+
     n = 20000
     path = scaling.write_initializers_model(n, tmp_path)
     with ortmem.load(path) as model:  # the timed load is a real one: every tensor there, nothing mapped

@@ -102,30 +102,12 @@ def create_prepared(model: str, options: dict) -> Any:
 # --- fixtures --------------------------------------------------------------------------------------
 
 
-def _tiny_model(path: Path) -> Path:
-    """ids[batch, seq] -> Gather(emb[100, 16]) -> MatMul -> Relu: symbolic dims, int64 indices."""
-    rng = np.random.default_rng(0)
-    emb = numpy_helper.from_array(rng.standard_normal((100, 16)).astype(np.float32), "emb")
-    w = numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "w")
-    graph = helper.make_graph(
-        [
-            helper.make_node("Gather", ["emb", "ids"], ["e"]),
-            helper.make_node("MatMul", ["e", "w"], ["m"]),
-            helper.make_node("Relu", ["m"], ["y"]),
-        ],
-        "tiny",
-        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 16])],
-        [emb, w],
-    )
-    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21)])
-    onnx.save(model, path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(_tiny_model(tmp_path_factory.mktemp("measure") / "tiny.onnx"))
+    # imported here: the probe's child imports this file for its strategies, from any folder
+    from tests.support.builders import embedding_relu_model
+
+    return str(embedding_relu_model(tmp_path_factory.mktemp("measure") / "tiny.onnx"))
 
 
 @pytest.fixture(scope="module")

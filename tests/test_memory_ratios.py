@@ -8,11 +8,11 @@ import os
 import numpy as np
 import pytest
 
-import model_builders as mb
 import ortmem.session  # noqa: F401  (imported with this module, before the probe's clock: see below)
 from ortmem.measure.probe import probe
 from ortmem.measure.strategies import create_ortmem_nocache
 from ortmem.onnx_walk import iter_tensor_sites
+from tests.support import builders as mb
 
 pytestmark = pytest.mark.slow
 

@@ -17,13 +17,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from release_expect import matmul_refusal
 from onnx import TensorProto, helper, numpy_helper
 
 from ortmem.errors import ConversionError, TensorShapeError
 from ortmem.passes import nbits_layout as nl
-from ortmem.passes.dq_matmul_match import effective_block_size
+from ortmem.passes import nbits_reference
+from ortmem.passes.dq_matmul_checks import effective_block_size
 from ortmem.synth import WEIGHT_TYPES  # name: (onnx type, bits, signed)
+from tests.support.release_expect import matmul_refusal
 
 
 # int2/uint2 DequantizeLinear needs opset 25; ORT 1.31 runs it with IR 10.
@@ -149,7 +150,7 @@ def test_dequantize_reference_matches_ort_dequantizelinear(wname, zp):
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR)
     got = _session(m, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL).run(None, {})[0]
     _, bits, signed = WEIGHT_TYPES[wname]
-    np.testing.assert_array_equal(nl.dequantize_dq_reference(w, s, z, K, N, bits, signed, bs), got)
+    np.testing.assert_array_equal(nbits_reference.dequantize_dq_reference(w, s, z, K, N, bits, signed, bs), got)
 
 
 @pytest.mark.parametrize("wname", list(WEIGHT_TYPES))
@@ -163,8 +164,8 @@ def test_matmulnbits_reading_equals_dq(wname, zp, K, N, bs):
     t = nl.dq_to_matmulnbits(w, s, z, K=K, N=N, bits=bits, signed=signed, block_size=bs)
     assert (t.zero_points is None) == (signed and not zp)
     np.testing.assert_array_equal(
-        nl.dequantize_matmulnbits_reference(t.B, t.scales, t.zero_points, K, N, bits, bs),
-        nl.dequantize_dq_reference(w, s, z, K, N, bits, signed, bs))
+        nbits_reference.dequantize_matmulnbits_reference(t.B, t.scales, t.zero_points, K, N, bits, bs),
+        nbits_reference.dequantize_dq_reference(w, s, z, K, N, bits, signed, bs))
 
 
 @pytest.mark.parametrize("wname", ["int4", "uint2", "int8", "int2"])

@@ -14,16 +14,16 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ortmem
-from model_builders import make_model, save, subgraph_model
 from ortmem.onnx_walk import external_data_dict, iter_tensor_sites
 from ortmem.plan.partition import driver as P
 from ortmem.plan.partition import stages
-from ortmem.plan.partition import weights as partition_weights
 from ortmem.errors import PlanError
 from ortmem.plan.partition import PartitionPlan, default_provider, partition
 from ortmem.plan.partition import add_partition_arguments, main_partition
 from ortmem.units import parse_bytes
+from ortmem.weights import FILE_ALIGN
 from ortmem.synth import SynthConfig, write_model
+from tests.support.builders import make_model, save, subgraph_model
 
 DIMS = {"batch": 2, "seq": 16}
 CPUS = {"cpu:0": "CPUExecutionProvider", "cpu:1": "CPUExecutionProvider"}
@@ -203,7 +203,7 @@ def test_no_weight_duplicated_on_disk_copy(tiny_embedded, tmp_path):
     assert all(a + n <= b for (a, n), (b, _) in zip(ordered, ordered[1:]))
     assert sum(n for _, n in ordered) == weight_bytes
     size = (out / "weights.bin").stat().st_size
-    assert size == ordered[-1][0] + ordered[-1][1] and size - weight_bytes < partition_weights.ALIGN * len(ordered)
+    assert size == ordered[-1][0] + ordered[-1][1] and size - weight_bytes < FILE_ALIGN * len(ordered)
     data = (out / "weights.bin").read_bytes()
     with ortmem.load(tiny_embedded) as m:
         for name, (off, n) in spans.items():

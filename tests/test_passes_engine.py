@@ -20,14 +20,9 @@ from ortmem.errors import ConversionError
 from ortmem.passes import dq_matmul
 from ortmem.passes.conversion import plan_conversion, write_weights
 from ortmem.synth import SynthConfig, write_model
+from tests.support.builders import tiny_decoder
 
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
-
-
-def _model(tmp_path: Path, **kw) -> Path:
-    path = tmp_path / "m" / "model.onnx"
-    path.parent.mkdir(parents=True)
-    return write_model(SynthConfig.tiny(layers=3, **kw), path)
 
 
 def _recorded_digests_match_files(entry) -> None:
@@ -45,7 +40,7 @@ def test_entry_digests_are_computed_while_writing(tmp_path, monkeypatch, link):
     Without hard links (another filesystem) the carried tensors are copied into weights.bin and
     hashed on the way. The recorded digests are those of the finished files, the entry verifies in
     full, and the session on it gives ORT's own outputs."""
-    src = _model(tmp_path, storage="external", embedding="quantized", zero_points=True)
+    src = tiny_decoder(tmp_path / "m", layers=3, storage="external", embedding="quantized", zero_points=True)
     if not link:
         def no_link(*a, **k):
             raise OSError("cross-device link")
@@ -77,10 +72,10 @@ def test_entry_digests_are_computed_while_writing(tmp_path, monkeypatch, link):
 
 def test_digest_written_in_file_order_equals_the_file(tmp_path):
     """write_weights' digest (jobs run by offset, on several threads) is the digest of the file."""
-    src = _model(tmp_path, weight_type="uint4", zero_points=True, scale_dtype="float16")
+    src = tiny_decoder(tmp_path / "m", layers=3, weight_type="uint4", zero_points=True, scale_dtype="float16")
     with ortmem.load(src) as model:
         plan = plan_conversion(model, session_settings())
-        assert len(plan.rewrites) >= 10 and plan.copied
+        assert len(plan.of_rule(dq_matmul.NAME)) >= 10 and plan.copied
         out = tmp_path / "weights.bin"
         with open(out, "wb") as f:
             f.truncate(plan.size)
@@ -91,15 +86,15 @@ def test_digest_written_in_file_order_equals_the_file(tmp_path):
 def test_a_failing_tensor_stops_the_ordered_writer(tmp_path, monkeypatch):
     """One rewrite fails mid-way: write_weights raises a ConversionError for it; the jobs after it,
     which wait for its turn to hash their bytes, fail too instead of waiting forever."""
-    src = _model(tmp_path)
-    real = dq_matmul.Rewrite.convert
+    src = tiny_decoder(tmp_path / "m", layers=3)
+    real = dq_matmul.MatMulRewrite.convert
 
     def convert(self, model, sink):
-        if self.candidate.node == plan.rewrites[1].candidate.node:
+        if self.candidate.node == plan.of_rule(dq_matmul.NAME)[1].candidate.node:
             raise ConversionError("damaged", tensor=self.candidate.weight)
         real(self, model, sink)
 
-    monkeypatch.setattr(dq_matmul.Rewrite, "convert", convert)
+    monkeypatch.setattr(dq_matmul.MatMulRewrite, "convert", convert)
     errors: list[BaseException] = []
     with ortmem.load(src) as model:
         plan = plan_conversion(model, session_settings())

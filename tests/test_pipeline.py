@@ -8,12 +8,13 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from model_builders import save, subgraph_model
 from ortmem.reach.pipeline import PipelineSession
 from ortmem.errors import PlanError
 from ortmem.plan.partition import partition
 from ortmem.synth import SynthConfig, write_model
-from compare import assert_same_outputs
+from tests.support.builders import save, subgraph_model
+from tests.support.compare import assert_close_outputs, assert_same_outputs
+from tests.support.reference import run_plain
 
 DIMS = {"batch": 2, "seq": 16}
 BUDGETS = {"cpu:0": 450_000, "cpu:1": 350_000, "cpu": 10**8}  # two small "devices" and a big one
@@ -21,10 +22,6 @@ BUDGETS = {"cpu:0": 450_000, "cpu:1": 350_000, "cpu": 10**8}  # two small "devic
 
 def _ids(vocab: int = 1000) -> np.ndarray:
     return np.random.default_rng(7).integers(0, vocab, size=(2, 16), dtype=np.int64)
-
-
-def _reference(model: Path, feeds: dict) -> list[np.ndarray]:
-    return ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
 @pytest.fixture(scope="module", params=["qdq", "native"])
@@ -43,7 +40,7 @@ def test_outputs_are_bit_identical_to_the_unpartitioned_model(split_tiny, transf
     feeds = {"input_ids": _ids()}
     pipe = PipelineSession(plan.out_dir, transfer=transfer)
     got = pipe.run(None, feeds)
-    ref = _reference(model, feeds)
+    ref = run_plain(model, feeds)
     assert_same_outputs(got, ref)
     # and through ortmem's own session (the QDQ form converted ahead of time, as each stage is)
     import ortmem
@@ -79,7 +76,7 @@ def test_subgraphs_run_in_their_stage(tmp_path):
     for cond in (True, False):  # both If branches
         feeds = {"x": rng.standard_normal((1, 128), dtype=np.float32), "c": np.array(cond),
                  "trip": np.array(3, np.int64)}
-        assert np.array_equal(pipe.run(None, feeds)[0], _reference(path, feeds)[0])
+        assert np.array_equal(pipe.run(None, feeds)[0], run_plain(path, feeds)[0])
 
 
 def test_modules_one_by_one_still_run_correctly(tmp_path):
@@ -89,7 +86,7 @@ def test_modules_one_by_one_still_run_correctly(tmp_path):
                      out_dir=tmp_path / "p", stage_overhead=0, verify=False, cut_slack=0.0)
     feeds = {"input_ids": _ids()}
     got = PipelineSession(plan).run(None, feeds)[0]
-    np.testing.assert_allclose(got, _reference(model, feeds)[0], rtol=0, atol=1e-4)
+    assert_close_outputs([got], run_plain(model, feeds)[:1], rtol=0, atol=1e-4)
 
 
 def test_devices_map_to_providers_and_overrides(split_tiny):

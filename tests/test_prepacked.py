@@ -15,8 +15,10 @@ from ortmem.ortmodel.release import capabilities
 import onnxruntime as ort
 import pytest
 
+from ortmem.store import layout
 from ortmem.store import prepacked as pp
 from ortmem.synth import SynthConfig, write_model
+from tests.support.reference import run_plain
 
 # ~27 MiB of int4 codes (packed ~40 MiB at accuracy 4): big enough for memory to be measurable.
 CONFIG = SynthConfig(hidden=1024, intermediate=2816, layers=4, vocab=4000, heads=8, form="native",
@@ -32,9 +34,9 @@ def _make_entry(folder: Path) -> Path:
     for t in m.graph.initializer:
         for e in t.external_data:
             if e.key == "location":
-                e.value = pp.WEIGHTS_FILE
-    onnx.save_model(m, str(folder / pp.MODEL_FILE))
-    os.rename(folder / "src.onnx.data", folder / pp.WEIGHTS_FILE)
+                e.value = layout.WEIGHTS_FILE
+    onnx.save_model(m, str(folder / layout.MODEL_FILE))
+    os.rename(folder / "src.onnx.data", folder / layout.WEIGHTS_FILE)
     src.unlink()
     return folder
 
@@ -51,7 +53,7 @@ def _clone(entry: Path, dest: Path) -> Path:
     """Copy of an entry whose pre-packed files can be damaged (weights.bin hard-linked)."""
     dest.mkdir()
     for f in entry.iterdir():
-        if f.name == pp.WEIGHTS_FILE:
+        if f.name == layout.WEIGHTS_FILE:
             os.link(f, dest / f.name)
         elif f.is_file():
             shutil.copy2(f, dest / f.name)
@@ -72,14 +74,14 @@ def entry(tmp_path_factory) -> Path:
     folder = _make_entry(tmp_path_factory.mktemp("pp") / "entry")
     report = pp.PrepackReport(None)
     path = pp.save_prepacked(folder, report=report, group_bytes=8 << 20)
-    assert path == folder / pp.PREPACKED_MODEL
+    assert path == folder / layout.PREPACKED_MODEL
     assert report.tensors == 4 * 7 + 1 and report.groups > 2 and not report.skipped
     return folder
 
 
 @pytest.fixture(scope="module")
 def twin_out(entry) -> np.ndarray:
-    return _run(entry / pp.MODEL_FILE)
+    return _run(entry / layout.MODEL_FILE)
 
 
 def test_key_parts_name_ort_and_cpu():
@@ -92,13 +94,13 @@ def test_key_parts_name_ort_and_cpu():
 
 def test_reload_is_bit_identical_to_the_twin(entry, twin_out):
     assert pp.verify_prepacked(entry) is None
-    assert pp.prepacked_model(entry) == entry / pp.PREPACKED_MODEL
-    out = _run(entry / pp.PREPACKED_MODEL)
+    assert pp.prepacked_model(entry) == entry / layout.PREPACKED_MODEL
+    out = _run(entry / layout.PREPACKED_MODEL)
     assert np.array_equal(out, twin_out)
     # The blobs do not depend on the graph optimization level (compare like with like: the level
     # changes the twin's own numerics through norm fusions).
     outs = []
-    for model in (entry / pp.MODEL_FILE, entry / pp.PREPACKED_MODEL):
+    for model in (entry / layout.MODEL_FILE, entry / layout.PREPACKED_MODEL):
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         s = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
@@ -107,11 +109,11 @@ def test_reload_is_bit_identical_to_the_twin(entry, twin_out):
 
 
 def test_only_b_moves_and_blobs_are_page_aligned(entry):
-    m = onnx.load(str(entry / pp.PREPACKED_MODEL), load_external_data=False)
+    m = onnx.load(str(entry / layout.PREPACKED_MODEL), load_external_data=False)
     moved = 0
     for t in m.graph.initializer:
         kv = {e.key: e.value for e in t.external_data}
-        if kv.get("location") == pp.PREPACKED_DATA:
+        if kv.get("location") == layout.PREPACKED_DATA:
             moved += 1
             assert int(kv["offset"]) % pp.PAGE == 0
             key, *blobs = kv["prepacked_0"].split("|")
@@ -126,10 +128,10 @@ def test_only_b_moves_and_blobs_are_page_aligned(entry):
 def test_grouping_does_not_change_the_bytes(entry, tmp_path):
     other = _make_entry(tmp_path / "one-group")
     pp.save_prepacked(other, group_bytes=1 << 40)
-    a = json.loads((entry / pp.PREPACKED_MANIFEST).read_text())
-    b = json.loads((other / pp.PREPACKED_MANIFEST).read_text())
+    a = json.loads((entry / layout.PREPACKED_MANIFEST).read_text())
+    b = json.loads((other / layout.PREPACKED_MANIFEST).read_text())
     assert a["digest"] == b["digest"] and a["spans"] == b["spans"]
-    assert (entry / pp.PREPACKED_DATA).read_bytes() == (other / pp.PREPACKED_DATA).read_bytes()
+    assert (entry / layout.PREPACKED_DATA).read_bytes() == (other / layout.PREPACKED_DATA).read_bytes()
 
 
 _PROBE = r"""
@@ -161,9 +163,9 @@ def _probe(model: Path) -> dict:
 
 def test_merged_file_is_what_ort_maps(entry):
     """Fresh processes: the twin keeps its packed weights on the heap, the reload maps them."""
-    twin = _probe(entry / pp.MODEL_FILE)
-    reload = _probe(entry / pp.PREPACKED_MODEL)
-    blob_bytes = json.loads((entry / pp.PREPACKED_MANIFEST).read_text())["blob_bytes"]
+    twin = _probe(entry / layout.MODEL_FILE)
+    reload = _probe(entry / layout.PREPACKED_MODEL)
+    blob_bytes = json.loads((entry / layout.PREPACKED_MANIFEST).read_text())["blob_bytes"]
     assert twin["anon_created"] > 0.7 * blob_bytes  # sanity: the twin really packs on the heap
     assert reload["maps_prepacked"]
     assert reload["anon_created"] < twin["anon_created"] - 0.6 * blob_bytes
@@ -178,24 +180,24 @@ def test_merged_file_is_what_ort_maps(entry):
 
 def test_truncated_data_is_refused_and_ort_errors_cleanly(entry, tmp_path):
     bad = _clone(entry, tmp_path / "trunc")
-    size = (bad / pp.PREPACKED_DATA).stat().st_size
-    os.truncate(bad / pp.PREPACKED_DATA, size // 2)
+    size = (bad / layout.PREPACKED_DATA).stat().st_size
+    os.truncate(bad / layout.PREPACKED_DATA, size // 2)
     assert "wrong size" in pp.verify_prepacked(bad)
     assert pp.prepacked_model(bad) is None
     # Loaded anyway, ORT fails with an error naming the problem (no crash, no wrong answer).
     with pytest.raises(Exception, match="out of bounds"):
-        ort.InferenceSession(str(bad / pp.PREPACKED_MODEL), providers=["CPUExecutionProvider"])
+        ort.InferenceSession(str(bad / layout.PREPACKED_MODEL), providers=["CPUExecutionProvider"])
 
 
 def test_corrupted_blob_is_detected(entry, twin_out, tmp_path):
     """ORT never checks a blob (its checksum field is always 0): a damaged one gives wrong outputs.
     The manifest's digest is what stops it."""
     bad = _clone(entry, tmp_path / "corrupt")
-    m = onnx.load(str(bad / pp.PREPACKED_MODEL), load_external_data=False)
+    m = onnx.load(str(bad / layout.PREPACKED_MODEL), load_external_data=False)
     t = next(t for t in m.graph.initializer if any(e.key == "prepacked_0" for e in t.external_data))
     kv = {e.key: e.value for e in t.external_data}
     off, length, _ = kv["prepacked_0"].split("|")[1].split(";")
-    with open(bad / pp.PREPACKED_DATA, "r+b") as f:
+    with open(bad / layout.PREPACKED_DATA, "r+b") as f:
         f.seek(int(off))
         f.write(b"\x5a" * 256)
     assert "content changed" in pp.verify_prepacked(bad)
@@ -203,15 +205,15 @@ def test_corrupted_blob_is_detected(entry, twin_out, tmp_path):
     if capabilities().prepacked_validated:
         # 1.32+ re-packs every saved weight on reload and refuses a blob that differs
         with pytest.raises(Exception, match="do not match"):
-            _run(bad / pp.PREPACKED_MODEL)
+            _run(bad / layout.PREPACKED_MODEL)
     else:
-        assert not np.array_equal(_run(bad / pp.PREPACKED_MODEL), twin_out)  # why the check exists
+        assert not np.array_equal(_run(bad / layout.PREPACKED_MODEL), twin_out)  # why the check exists
 
 
 
 def test_other_cpu_or_ort_or_base_model_is_refused(entry, tmp_path, monkeypatch):
     bad = _clone(entry, tmp_path / "stale")
-    with open(bad / pp.MODEL_FILE, "ab") as f:
+    with open(bad / layout.MODEL_FILE, "ab") as f:
         f.write(b" ")
     assert "changed" in pp.verify_prepacked(bad)
     monkeypatch.setattr(pp, "prepacked_key_parts", lambda: {"onnxruntime": "0.0"})
@@ -220,11 +222,11 @@ def test_other_cpu_or_ort_or_base_model_is_refused(entry, tmp_path, monkeypatch)
 
 def test_missing_or_garbled_manifest(entry, tmp_path):
     bad = _clone(entry, tmp_path / "nomanifest")
-    (bad / pp.PREPACKED_MANIFEST).write_text("{not json")
+    (bad / layout.PREPACKED_MANIFEST).write_text("{not json")
     assert "unreadable" in pp.verify_prepacked(bad)
     pp.discard_prepacked(bad)
     assert pp.verify_prepacked(bad) == "no pre-packed weights saved"
-    assert not (bad / pp.PREPACKED_DATA).exists()
+    assert not (bad / layout.PREPACKED_DATA).exists()
 
 
 def test_nothing_to_pack(entry, tmp_path):
@@ -238,10 +240,10 @@ def test_nothing_to_pack(entry, tmp_path):
     g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
-    onnx.save_model(helper.make_model(g), str(plain / pp.MODEL_FILE))
-    (plain / pp.WEIGHTS_FILE).write_bytes(b"")
+    onnx.save_model(helper.make_model(g), str(plain / layout.MODEL_FILE))
+    (plain / layout.WEIGHTS_FILE).write_bytes(b"")
     assert pp.save_prepacked(plain) is None
-    assert sorted(p.name for p in plain.iterdir()) == [pp.MODEL_FILE, pp.WEIGHTS_FILE]
+    assert sorted(p.name for p in plain.iterdir()) == [layout.MODEL_FILE, layout.WEIGHTS_FILE]
 
 
 def test_failure_leaves_no_files(entry, tmp_path, monkeypatch):
@@ -264,9 +266,9 @@ def test_b_in_any_file_inside_the_folder_but_never_outside(tmp_path):
     cfg = SynthConfig.tiny(form="native", storage="external", name="carried")
     folder = tmp_path / "e"
     folder.mkdir()
-    src = write_model(cfg, folder / pp.MODEL_FILE)  # data in model.onnx.data, not weights.bin
+    src = write_model(cfg, folder / layout.MODEL_FILE)  # data in model.onnx.data, not weights.bin
     report = pp.PrepackReport(None)
-    assert pp.save_prepacked(folder, weights_name=pp.WEIGHTS_FILE, report=report) is None
+    assert pp.save_prepacked(folder, weights_name=layout.WEIGHTS_FILE, report=report) is None
     assert report.skipped and all("not external data in the folder" in s for s in report.skipped)
     path = pp.save_prepacked(folder)
     assert path is not None and pp.verify_prepacked(folder) is None
@@ -297,27 +299,23 @@ def qdq(tmp_path) -> Path:
     return write_model(SynthConfig.tiny(storage="external"), path)
 
 
-def _ort_qdq(path: Path) -> np.ndarray:
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, QDQ_FEEDS)[0]
-
-
 @needs_saving
 def test_first_warm_start_saves_and_later_ones_load_the_prepacked_model(qdq, tmp_path):
     import ortmem
 
     cache = tmp_path / "cache"
-    expected = _ort_qdq(qdq)
+    expected = run_plain(qdq, QDQ_FEEDS)[0]
     cold = ortmem.InferenceSession(qdq, cache=cache)
-    assert not cold.ortmem_cache_hit and Path(cold._ortmem_handoff.model).name == pp.MODEL_FILE
-    entry = Path(cold._ortmem_handoff.model).parent
-    assert not (entry / pp.PREPACKED_MANIFEST).exists()  # the cold start does not pay for packing
+    assert not cold.ortmem_cache_hit and Path(cold.ortmem_handoff.model).name == layout.MODEL_FILE
+    entry = Path(cold.ortmem_handoff.model).parent
+    assert not (entry / layout.PREPACKED_MANIFEST).exists()  # the cold start does not pay for packing
 
     first = ortmem.InferenceSession(qdq, cache=cache)
-    assert first.ortmem_cache_hit and Path(first._ortmem_handoff.model) == entry / pp.PREPACKED_MODEL
-    stamp = (entry / pp.PREPACKED_DATA).stat().st_mtime_ns
+    assert first.ortmem_cache_hit and Path(first.ortmem_handoff.model) == entry / layout.PREPACKED_MODEL
+    stamp = (entry / layout.PREPACKED_DATA).stat().st_mtime_ns
     second = ortmem.InferenceSession(qdq, cache=cache)
-    assert Path(second._ortmem_handoff.model) == entry / pp.PREPACKED_MODEL
-    assert (entry / pp.PREPACKED_DATA).stat().st_mtime_ns == stamp  # loaded, not saved again
+    assert Path(second.ortmem_handoff.model) == entry / layout.PREPACKED_MODEL
+    assert (entry / layout.PREPACKED_DATA).stat().st_mtime_ns == stamp  # loaded, not saved again
     for s in (cold, first, second):
         assert np.array_equal(s.run(None, QDQ_FEEDS)[0], expected)
 
@@ -342,13 +340,13 @@ def test_a_release_without_saving_loads_the_entry_itself(qdq, tmp_path):
     import ortmem
 
     cache = tmp_path / "cache"
-    expected = _ort_qdq(qdq)
+    expected = run_plain(qdq, QDQ_FEEDS)[0]
     cold = ortmem.InferenceSession(qdq, cache=cache)
-    entry = Path(cold._ortmem_handoff.model).parent
+    entry = Path(cold.ortmem_handoff.model).parent
     assert pp.save_prepacked(entry) is None  # ORT packed nothing it would save
     warm = ortmem.InferenceSession(qdq, cache=cache)
-    assert warm.ortmem_cache_hit and Path(warm._ortmem_handoff.model) == entry / pp.MODEL_FILE
-    assert not any(p.name.startswith((".prepack", pp.PREPACKED_DATA, pp.PREPACKED_MANIFEST)) for p in entry.iterdir())
+    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model) == entry / layout.MODEL_FILE
+    assert not any(p.name.startswith((".prepack", layout.PREPACKED_DATA, layout.PREPACKED_MANIFEST)) for p in entry.iterdir())
     for s in (cold, warm):
         assert np.array_equal(s.run(None, QDQ_FEEDS)[0], expected)
 
@@ -362,11 +360,11 @@ def test_prepacked_only_for_cpu_with_prepacking_on(qdq, tmp_path):
     so.add_session_config_entry("session.disable_prepacking", "1")
     ortmem.InferenceSession(qdq, so, cache=cache)  # a cold start for these options (another key)
     warm = ortmem.InferenceSession(qdq, so, cache=cache)
-    assert warm.ortmem_cache_hit and Path(warm._ortmem_handoff.model).name == pp.MODEL_FILE
-    assert not (Path(warm._ortmem_handoff.model).parent / pp.PREPACKED_MANIFEST).exists()
+    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == layout.MODEL_FILE
+    assert not (Path(warm.ortmem_handoff.model).parent / layout.PREPACKED_MANIFEST).exists()
     opted_out = ortmem.InferenceSession(qdq, cache=cache, prepacked=False)
-    assert opted_out.ortmem_cache_hit and Path(opted_out._ortmem_handoff.model).name == pp.MODEL_FILE
-    assert not (Path(opted_out._ortmem_handoff.model).parent / pp.PREPACKED_MANIFEST).exists()
+    assert opted_out.ortmem_cache_hit and Path(opted_out.ortmem_handoff.model).name == layout.MODEL_FILE
+    assert not (Path(opted_out.ortmem_handoff.model).parent / layout.PREPACKED_MANIFEST).exists()
 
 
 @needs_saving
@@ -374,17 +372,17 @@ def test_damaged_prepacked_files_are_packed_again(qdq, tmp_path):
     import ortmem
 
     cache = tmp_path / "cache"
-    expected = _ort_qdq(qdq)
+    expected = run_plain(qdq, QDQ_FEEDS)[0]
     ortmem.InferenceSession(qdq, cache=cache)
     first = ortmem.InferenceSession(qdq, cache=cache)
-    entry = Path(first._ortmem_handoff.model).parent
-    spans = json.loads((entry / pp.PREPACKED_MANIFEST).read_text())["spans"]
+    entry = Path(first.ortmem_handoff.model).parent
+    spans = json.loads((entry / layout.PREPACKED_MANIFEST).read_text())["spans"]
     off, _ = spans[-1]  # a blob: used as is by ORT if its key is intact, so it must be caught
-    with open(entry / pp.PREPACKED_DATA, "r+b") as f:
+    with open(entry / layout.PREPACKED_DATA, "r+b") as f:
         f.seek(off)
         f.write(b"\x5a" * 64)
     again = ortmem.InferenceSession(qdq, cache=cache)
-    assert Path(again._ortmem_handoff.model).name == pp.PREPACKED_MODEL
+    assert Path(again.ortmem_handoff.model).name == layout.PREPACKED_MODEL
     assert pp.verify_prepacked(entry) is None  # saved afresh
     assert np.array_equal(again.run(None, QDQ_FEEDS)[0], expected)
 
@@ -392,24 +390,24 @@ def test_damaged_prepacked_files_are_packed_again(qdq, tmp_path):
 @needs_saving
 def test_a_prepacked_model_ort_refuses_falls_back_to_the_entry(qdq, tmp_path, monkeypatch, caplog):
     import ortmem
-    from ortmem import handoff
+    from ortmem.store import verdict
 
     cache = tmp_path / "cache"
-    expected = _ort_qdq(qdq)
+    expected = run_plain(qdq, QDQ_FEEDS)[0]
     ortmem.InferenceSession(qdq, cache=cache)
     ortmem.InferenceSession(qdq, cache=cache)  # saves the pre-packed files
-    entry = next(p for p in cache.iterdir() if (p / pp.PREPACKED_MANIFEST).exists())
-    m = onnx.load(str(entry / pp.PREPACKED_MODEL), load_external_data=False)
+    entry = next(p for p in cache.iterdir() if (p / layout.PREPACKED_MANIFEST).exists())
+    m = onnx.load(str(entry / layout.PREPACKED_MODEL), load_external_data=False)
     for t in m.graph.initializer:  # a blob past the end of the file: ORT fails session creation
         for e in t.external_data:
             if e.key.startswith("prepacked_"):
                 key, rest = e.value.split("|", 1)
                 e.value = f"{key}|{1 << 40};{rest.split(';', 1)[1]}"
-    onnx.save_model(m, str(entry / pp.PREPACKED_MODEL))  # verification is bypassed below
-    monkeypatch.setattr(handoff, "prepacked_model", lambda d, mode="full": Path(d) / pp.PREPACKED_MODEL)
+    onnx.save_model(m, str(entry / layout.PREPACKED_MODEL))  # verification is bypassed below
+    monkeypatch.setattr(verdict, "prepacked_model", lambda d, mode="full": Path(d) / layout.PREPACKED_MODEL)
     s = ortmem.InferenceSession(qdq, cache=cache)
     assert "could not load the pre-packed model" in caplog.text
-    assert Path(s._ortmem_handoff.model).name == pp.MODEL_FILE and not (entry / pp.PREPACKED_MANIFEST).exists()
+    assert Path(s.ortmem_handoff.model).name == layout.MODEL_FILE and not (entry / layout.PREPACKED_MANIFEST).exists()
     assert np.array_equal(s.run(None, QDQ_FEEDS)[0], expected)
 
 
@@ -456,10 +454,10 @@ def test_the_second_start_is_warm(big_qdq, tmp_path):
     expected = ort.InferenceSession(str(big_qdq), providers=["CPUExecutionProvider"]).run(None, QDQ_FEEDS)[0]
     first = _start(big_qdq, cache)
     entry = next(p for p in cache.iterdir() if p.is_dir() and not p.name.startswith("."))
-    assert (entry / pp.WEIGHTS_FILE).stat().st_size >= MIN_WEIGHT_BYTES
+    assert (entry / layout.WEIGHTS_FILE).stat().st_size >= MIN_WEIGHT_BYTES
     assert first["action"] == "converted" and first["waited"]
     assert first["packer"] == (1 if SAVES else 0)
-    assert (entry / pp.PREPACKED_MANIFEST).exists() == SAVES
+    assert (entry / layout.PREPACKED_MANIFEST).exists() == SAVES
     if SAVES:
         assert pp.verify_prepacked(entry, "full") is None
     second = _start(big_qdq, cache)

@@ -20,10 +20,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ortmem
+from ortmem import model_facts
 from ortmem.store import packer as prepack_later, prepared, prepared_entries as prepared_cache
 from ortmem.cli import main as cli_main
 from ortmem.ortmodel.release import capabilities
 from ortmem.synth import SynthConfig, write_model
+from tests.support.reference import run_plain
 
 pytestmark = pytest.mark.skipif(not capabilities().prepacked_save, reason="this onnxruntime saves no pre-packed weights")
 
@@ -66,10 +68,6 @@ def mlp_feeds(dim: int = 1024) -> dict:
     return {"x": np.random.default_rng(7).standard_normal((2, dim)).astype(np.float32)}
 
 
-def plain(model: Path, feeds: dict) -> np.ndarray:
-    return ort.InferenceSession(str(model), providers=CPU).run(None, feeds)[0]
-
-
 def entries(cache: Path) -> list[Path]:
     return [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")] if cache.is_dir() else []
 
@@ -77,7 +75,7 @@ def entries(cache: Path) -> list[Path]:
 @pytest.fixture
 def any_size(monkeypatch):
     """Every model gets a prepared entry, whatever its size (the tests' models are small)."""
-    monkeypatch.setenv(prepared_cache.MIN_BYTES_ENV, "0")
+    monkeypatch.setenv(model_facts.MIN_BYTES_ENV, "0")
 
 
 def _int8(folder: Path) -> Path:
@@ -109,7 +107,7 @@ def ort_reload_is_identical(model: Path, feeds: dict, folder: Path) -> bool:
     so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "saved.data")
     ort.InferenceSession(str(model), so, providers=CPU)
-    return np.array_equal(plain(folder / "saved.onnx", feeds), plain(model, feeds))
+    return np.array_equal(run_plain(folder / "saved.onnx", feeds)[0], run_plain(model, feeds)[0])
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -119,7 +117,7 @@ def test_cold_prepared_and_warm_starts_equal_plain_ort(name, tmp_path, any_size)
     folder.mkdir()
     model = build(folder) if name != "conv" else build(folder / "conv.onnx")
     feeds = feeds_of()
-    expected = plain(model, feeds)
+    expected = run_plain(model, feeds)[0]
     cache = tmp_path / "cache"
     cold = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     assert cold.ortmem_action in ("as-is", "mapped")  # mapped: an embedded model (int8, conv)
@@ -131,7 +129,7 @@ def test_cold_prepared_and_warm_starts_equal_plain_ort(name, tmp_path, any_size)
         warm_action = cold.ortmem_action  # this ORT reloads it wrong: a marker, today's start again
     assert marker == (warm_action != "prepared")
     if not marker:  # the entry itself, loaded with plain ORT
-        assert np.array_equal(plain(entry / "model.onnx", feeds), expected)
+        assert np.array_equal(run_plain(entry / "model.onnx", feeds)[0], expected)
     before = len(prepack_later.started_packers())
     warm = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     assert warm.ortmem_action == warm_action
@@ -177,11 +175,11 @@ def test_a_changed_source_is_never_served_stale(tmp_path, any_size):
     feeds = mlp_feeds(256)
     s = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     assert s.ortmem_action == "as-is"
-    assert np.array_equal(s.run(None, feeds)[0], plain(model, feeds))
+    assert np.array_equal(s.run(None, feeds)[0], run_plain(model, feeds)[0])
     prepack_later.wait_background(120)
     mlp(tmp_path / "m.onnx", layers=2, dim=256, seed=5)  # replaced outright
     s = ortmem.InferenceSession(model, providers=CPU, cache=cache)
-    assert s.ortmem_action == "as-is" and np.array_equal(s.run(None, feeds)[0], plain(model, feeds))
+    assert s.ortmem_action == "as-is" and np.array_equal(s.run(None, feeds)[0], run_plain(model, feeds)[0])
     prepack_later.wait_background(120)
 
 
@@ -197,10 +195,10 @@ def test_a_tampered_prepared_file_is_refused_and_rebuilt(tmp_path, any_size, cap
     feeds = mlp_feeds(256)
     s = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     assert s.ortmem_action == "as-is" and "unusable" in caplog.text
-    assert np.array_equal(s.run(None, feeds)[0], plain(model, feeds))
+    assert np.array_equal(s.run(None, feeds)[0], run_plain(model, feeds)[0])
     assert prepack_later.wait_background(120)
     warm = ortmem.InferenceSession(model, providers=CPU, cache=cache)  # rebuilt after that first run
-    assert warm.ortmem_action == "prepared" and np.array_equal(warm.run(None, feeds)[0], plain(model, feeds))
+    assert warm.ortmem_action == "prepared" and np.array_equal(warm.run(None, feeds)[0], run_plain(model, feeds)[0])
 
 
 def test_a_prepared_model_ort_refuses_falls_back_to_the_source(tmp_path, any_size, caplog):
@@ -222,7 +220,7 @@ def test_a_prepared_model_ort_refuses_falls_back_to_the_source(tmp_path, any_siz
     assert "could not load the prepared model" in caplog.text
     assert s.ortmem_action == "as-is" and entries(cache) == []
     feeds = mlp_feeds(256)
-    assert np.array_equal(s.run(None, feeds)[0], plain(model, feeds))
+    assert np.array_equal(s.run(None, feeds)[0], run_plain(model, feeds)[0])
     prepack_later.wait_background(120)
 
 
@@ -331,7 +329,7 @@ def test_a_read_only_cache_warm_starts_with_no_write(tmp_path, any_size):
     assert warm["action"] == "prepared" and warm["packers"] == 0
     assert "ortmem" not in warm["stderr"] and "WARNING" not in warm["stderr"], warm["stderr"]
     assert _tree(cache) == before
-    assert warm["out"] == plain(model, mlp_feeds(256)).tolist()
+    assert warm["out"] == run_plain(model, mlp_feeds(256))[0].tolist()
     (entry,) = entries(cache)
     with open(entry / "model.data", "r+b") as f:
         f.seek(50)

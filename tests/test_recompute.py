@@ -17,9 +17,9 @@ from ortmem.plan import recompute as rc
 from ortmem.plan.estimate.liveness import analyze, context, load_proto
 from ortmem.plan.recompute import add_recompute_arguments, main_recompute
 from ortmem.units import bytes_arg
-from recompute_models import LlamaMaskConfig, llama_shared_mask
-from test_liveness import _i64, _model, long_cast, two_branches
-from compare import assert_same_outputs
+from tests.support.recompute_models import LlamaMaskConfig, llama_shared_mask
+from tests.support.planner_graphs import graph_model, i64, long_cast, two_branches
+from tests.support.compare import assert_same_outputs
 
 F = TensorProto.FLOAT
 N = 1024
@@ -42,8 +42,8 @@ def tile_three_layers() -> onnx.ModelProto:
                   helper.make_node("Tile", [f"a{i}", "four"], [f"b{i}"], name=f"b{i}"),
                   helper.make_node("Slice", [f"b{i}", "zero", "n"], [f"h{i}"], name=f"h{i}")]
         h = f"h{i}"
-    return _model(nodes, [helper.make_tensor_value_info("x", F, [N]), helper.make_tensor_value_info("s", F, [N // 4])],
-                  [helper.make_tensor_value_info(h, F, [N])], [_i64("four", [4]), _i64("zero", [0]), _i64("n", [N])])
+    return graph_model(nodes, [helper.make_tensor_value_info("x", F, [N]), helper.make_tensor_value_info("s", F, [N // 4])],
+                       [helper.make_tensor_value_info(h, F, [N])], [i64("four", [4]), i64("zero", [0]), i64("n", [N])])
 
 
 def no_gain_chain() -> onnx.ModelProto:
@@ -58,9 +58,9 @@ def no_gain_chain() -> onnx.ModelProto:
              helper.make_node("Tile", ["u", "tile"], ["B"], name="B"),
              helper.make_node("Slice", ["B", "zero", "n256", "one"], ["v"], name="v"),
              helper.make_node("Add", ["v", "w"], ["y"], name="y")]
-    return _model(nodes, [helper.make_tensor_value_info("s", F, [1, 256])], [helper.make_tensor_value_info("y", F, [1, 256])],
-                  [_i64("shape", [40, 256]), _i64("zero", [0]), _i64("one", [1]), _i64("tile", [1, 32]),
-                   _i64("n256", [256])])
+    return graph_model(nodes, [helper.make_tensor_value_info("s", F, [1, 256])], [helper.make_tensor_value_info("y", F, [1, 256])],
+                       [i64("shape", [40, 256]), i64("zero", [0]), i64("one", [1]), i64("tile", [1, 32]),
+                        i64("n256", [256])])
 
 
 def _run(path: str, feeds: dict) -> list[np.ndarray]:
@@ -175,7 +175,7 @@ def _random_dag(seed: int, n_nodes: int) -> onnx.ModelProto:
     """1-D float tensors; each node Neg, Concat of two earlier tensors, or the first half (Slice)."""
     rnd = random.Random(seed)
     vals = [("x", N)]
-    nodes, inits, used = [], [_i64("zero", [0])], set()
+    nodes, inits, used = [], [i64("zero", [0])], set()
     for k in range(n_nodes):
         kind = rnd.choice(["neg", "concat", "half", "concat"])
         a, sa = rnd.choice(vals)
@@ -189,14 +189,14 @@ def _random_dag(seed: int, n_nodes: int) -> onnx.ModelProto:
             size = sa + sb
             used.add(b)
         else:
-            inits.append(_i64(f"h{k}", [sa // 2]))
+            inits.append(i64(f"h{k}", [sa // 2]))
             nodes.append(helper.make_node("Slice", [a, "zero", f"h{k}"], [name], name=name))
             size = sa // 2
         used.add(a)
         vals.append((name, size))
     outs = [v for v, _ in vals[1:] if v not in used]
-    return _model(nodes, [helper.make_tensor_value_info("x", F, [N])],
-                  [helper.make_tensor_value_info(o, F, None) for o in outs], inits)
+    return graph_model(nodes, [helper.make_tensor_value_info("x", F, [N])],
+                       [helper.make_tensor_value_info(o, F, None) for o in outs], inits)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -324,11 +324,11 @@ def test_session_hook_applies_recompute(tiny_llama):
     """`ortmem.InferenceSession(..., recompute=True)` rewrites, runs with the recorded order and
     settings, gives ORT's outputs bit for bit, and leaves the user's options as they were."""
     import ortmem
-    import ortmem.session
+    import ortmem.model_facts
     from ortmem.measure.inputs import make_inputs
 
     # the hook checks for this prefix without importing the planner: they must agree
-    assert ortmem.session.RECOMPUTE_METADATA == rc.META_PREFIX
+    assert ortmem.model_facts.RECOMPUTE_METADATA == rc.META_PREFIX
     dims = {"batch": 2, "seq": 64}
     so = ort.SessionOptions()
     plain = ort.InferenceSession(str(tiny_llama), providers=["CPUExecutionProvider"])

@@ -52,13 +52,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from compare import assert_same_outputs
 
-import model_builders as mb
 import ortmem
 from ortmem.store import prepacked as pp
 from ortmem.store.cache import Cache, creator_lock_path
-from ortmem.convert import lookup_converted
+from ortmem.store.verdict import start
 from ortmem.errors import ExternalDataError, OrtmemError
 from ortmem.ortmodel.release import capabilities
 from ortmem.ortmodel.settings import session_settings
@@ -66,6 +64,9 @@ from ortmem.ortmodel.variants import dq_matmul_model
 from ortmem.passes.dq_matmul_match import dq_matmul_match
 from ortmem.store.packer import PrepackLater, run as run_packer
 from ortmem.synth import SynthConfig, write_model
+from tests.support import builders as mb
+from tests.support.compare import assert_same_outputs
+from tests.support.reference import run_plain
 
 CPU = ["CPUExecutionProvider"]
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
@@ -85,11 +86,6 @@ def qdq(tmp_path) -> Path:
     path = tmp_path / "q" / "model.onnx"
     path.parent.mkdir()
     return write_model(SynthConfig.tiny(storage="external"), path)
-
-
-def _ort_run(path: Path, feeds: dict) -> list[np.ndarray]:
-    """ORT's own outputs for ``path`` (the reference every ortmem output is compared with)."""
-    return ort.InferenceSession(str(path), providers=CPU).run(None, feeds)
 
 
 def _only_entry(root: Path):
@@ -185,7 +181,7 @@ def test_prepacked_weights_saved_for_another_cpu_machine_or_format_are_not_mappe
     plain entry, never map them. The foreign packer is a real packer run in a process that sees
     another ``field``; the warm start runs here, on this machine."""
     cache = tmp_path / "cache"
-    expected = _ort_run(qdq, FEEDS)
+    expected = run_plain(qdq, FEEDS)
     ortmem.InferenceSession(qdq, providers=CPU, cache=cache)  # cold: converts (too small for a packer)
     entry = _only_entry(cache)
     r = subprocess.run([sys.executable, "-c", _FOREIGN_PACKER, str(cache), entry.key, field], env=_child_env(),
@@ -208,7 +204,7 @@ def test_a_source_edited_in_place_with_its_mtime_restored_is_never_served_stale(
     old = time.time_ns() - 120 * 10**9  # older than any "racy" window: stat alone must vouch for it
     os.utime(path, ns=(old, old))
     feeds = {"x": rng.standard_normal((1, 256), dtype=np.float32)}
-    before = _ort_run(path, feeds)
+    before = run_plain(path, feeds)
     cache = tmp_path / "cache"
     assert_same_outputs(ortmem.InferenceSession(path, providers=CPU, cache=cache).run(None, feeds), before)
 
@@ -223,7 +219,7 @@ def test_a_source_edited_in_place_with_its_mtime_restored_is_never_served_stale(
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     now = path.stat()
     assert (now.st_size, now.st_mtime_ns, now.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
-    after = _ort_run(path, feeds)
+    after = run_plain(path, feeds)
     assert not np.array_equal(after[0], before[0])
 
     again = ortmem.InferenceSession(path, providers=CPU, cache=cache)
@@ -236,7 +232,7 @@ def test_the_background_packer_does_not_pack_while_another_process_holds_the_cre
     """The packer (``python -m ortmem.store.packer``, as a cold start leaves it) finds the entry's
     creator lock held by another process: it packs nothing until that process lets go."""
     cache = tmp_path / "cache"
-    expected = _ort_run(qdq, FEEDS)
+    expected = run_plain(qdq, FEEDS)
     ortmem.InferenceSession(qdq, providers=CPU, cache=cache)
     entry = _only_entry(cache)
     job = PrepackLater(str(cache), entry.key, "full")
@@ -263,7 +259,7 @@ def test_the_first_hit_does_not_pack_while_another_process_holds_the_creator_loc
     """The first cache hit packs for itself when no packer did (small weights); with the entry's
     creator lock held by another process (a packer, another worker) it must not pack meanwhile."""
     cache = tmp_path / "cache"
-    expected = _ort_run(qdq, FEEDS)
+    expected = run_plain(qdq, FEEDS)
     ortmem.InferenceSession(qdq, providers=CPU, cache=cache)
     entry = _only_entry(cache)
     result: dict = {}
@@ -334,7 +330,7 @@ def test_a_packer_started_from_a_hooked_program_runs_unhooked(qdq, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["action"] == "converted" and result["waited"] and len(result["packers"]) == 1
-    assert_same_outputs([np.array(result["out"], dtype=np.float32)], _ort_run(qdq, FEEDS))
+    assert_same_outputs([np.array(result["out"], dtype=np.float32)], run_plain(qdq, FEEDS))
     records = {rec["pid"]: rec for rec in map(json.loads, record.read_text().splitlines())}
     packer = records[result["packers"][0]]
     assert not packer["hooked"] and packer["sessions"] == 0, f"the packer ran hooked: {packer}"
@@ -357,7 +353,7 @@ def test_external_data_one_byte_short_is_refused_and_exactly_long_enough_loads(r
     with open(data, "r+b") as f:
         f.truncate(end)
     feeds = {"x": rng.standard_normal((2, 64), dtype=np.float32)}
-    expected = _ort_run(path, feeds)
+    expected = run_plain(path, feeds)
     with ortmem.load(path) as model:
         assert {w.name for w in model.weights} >= set(spans)
     assert_same_outputs(ortmem.InferenceSession(path, providers=CPU, cache=False).run(None, feeds), expected)
@@ -407,7 +403,7 @@ def test_ortmem_converts_exactly_the_block_sizes_this_ort_fuses(block, tmp_path)
         # past the range where the probe showed ORT's fused kernel right (1.25: 512+ reads garbage, its
         # own run differs from run to run): left to ORT, and ORT's output is no reference to compare with
         return
-    assert_same_outputs(sess.run(None, feeds), _ort_run(path, feeds))
+    assert_same_outputs(sess.run(None, feeds), run_plain(path, feeds))
 
 
 # ------------------------------------------------------------------- owner checks, without root
@@ -433,7 +429,7 @@ def test_an_entry_owned_by_another_user_is_never_used(qdq, tmp_path, monkeypatch
     """Another user's entry under this model's key (mode 0700/0600, digests intact) could hold anything:
     a start must not take it for a hit. Its owner is faked, so this runs without root too."""
     cache = tmp_path / "cache"
-    expected = _ort_run(qdq, FEEDS)
+    expected = run_plain(qdq, FEEDS)
     ortmem.InferenceSession(qdq, providers=CPU, cache=cache)
     entry = _only_entry(cache)
     assert ortmem.InferenceSession(qdq, providers=CPU, cache=cache).ortmem_cache_hit  # trusted: a hit
@@ -473,14 +469,14 @@ def _paused_builder(model: Path, cache: Path) -> subprocess.Popen:
 
 def _look(model: Path, cache: Path):
     """What every start does first, without any lock: look the model's entry up."""
-    return lookup_converted(Cache(cache), model, session_settings(None), None)
+    return start(Cache(cache), model, settings=session_settings(None)).entry
 
 
 def test_a_reader_never_sees_an_entry_while_it_is_built(qdq, tmp_path, caplog):
     """While another process writes an entry, a start looking it up finds nothing (and disturbs
     nothing); once the builder publishes, the next start is a hit with ORT's outputs."""
     cache = tmp_path / "cache"
-    expected = _ort_run(qdq, FEEDS)
+    expected = run_plain(qdq, FEEDS)
     builder = _paused_builder(qdq, cache)
     try:
         with caplog.at_level(logging.INFO, logger="ortmem"):
@@ -501,7 +497,7 @@ def test_a_builder_killed_before_publishing_leaves_nothing_a_reader_sees(qdq, tm
     """kill -9 between writing and publishing: later starts find no entry (no half entry to trip
     over and throw away), convert afresh and run as ORT does."""
     cache = tmp_path / "cache"
-    expected = _ort_run(qdq, FEEDS)
+    expected = run_plain(qdq, FEEDS)
     builder = _paused_builder(qdq, cache)
     builder.send_signal(signal.SIGKILL)
     builder.communicate(timeout=60)

@@ -57,10 +57,10 @@ def test_the_probe_decides_and_a_tested_release_agrees_with_its_row():
 
 def test_tested_releases_are_the_table_rows_and_what_ci_runs():
     """TESTED_RELEASES, the table's rows and the releases .ci/run runs the full suite on are one list."""
-    from pathlib import Path
+    from tests.support.paths import REPO
 
     assert {rel.parse_version(v)[:2] for v in rel.TESTED_RELEASES} == set(rel.RELEASE_TABLE)
-    script = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    script = (REPO / ".ci" / "run").read_text()
     for version in rel.TESTED_RELEASES[:-1]:  # the newest is the one pip picks for the README's command
         assert version in script, f"{version} is tested but .ci/run does not run it"
 

@@ -15,12 +15,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from release_expect import matmul_refusal
 
 import ortmem
 from ortmem.store.cache import Cache
 from ortmem.ortmodel.release import capabilities
 from ortmem.ortmodel.variants import ACCURACY_LEVELS, SCALE_TYPES, WEIGHT_TYPES, dq_matmul_model
+from tests.support.release_expect import matmul_refusal
 
 VARIANTS = [pytest.param(w, z, s, a, 32, id=f"{w}-{'zp' if z else 'nozp'}-{s}-acc{a}")
             for w, z, s, a in itertools.product(WEIGHT_TYPES, (False, True), SCALE_TYPES, ACCURACY_LEVELS)]

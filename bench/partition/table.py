@@ -1,6 +1,6 @@
 """Markdown table of a ``measure.py`` result: per stage, budget, the plan's estimate, measured peaks.
 
-    python bench/partition/table.py bench/partition/p100_qdq_3dev.json
+    python -m bench.partition.table bench/partition/p100_qdq_3dev.json
 """
 from __future__ import annotations
 

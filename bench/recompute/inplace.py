@@ -1,6 +1,6 @@
 """Which of ORT's CPU kernels write their output into a dying input, and which take scratch from the arena.
 
-    python bench/recompute/inplace.py
+    python -m bench.recompute.inplace
 
 One op on a fresh 4 MiB activation (``Relu(x)``, static shapes, ``ORT_DISABLE_ALL``, memory patterns
 off), ORT's profiler per node: ``mem_bytes_in_use`` after the op minus after the fresh tensor is 0 when

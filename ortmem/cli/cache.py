@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..store.cache import Cache
-    from ..store.prepacked import PREPACKED_MANIFEST
+    from ..store.layout import PREPACKED_MANIFEST
 
     cache = Cache()
     if args.action == "clear":
@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
 def _verify_cache(cache) -> int:
     """``ortmem cache verify``: every entry (and its pre-packed weights) digested in full; damaged
     ones are removed so the next session rebuilds them. Exit status 1 when any was damaged."""
-    from ..store.prepacked import PREPACKED_MANIFEST, discard_prepacked, verify_prepacked
+    from ..store.layout import PREPACKED_MANIFEST
+    from ..store.prepacked import discard_prepacked, verify_prepacked
 
     rows = list(cache.entries())
     damaged = 0

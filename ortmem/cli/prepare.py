@@ -17,8 +17,6 @@ from typing import Callable
 NAME = "prepare"
 HELP = "build the cache entries warm starts map (converted + pre-packed, or prepared), for a model or a folder"
 
-GENAI_CONFIG = "genai_config.json"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="an .onnx model, or a folder: every .onnx in it (genai folders through ortmem.reach.genai)")
@@ -49,6 +47,8 @@ def _stage_printer() -> Callable[[str], None]:
 
 def _prepare_folder(folder: Path, cache, say: Callable[[str], None]) -> int:
     """Every .onnx under ``folder`` (hidden folders skipped); a genai folder as a whole."""
+    from ..reach.genai import GENAI_CONFIG
+
     genai = sorted({p.parent for p in folder.rglob(GENAI_CONFIG) if not _hidden(p, folder)})
     failed = 0
     for g in genai:
@@ -85,11 +85,12 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> bool:
     """One model: its converted entry and pre-packed weights, else its prepared entry. False: failed."""
     from ..convert import convert_cached
     from ..errors import OrtmemError
-    from ..handoff import conversion_check
+    from ..handoff.conversion import conversion_check
     from ..loader import load
     from ..ortmodel.release import capabilities
     from ..ortmodel.settings import session_settings
-    from ..store.prepared_entries import describe, ensure_prepared, min_prepared_bytes, prepared_key
+    from ..model_facts import min_prepared_bytes
+    from ..store.prepared_entries import describe, ensure_prepared, prepared_key
     from ..progress import progress_bar
 
     settings = session_settings(None)

@@ -51,6 +51,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..errors import StageFailedError
 from ..errors import PlanError
 from ..plan.partition import PartitionPlan, stage_providers
+from ..reach.stage_io import StagedModelIO
 from .cluster import ClusterNode, check_plan, cluster_nodes, connect, stage_reservations
 from .stage_actor import StageWorker, missing_files
 
@@ -110,7 +111,7 @@ class RayRequest:
                                 node=self._p.nodes[-1].name)
 
 
-class RayPipeline:
+class RayPipeline(StagedModelIO):
     """Run a partition plan's stages as Ray actors on the nodes the plan names (module docstring).
 
     ``plan_or_dir``: a written :class:`PartitionPlan`, its folder or its ``plan.json``. ``folder``:
@@ -163,9 +164,8 @@ class RayPipeline:
             raise
         self.start_s = time.perf_counter() - t0
         self._last_read = plan.last_readers()
-        by_name = {a[0]: IOArg(*a) for rows in (*ins, *outs) for a in rows}
-        self._inputs = [by_name[n] for n in plan.inputs if n in by_name]
-        self._outputs = [by_name[n] for n in plan.outputs if n in by_name]
+        self.declare_io(plan.inputs, plan.outputs, [IOArg(*a) for rows in ins for a in rows],
+                        [IOArg(*a) for rows in outs for a in rows])
 
     # ---------------------------------------------------------------------------------- start-up
     def _gather(self, refs: list[Any], what: str, check_missing: bool = False) -> list[Any]:
@@ -188,12 +188,6 @@ class RayPipeline:
         return out
 
     # ---------------------------------------------------------------------------------- metadata
-    def get_inputs(self) -> list[IOArg]:
-        return list(self._inputs)
-
-    def get_outputs(self) -> list[IOArg]:
-        return list(self._outputs)
-
     def get_providers(self) -> list[str]:
         out: list[str] = []
         for ps in self._gather([a.providers_used.remote() for a in self._actors], "get_providers"):

@@ -32,9 +32,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..units import bytes_arg
+from ..units import MiB, bytes_arg, pair_arg
 from .errors import ProbeError
-from .probe import MiB, Prepared, ProbeResult, prepare, probe
+from .probe import Prepared, ProbeResult, prepare, probe
 from .report import (  # noqa: F401  (re-exported: the bench's public API)
     BIMODAL_SPREAD,
     METRICS,
@@ -215,10 +215,7 @@ def _count_list(text: str) -> list[int]:
 
 
 def _kv(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, value
+    return pair_arg(text, "KEY=VALUE")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Literal
 
-from .probe import MiB, ProbeResult, probe
+from ..units import MiB
+from .probe import ProbeResult, probe
 
 Phase = Literal["peak", "create", "run"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from .probe import MiB
+from ..units import MiB
 
 if TYPE_CHECKING:
     from .bench import BenchReport

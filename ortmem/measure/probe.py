@@ -46,8 +46,7 @@ from . import procfs
 from .errors import ProbeError, ProbeUnsupported
 from .settle import Leftovers, flush_writes
 from .strategies import Strategy, get_strategy
-
-MiB = 1024 * 1024
+from ..units import MiB
 
 
 @dataclass

@@ -64,7 +64,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from .probe import MiB, ProbeResult
+from ..units import MiB
+from .probe import ProbeResult
 from .stats import BIMODAL_GAP, Stat, metric_modes, modes_text
 from .textable import align
 from .whole_process import REFERENCE as WHOLE_REFERENCE

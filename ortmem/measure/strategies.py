@@ -263,7 +263,7 @@ def prepare_warm1(model_path: str, options: dict, workdir: str) -> str:
     from ..store.prepacked import discard_prepacked
 
     session = create_ortmem_warm1(model_path, options)
-    discard_prepacked(os.path.dirname(session._ortmem_handoff.fallback or session._ortmem_handoff.model))
+    discard_prepacked(os.path.dirname(session.ortmem_handoff.fallback or session.ortmem_handoff.model))
     return model_path
 
 

@@ -41,7 +41,8 @@ from typing import Any, Callable, Sequence
 
 from ..helper_env import helper_environment
 from .errors import ProbeError
-from .probe import MiB, Prepared, prepare
+from ..units import MiB
+from .probe import Prepared, prepare
 from .settle import Leftovers, flush_writes
 from .stats import Stat, metric_modes, modes_text, schedule
 from .strategies import Strategy, get_strategy, whole_process_code

@@ -48,7 +48,8 @@ from typing import Any, Callable, Sequence
 from ..helper_env import helper_environment
 from . import procfs
 from .errors import ProbeError
-from .probe import MiB, Prepared, prepare
+from ..units import MiB
+from .probe import Prepared, prepare
 from .settle import Leftovers, flush_writes
 from .strategies import get_strategy
 from .textable import align

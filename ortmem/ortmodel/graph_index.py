@@ -5,8 +5,8 @@ consumers (node, input slot), subgraphs and the outer-scope names they read (ORT
 :func:`free_names`), the Constant nodes ORT turns into initializers and their values
 (:func:`constant_value`), a topological order and ORT's two execution orders. :class:`OrtGraph`
 (:func:`build`) is ORT's own view on top of it: Constant nodes become initializers, the other nodes
-are numbered as ORT numbers them, subgraphs are nested ``OrtGraph``s. The matcher
-(``passes/dq_matmul_match``) and the partitioner work in file order; the estimator, liveness and
+are numbered as ORT numbers them, subgraphs are nested ``OrtGraph``s. The matchers (through
+``ortmodel/fusion_graph``) and the partitioner work in file order; the estimator, liveness and
 recompute in ORT's numbering. Each rule below exists once; what follows is what ORT does.
 
 The estimator needs the order ORT *executes* nodes in (tensor lifetimes depend on it) and the names

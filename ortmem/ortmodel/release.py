@@ -6,7 +6,7 @@ ortmem promises outputs equal to ORT's own run of the QDQ model. What ORT fuses 
 kernels it runs correctly differ between releases (block size 512 fuses on 1.32 and not on 1.31; 1.25
 refuses a 2-bit GatherBlockQuantized with zero points; 1.32 re-packs and checks every saved pre-packed
 weight on reload; 1.28 fuses a 512 block into a kernel that refuses it). Every decision that depends on
-the release is taken here, and it is taken by **the probe**: :mod:`ortmem.ortmodel.probe` run once per
+the release is taken here, and it is taken by **the probe**: :mod:`ortmem.release_probe` run once per
 ORT build and CPU (a subprocess of a few seconds; the answers are cached beside the conversion cache in
 a private folder) measures, bit for bit against that ORT's own run of each pattern, what the installed
 build fuses, runs identically, saves and reloads (:func:`from_probe`). So a release between two tested
@@ -36,9 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from ..store.cache import cache_root
-from ..store.trust import stat_untrusted_reason
-from ..helper_env import helper_environment
+from ..helper_env import cache_folder, helper_environment
+from ..store.trust import make_private_dir, stat_untrusted_reason
 from .variants import (ACCURACY_LEVELS, BLOCK_SWEEP, GATHER_WEIGHT_TYPES, SCALE_TYPES, SHARED_WEIGHT_KEY, WEIGHT_TYPES,
                        variant_key)
 
@@ -402,7 +401,7 @@ def well_formed(answers: Any) -> bool:
 
 
 def run_probe(timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
-    """Run :mod:`ortmem.ortmodel.probe` in a fresh interpreter (an ORT crash costs the probe only).
+    """Run :mod:`ortmem.release_probe` in a fresh interpreter (an ORT crash costs the probe only).
 
     The child is a helper (:func:`ortmem.helper_env.helper_environment`): never hooked, since it must
     compare ORT's own run of each pattern with ortmem's rewrite, and with a cache folder of its own that
@@ -410,7 +409,7 @@ def run_probe(timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ortmem-probe-run-") as own:
         env = helper_environment(cache_dir=os.path.join(own, "cache"), ORTMEM_PROBE_CHILD="1", OMP_NUM_THREADS="1",
                                  TMPDIR=own)
-        proc = subprocess.run([sys.executable, "-c", "from ortmem.ortmodel.probe import main; main()"],
+        proc = subprocess.run([sys.executable, "-c", "from ortmem.release_probe import main; main()"],
                               capture_output=True, text=True, timeout=timeout, env=env, cwd=own)
     if proc.returncode != 0:
         tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
@@ -429,7 +428,9 @@ def probe_dir() -> Optional[Path]:
         if os.environ.get("ORTMEM_PROBE_DIR"):
             d = Path(os.environ["ORTMEM_PROBE_DIR"])
         else:
-            d = cache_root() / ".release-probes"
+            root = cache_folder()
+            make_private_dir(root, parents=True)
+            d = root / ".release-probes"
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = d.lstat()
         if not _private(st):

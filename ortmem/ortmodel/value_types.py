@@ -9,7 +9,7 @@ shape values. onnx's inference differs in ways the rules can see: it invents ``u
 unknown dims (two of them then compare equal where ORT has two unknown dims), and its data propagation
 is not ORT's. It also costs memory nothing gives back: the first call builds onnx's operator schema
 registry in this process, 4.5 MiB private + 2.8 MiB shared that stay for the life of the process
-(``python bench/cold_fixed_costs.py``), while ORT's own registry is resident anyway for the session
+(``python -m bench.cold_fixed_costs``), while ORT's own registry is resident anyway for the session
 about to be created. That registry was most of what a cold start held above the native twin.
 
 How

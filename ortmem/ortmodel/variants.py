@@ -1,8 +1,8 @@
 """The variants ortmem asks the installed ONNX Runtime about, and the tiny DQ models that pose them.
 
 Pure (numpy + onnx only), so that the release layer (:mod:`ortmem.ortmodel.release`) and the passes
-can name variants without importing the probe program (:mod:`ortmem.ortmodel.probe`), which sits above
-the passes it exercises.
+can name variants without importing the probe program (:mod:`ortmem.release_probe`), which sits above
+the session path it exercises.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """The rewrite engine: plan the rules' rewrites, write their tensors (to a file or to memory), and
 build the new skeleton.
 
-Rules: DQ+MatMul/Gemm -> MatMulNBits (:mod:`.dq_matmul`, ORT's own fusion, done ahead of time) and
-DQ(+Cast)+Gather -> GatherBlockQuantized (:mod:`.dq_gather`, which ORT has no fusion for). Each says
-what one rewrite writes and which nodes replace it; this module does the rest once for both: fresh
-names, the layout of weights.bin (:mod:`.conversion_plan`), the writer loop (:mod:`.writers`), the
+The rules are :data:`ortmem.passes.rules.RULES`, applied in that order; this module never names one.
+Each rule (:class:`ortmem.passes.rule.Rule`) plans its rewrites, says what each writes and edits one
+graph for them; the engine does the rest once for all: fresh names, which nodes a rule may still
+claim, the layout of weights.bin (:mod:`.conversion_plan`), the writer loop (:mod:`.writers`), the
 graph edits (:mod:`.skeleton_edit`).
 """
 from __future__ import annotations
@@ -24,18 +24,17 @@ from ..ortmodel.release import Capabilities
 from ..ortmodel.release import capabilities as installed_capabilities
 from ..ortmodel.settings import OrtSettings
 from ..weights import page_align
-from . import dq_gather, dq_matmul
 from .conversion_plan import ConversionPlan, add_carried, layout
+from .rule import PlanContext, RuleRewrite, claimed_by
+from .rules import RULES
 from .skeleton_edit import MS_DOMAIN, FreshNames, GraphEdit, add_aliases, all_names, drop_unused_initializers, point_to
 from .writers import FileSink, Job, MemorySink, OrderedDigest, Progress, Scratch, copy_span, run_jobs
-
-WEIGHTS_FILE = "weights.bin"
 
 
 def plan_conversion(model: Model, settings: Optional[OrtSettings] = None, *, carry_unchanged: bool = True,
                     fp16_in_fp32: Optional[bool] = None, capabilities: Optional[Capabilities] = None) -> ConversionPlan:
-    """Decide what to rewrite (ORT's rule for MatMul/Gemm; GatherBlockQuantized's kernel constraints
-    for Gather), and lay out every output tensor in weights.bin.
+    """Decide what to rewrite (each rule of :data:`~ortmem.passes.rules.RULES` in turn, on the nodes
+    the ones before it left), and lay out every output tensor in weights.bin.
 
     ``carry_unchanged``: put every weight the new graph still reads into ``plan.copied`` (a self-contained
     output); False plans the rewritten tensors only.
@@ -44,12 +43,16 @@ def plan_conversion(model: Model, settings: Optional[OrtSettings] = None, *, car
     True on x86-64). CPU only: a caller whose session uses another EP that claims fp16 MatMuls (CUDA,
     DML) must pass False.
     """
-    settings = settings or OrtSettings()
-    caps = capabilities or installed_capabilities()
-    fresh = FreshNames(all_names(model.skeleton))
-    rewrites, skipped = dq_matmul.plan_matmuls(model, settings, caps, fresh, fp16_in_fp32)
-    gathers = dq_gather.plan_gathers(model, settings, fresh, skipped, caps)
-    plan = ConversionPlan(rewrites, skipped, [], gathers=gathers)
+    context = PlanContext(model, settings or OrtSettings(), capabilities or installed_capabilities(),
+                          FreshNames(all_names(model.skeleton)), fp16_in_fp32)
+    plan = ConversionPlan([], [], [])
+    for rule in RULES:
+        planned = rule.plan(context, claimed_by(plan.rewrites))
+        plan.rewrites += planned.rewrites
+        plan.skipped += planned.skipped
+        line = rule.summary(planned.rewrites)
+        if line:
+            plan.done.append(line)
     if carry_unchanged:
         add_carried(model, plan)
     layout(plan)
@@ -62,7 +65,7 @@ def plan_conversion(model: Model, settings: Optional[OrtSettings] = None, *, car
 def _jobs(model: Model, plan: ConversionPlan) -> list[Job]:
     """One job per rewrite that writes tensors (a GBQ that only reuses its inputs writes none)."""
     return [Job(r.work_bytes, r.label, r.out_tensors(), lambda sink, r=r: r.convert(model, sink))
-            for r in plan.all_rewrites if r.out_tensors()]
+            for r in plan.rewrites if r.out_tensors()]
 
 
 def write_weights(model: Model, plan: ConversionPlan, out_path: Path, *, progress: Optional[Progress] = None,
@@ -134,7 +137,7 @@ def convert_into_memory(model: Model, plan: ConversionPlan, buffer, *, progress:
 # ----------------------------------------------------------------------------- the new graph
 
 
-def rewrite_skeleton(model: Model, plan: ConversionPlan, location: str = WEIGHTS_FILE, *,
+def rewrite_skeleton(model: Model, plan: ConversionPlan, location: str, *,
                      move_carried: bool = True) -> onnx.ModelProto:
     """A copy of the skeleton with MatMulNBits in place of each rewritten DQ+MatMul(+Add)/Gemm and
     GatherBlockQuantized in place of each rewritten DQ(+Cast)+Gather.
@@ -146,22 +149,21 @@ def rewrite_skeleton(model: Model, plan: ConversionPlan, location: str = WEIGHTS
     """
     out = onnx.ModelProto()
     out.CopyFrom(model.skeleton)  # the skeleton holds no weight bytes: this copy is small
-    by_graph: dict[str, tuple[list[dq_matmul.Rewrite], list[dq_gather.GatherRewrite]]] = {}
+    by_graph: dict[str, list[RuleRewrite]] = {}
     for r in plan.rewrites:
-        by_graph.setdefault(r.graph_path, ([], []))[0].append(r)
-    for g in plan.gathers:
-        by_graph.setdefault(g.graph_path, ([], []))[1].append(g)
-    aliases = [a for r in plan.all_rewrites for a in r.aliases]
-    fresh = FreshNames(all_names(out) | {t.name for r in plan.all_rewrites for t in r.out_tensors()}
+        by_graph.setdefault(r.graph_path, []).append(r)
+    aliases = [a for r in plan.rewrites for a in r.aliases]
+    fresh = FreshNames(all_names(out) | {t.name for r in plan.rewrites for t in r.out_tensors()}
                        | {t.name for _, t in plan.copied} | {a.name for a in aliases})
     # Deepest graphs first: rebuilding a graph's node list copies its nodes, subgraphs included, so a
     # subgraph must be final before its parent is rebuilt (and is looked up afresh each time).
     for path in sorted(by_graph, key=lambda p: (-p.count("/"), p)):
-        matmuls, gathers = by_graph[path]
         graph = dict(iter_graphs(out.graph))[path]
-        edit = GraphEdit(graph, replaced={r.candidate.node_index for r in [*matmuls, *gathers]})
-        dq_matmul.edit_graph(edit, matmuls, location, fresh)
-        dq_gather.edit_graph(edit, gathers, location, fresh)
+        edit = GraphEdit(graph, replaced={r.node_index for r in by_graph[path]})
+        for rule in RULES:  # in rule order: the fresh names each takes depend on it
+            mine = [r for r in by_graph[path] if r.rule == rule.name]
+            if mine:
+                rule.edit_graph(edit, mine, location, fresh)
         edit.apply()
     carried = {(ref.graph, ref.kind, ref.name): t for ref, t in plan.copied} if move_carried else {}
     for site in iter_tensor_sites(out):
@@ -169,7 +171,7 @@ def rewrite_skeleton(model: Model, plan: ConversionPlan, location: str = WEIGHTS
         if t is not None:
             point_to(site.tensor, t.location or location, t)
     add_aliases(out, aliases)
-    drop_unused_initializers(out, {(r.graph_path, n) for r in plan.all_rewrites for n in r.consumed_names()})
+    drop_unused_initializers(out, {(r.graph_path, n) for r in plan.rewrites for n in r.consumed_names()})
     if plan.has_work and not any(o.domain == MS_DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     return out

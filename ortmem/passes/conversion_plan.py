@@ -2,127 +2,68 @@
 output tensor lives in weights.bin (or in a linked source file beside it).
 
 Why rule-agnostic: the engine (layout, carried weights, which initializers die, the writer loop, the
-skeleton rebuild in :mod:`.conversion`) sees each rule's rewrite only through :class:`RuleRewrite`, so
-a rule is its matcher plus a small module (:mod:`.dq_matmul`, :mod:`.dq_gather`).
+skeleton rebuild in :mod:`.conversion`) sees each rule's rewrite only through
+:class:`~ortmem.passes.rule.RuleRewrite`, so a rule is its matcher plus a small module
+(:mod:`.dq_matmul`, :mod:`.dq_gather`) listed in :data:`ortmem.passes.rules.RULES`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
 
 import onnx
 
 from ..model import Model
 from ..onnx_walk import iter_graphs
 from ..weights import WeightRef, page_align
-from .skeleton_edit import Alias
+from .rule import RuleRewrite
 from .sources import OutTensor
-from .writers import Sink
-
-if TYPE_CHECKING:  # the rules' own types name the plan's fields; the engine uses RuleRewrite only
-    from .dq_gather import GatherRewrite
-    from .dq_matmul import Rewrite
-
-
-class RuleRewrite(Protocol):
-    """What the engine needs of one rewrite of a rule (a node of the source model replaced)."""
-
-    @property
-    def graph_path(self) -> str: ...
-
-    @property
-    def label(self) -> str:
-        """The replaced node's name, for progress lines."""
-
-    @property
-    def work_bytes(self) -> int:
-        """Source bytes the conversion reads (progress, scheduling)."""
-
-    @property
-    def aliases(self) -> list[Alias]: ...
-
-    def out_tensors(self) -> list[OutTensor]:
-        """Tensors this rewrite writes into weights.bin, contiguous there in this order."""
-
-    def removed_nodes(self) -> set[int]:
-        """Indices (in its graph) of nodes that go for certain."""
-
-    def droppable_nodes(self) -> set[int]:
-        """Indices of nodes that go once nothing reads their outputs."""
-
-    def consumed_names(self) -> list[str]:
-        """Initializers the replaced nodes read: dropped when nothing reads them any more."""
-
-    def kept_reads(self) -> list[str]:
-        """Existing initializers the new nodes read (never dropped, never released)."""
-
-    def convert(self, model: Model, sink: Sink) -> None:
-        """Write :meth:`out_tensors` through ``sink``."""
-
-
-class DQRewrite:
-    """The part of :class:`RuleRewrite` a DequantizeLinear rule answers from its matcher candidate
-    (``graph_path``, ``node``, and the DQ's ``weight``, ``scale``, ``zero_point``)."""
-
-    candidate: Any
-
-    @property
-    def graph_path(self) -> str:
-        return self.candidate.graph_path
-
-    @property
-    def label(self) -> str:
-        return self.candidate.node
-
-    def consumed_names(self) -> list[str]:
-        c = self.candidate
-        return [n for n in (c.weight, c.scale, c.zero_point) if n]
 
 
 @dataclass
 class ConversionPlan:
     """Everything one conversion does: one plan, one writer loop, one skeleton rewrite.
 
-    ``rewrites``: DQ+MatMul/Gemm -> MatMulNBits. ``gathers``: DQ(+Cast)+Gather ->
-    GatherBlockQuantized (:mod:`ortmem.passes.dq_gather`); their quantized tables are *carried*
-    (in ``copied``), not converted. ``copied``: every weight the new graph still reads unchanged.
+    ``rewrites``: every rule's rewrites, in rule order (:data:`ortmem.passes.rules.RULES`), which is
+    also the order their tensors are laid out in; each knows its rule (``rewrite.rule``).
+    ``copied``: every weight the new graph still reads unchanged (a GatherBlockQuantized's table
+    among them: carried, not converted).
     """
 
-    rewrites: list["Rewrite"]
+    rewrites: list[RuleRewrite]
     skipped: list[tuple[str, str]]  # (node, reason) for every DQ feeding a MatMul/Gemm/Gather left alone
     copied: list[tuple[WeightRef, OutTensor]]  # unchanged weights carried into weights.bin
     size: int = 0  # bytes of weights.bin
-    gathers: list["GatherRewrite"] = field(default_factory=list)
+    #: Each rule's line for the report (``Rule.summary``), in rule order.
+    done: list[str] = field(default_factory=list)
 
-    @property
-    def all_rewrites(self) -> list[RuleRewrite]:
-        """Every rule's rewrites, in the order their tensors are laid out."""
-        return [*self.rewrites, *self.gathers]
+    def of_rule(self, name: str) -> list[RuleRewrite]:
+        """The rewrites rule ``name`` planned (``dq_matmul.NAME``, ``dq_gather.NAME``...)."""
+        return [r for r in self.rewrites if r.rule == name]
 
     @property
     def converted_source_bytes(self) -> int:
-        return sum(r.work_bytes for r in self.rewrites)
+        return sum(r.converted_bytes for r in self.rewrites)
 
     @property
     def total_bytes(self) -> int:
         """Bytes the writer loop goes through (progress total)."""
-        return sum(r.work_bytes for r in self.all_rewrites) + sum(t.nbytes for _, t in self.copied)
+        return sum(r.work_bytes for r in self.rewrites) + sum(t.nbytes for _, t in self.copied)
 
     @property
     def has_work(self) -> bool:
-        """True when the converted graph differs from the source (a MatMulNBits or a GBQ rewrite)."""
-        return bool(self.rewrites or self.gathers)
+        """True when the converted graph differs from the source (any rule rewrote a node)."""
+        return bool(self.rewrites)
 
 
 @dataclass
 class ConversionReport:
-    converted: int
+    converted: int  # rewrites that convert source weights into a new form (converted_bytes > 0)
     skipped: list[tuple[str, str]]
     source_bytes: int  # quantized weight bytes read
     output_bytes: int  # bytes written to weights.bin (converted + carried)
     seconds: float
-    notes: list[str] = field(default_factory=list)
+    done: list[str] = field(default_factory=list)  # what each rule did (ConversionPlan.done)
     #: Full digests (:mod:`ortmem.store.digest`) of the files written, computed while writing them; only
     #: when the caller asked (a cache entry records them in its manifest).
     file_digests: dict[str, str] = field(default_factory=dict)
@@ -133,17 +74,16 @@ class ConversionReport:
 
     @classmethod
     def from_plan(cls, plan: ConversionPlan, seconds: float) -> "ConversionReport":
-        notes = [f"{len(plan.gathers)} DQ+Gather -> GatherBlockQuantized (table carried, not copied)"] if plan.gathers else []
-        return cls(len(plan.rewrites), plan.skipped, plan.converted_source_bytes, plan.size, seconds, notes)
+        converted = sum(1 for r in plan.rewrites if r.converted_bytes)
+        return cls(converted, plan.skipped, plan.converted_source_bytes, plan.size, seconds, list(plan.done))
 
     def summary(self) -> str:
         lines = [
-            f"converted {self.converted} DQ+MatMul pattern(s) to MatMulNBits, left {len(self.skipped)} as they were",
+            ", ".join([*self.done, f"left {len(self.skipped)} as they were"]),
             f"{self.source_bytes / 2**20:.1f} MiB of quantized weights in {self.seconds:.2f} s "
             f"({self.throughput_gbps:.2f} GB/s); weights.bin {self.output_bytes / 2**20:.1f} MiB",
         ]
         lines += [f"  left as is: {node}: {reason}" for node, reason in self.skipped]
-        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -151,7 +91,7 @@ def out_tensors(plan: ConversionPlan) -> list[OutTensor]:
     """Every tensor of the converted model that has a place (weights.bin or a linked source), in
     layout order."""
     out: list[OutTensor] = []
-    for r in plan.all_rewrites:
+    for r in plan.rewrites:
         out += r.out_tensors()
     out += [t for _, t in plan.copied]
     return out
@@ -197,7 +137,7 @@ def dropped_initializers(skeleton: onnx.ModelProto, plan: ConversionPlan) -> set
     """
     removed: set[tuple[str, int]] = set()
     droppable: set[tuple[str, int]] = set()
-    for r in plan.all_rewrites:
+    for r in plan.rewrites:
         removed |= {(r.graph_path, i) for i in r.removed_nodes()}
         droppable |= {(r.graph_path, i) for i in r.droppable_nodes()}
     graphs = list(iter_graphs(skeleton.graph))
@@ -217,6 +157,6 @@ def dropped_initializers(skeleton: onnx.ModelProto, plan: ConversionPlan) -> set
         if not more:
             break
         removed |= more
-    candidates = {(r.graph_path, n) for r in plan.all_rewrites for n in r.consumed_names()}
-    still = reads | {n for r in plan.all_rewrites for n in r.kept_reads()}
+    candidates = {(r.graph_path, n) for r in plan.rewrites for n in r.consumed_names()}
+    still = reads | {n for r in plan.rewrites for n in r.kept_reads()}
     return {(path, name) for path, name in candidates if name not in still}

@@ -5,8 +5,9 @@ ONNX Runtime has no DQ+Gather fusion (``docs/ort-fusion-rules.md`` section 9, me
 buffer on every run, to read a handful of rows. ``GatherBlockQuantized``
 (``onnxruntime/contrib_ops/cpu/quantization/gather_block_quantized.cc``) dequantizes only the rows it
 gathers. Which pairs qualify, and what to do with scales and zero points, is decided by
-:func:`ortmem.passes.dq_matmul_match.dq_gather_match`; this module turns its candidates into
-rewrites of the one :class:`~ortmem.passes.plan.ConversionPlan`:
+:func:`ortmem.passes.dq_gather_match.dq_gather_match`; this module is the rule (:data:`RULE`, one of
+:data:`ortmem.passes.rules.RULES`) that turns its candidates into rewrites of the one
+:class:`~ortmem.passes.conversion_plan.ConversionPlan`:
 
 * **The table is never copied.** The kernel reads ``data`` in the DQ weight's own layout, so the GBQ
   reads the DQ weight initializer itself. It stays a *carried* tensor: in a cache entry it stays in
@@ -45,7 +46,7 @@ ORT's DQ+Gather, and so is whether a run fails.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional, Sequence
 
 import numpy as np
 from onnx import TensorProto, helper
@@ -54,12 +55,11 @@ from ..dtypes import dtype_info, numel
 from ..errors import ConversionError
 from ..model import Model
 from ..onnx_walk import iter_graphs, node_label
-from ..ortmodel.release import Capabilities
 from ..ortmodel.variants import onnx_type_name
 from ..ortmodel.settings import OrtSettings
 from . import nbits_layout as nb
-from .dq_matmul_match import GatherCandidate, dq_gather_match
-from .conversion_plan import DQRewrite
+from .dq_gather_match import GatherCandidate, dq_gather_match
+from .rule import CLAIMED_REASON, DQRewrite, NodeKey, PlanContext, Planned, already_claimed
 from .skeleton_edit import MS_DOMAIN, Alias, GraphEdit, external_tensor
 from .sources import OutTensor, find_initializer, skeleton_index, source_bytes
 from .writers import Sink
@@ -67,6 +67,9 @@ from .writers import Sink
 #: ortmem's own policy, not ORT's (ORT never does this rewrite): rewrite only when the user lets ORT
 #: optimize the graph at all. 1 = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC.
 MIN_OPTIMIZATION_LEVEL = 1
+
+#: The rule's name (:attr:`GatherRewrite.rule`, ``ConversionPlan.of_rule``).
+NAME = "dq_gather"
 
 
 @dataclass
@@ -91,15 +94,21 @@ class GatherRewrite(DQRewrite):
     reads: list[str] = field(default_factory=list)
     bounds: str = ""
     cast_index: Optional[int] = None
+    rule: ClassVar[str] = NAME
 
     @property
     def made_bytes(self) -> int:
         return sum(t.nbytes for _, t in self.made)
 
-    # -- the rest of what the engine asks of every rewrite (passes.conversion_plan.RuleRewrite)
+    # -- the rest of what the engine asks of every rewrite (passes.rule.RuleRewrite)
     @property
     def work_bytes(self) -> int:
         return self.made_bytes
+
+    @property
+    def converted_bytes(self) -> int:
+        """None: the table is read as it is (carried), and what is made is only laid out anew."""
+        return 0
 
     def out_tensors(self) -> list[OutTensor]:
         return [t for _, t in self.made]
@@ -143,25 +152,24 @@ def gathers_enabled(settings: OrtSettings) -> bool:
     return int(settings.graph_optimization_level) >= MIN_OPTIMIZATION_LEVEL
 
 
-def plan_gathers(model: Model, settings: OrtSettings, fresh: Callable[[str], str],
-                 skipped: list[tuple[str, str]], capabilities: Capabilities) -> list[GatherRewrite]:
-    """GatherRewrites for every DQ -> Gather that GatherBlockQuantized can express.
-
-    ``fresh(base)`` returns an unused tensor name; rejections (the matcher's, and inputs whose bytes
-    cannot be read) are appended to ``skipped`` as ``(node, reason)``.
-    """
-    if not gathers_enabled(settings):
-        return []
+def _plan_gathers(context: PlanContext, claimed: frozenset[NodeKey]) -> Planned:
+    """GatherRewrites for every DQ -> Gather that GatherBlockQuantized can express; rejections (the
+    matcher's, this build's, and inputs whose bytes cannot be read) as skipped ``(node, reason)``."""
+    model = context.model
+    if not gathers_enabled(context.settings):
+        return Planned([], [])
     if not any(n.op_type == "Gather" for _, g in iter_graphs(model.skeleton.graph) for n in g.node):
-        return []  # the matcher's graph index and value types are not free
+        return Planned([], [])  # the matcher's graph index and value types are not free
     result = dq_gather_match(model.skeleton)
-    skipped += [(f"{r.node} -> {r.consumer}", f"not GatherBlockQuantized: {r.reason}") for r in result.rejected]
+    skipped = [(f"{r.node} -> {r.consumer}", f"not GatherBlockQuantized: {r.reason}") for r in result.rejected]
     rewrites: list[GatherRewrite] = []
     shared: dict[tuple, str] = {}  # (graph, dq index, role) / alias key -> tensor name
     labels: dict[str, dict[str, int]] = {}  # graph path -> node label -> index (for Casts)
     for c in result.candidates:
-        refusal = capabilities.gather_refusal(weight_type=onnx_type_name(c.weight_dtype), has_zp=c.zero_point is not None,
-                                              scale_type=onnx_type_name(c.scale_dtype))
+        refusal = (CLAIMED_REASON if already_claimed(c.graph_path, (c.node_index, c.dq_index), claimed)
+                   else context.capabilities.gather_refusal(weight_type=onnx_type_name(c.weight_dtype),
+                                                            has_zp=c.zero_point is not None,
+                                                            scale_type=onnx_type_name(c.scale_dtype)))
         if refusal is not None:
             skipped.append((f"{c.dq_node} -> {c.node}", f"not GatherBlockQuantized: {refusal}"))
             continue
@@ -177,12 +185,12 @@ def plan_gathers(model: Model, settings: OrtSettings, fresh: Callable[[str], str
                 cast_index = labels[c.graph_path].get(c.cast)
                 if cast_index is None:
                     raise ConversionError(f"Cast node {c.cast!r} was not found", tensor=c.weight)
-            r = _plan_one(model, c, fresh, shared)
+            r = _plan_one(model, c, context.fresh, shared)
             r.cast_index = cast_index
             rewrites.append(r)
         except ConversionError as e:
             skipped.append((f"{c.dq_node} -> {c.node}", f"not GatherBlockQuantized: {e}"))
-    return rewrites
+    return Planned(rewrites, skipped)
 
 
 def _plan_one(model: Model, c: GatherCandidate, fresh: Callable[[str], str], shared: dict[tuple, str]) -> GatherRewrite:
@@ -294,7 +302,7 @@ def _zero_point_bytes(c: GatherCandidate, raw: Optional[np.ndarray]) -> np.ndarr
 # ----------------------------------------------------------------------------- the new graph
 
 
-def edit_graph(edit: GraphEdit, rewrites: list[GatherRewrite], location: str, fresh: Callable[[str], str]) -> None:
+def edit_graph(edit: GraphEdit, rewrites: Sequence[GatherRewrite], location: str, fresh: Callable[[str], str]) -> None:
     """Replace each rewritten Gather of one graph with its GatherBlockQuantized (and moved Cast); the
     tensors it materialized point into ``location``; its DQ (and Cast) go once nothing reads them."""
     for r in rewrites:
@@ -323,3 +331,27 @@ def gbq_nodes(r: GatherRewrite, fresh_output: Callable[[str], str]) -> list:
         # gathered rows equals gathering the cast table
         nodes.append(helper.make_node("Cast", [out], [c.output], name=f"{c.node}/Cast", to=int(c.cast_to)))
     return nodes
+
+
+# ----------------------------------------------------------------------------- the rule
+
+
+class DQGatherRule:
+    """DQ(+Cast)+Gather -> GatherBlockQuantized: ortmem's own rewrite (module docstring)."""
+
+    name = NAME
+
+    def plan(self, context: PlanContext, claimed: frozenset[NodeKey]) -> Planned:
+        return _plan_gathers(context, claimed)
+
+    def edit_graph(self, edit: GraphEdit, rewrites: Sequence[GatherRewrite], location: str,
+                   fresh: Callable[[str], str]) -> None:
+        edit_graph(edit, rewrites, location, fresh)
+
+    def summary(self, rewrites: Sequence[GatherRewrite]) -> Optional[str]:
+        if not rewrites:
+            return None
+        return f"rewrote {len(rewrites)} DQ+Gather pattern(s) to GatherBlockQuantized (table carried, not copied)"
+
+
+RULE = DQGatherRule()

@@ -8,14 +8,16 @@ the source pages are given back as soon as each tensor is done. Which nodes are 
 by :mod:`ortmem.passes.dq_matmul_match`, which replays ORT's own rule, so the resulting graph is the
 one ORT would have built and its outputs are the ones ORT computes for the QDQ model.
 
-This module says what one rewrite is (:class:`Rewrite`: its output tensors, how they are computed,
-which nodes replace the MatMul); the engine (:mod:`.conversion`) lays out, writes and edits.
+This module is the rule (:data:`RULE`, one of :data:`ortmem.passes.rules.RULES`): what one rewrite is
+(:class:`MatMulRewrite`: its output tensors, how they are computed), which candidates become one
+(:meth:`DQMatMulRule.plan`) and which nodes replace the MatMul (:meth:`DQMatMulRule.edit_graph`); the
+engine (:mod:`.conversion`) lays out, writes and edits.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional, Sequence
 
 import numpy as np
 import onnx
@@ -25,18 +27,20 @@ from ..dtypes import dtype_info
 from ..errors import ConversionError
 from ..model import Model
 from ..ortmodel.fp16_kernels import fp16_sentinel_op, may_be_isolated, runs_fp16_matmulnbits_in_fp32
-from ..ortmodel.release import Capabilities
 from ..ortmodel.variants import onnx_type_name
-from ..ortmodel.settings import OrtSettings
 from . import nbits_layout as nb
 from .dq_matmul_match import Candidate, MatchResult, dq_matmul_match
-from .conversion_plan import DQRewrite
+from .rule import CLAIMED_REASON, DQRewrite, NodeKey, PlanContext, Planned, already_claimed
 from .skeleton_edit import MS_DOMAIN, Alias, GraphEdit, external_tensor
 from .sources import OutTensor, skeleton_index, source_bytes, source_ref
 from .writers import Sink
 
+#: The rule's name (:attr:`MatMulRewrite.rule`, ``ConversionPlan.of_rule``).
+NAME = "dq_matmul"
+
+
 @dataclass
-class Rewrite(DQRewrite):
+class MatMulRewrite(DQRewrite):
     """One MatMulNBits. ``fp32``: the DQ has fp16 scales but ORT's CPU EP runs the fused node in
     fp32 (see :func:`ortmem.ortmodel.fp16_kernels.runs_fp16_matmulnbits_in_fp32`), so the node is
     emitted in fp32 with fp32 scales and Casts around it, as ORT's own session ends up with it."""
@@ -46,15 +50,20 @@ class Rewrite(DQRewrite):
     scales: OutTensor
     zero_points: Optional[OutTensor]
     fp32: bool = False
+    rule: ClassVar[str] = NAME
 
     @property
     def source_bytes(self) -> int:
         c = self.candidate
         return -(-c.K * c.N * c.bits // 8)
 
-    # -- the rest of what the engine asks of every rewrite (passes.conversion_plan.RuleRewrite)
+    # -- the rest of what the engine asks of every rewrite (passes.rule.RuleRewrite)
     @property
     def work_bytes(self) -> int:
+        return self.source_bytes
+
+    @property
+    def converted_bytes(self) -> int:
         return self.source_bytes
 
     @property
@@ -108,50 +117,43 @@ class Rewrite(DQRewrite):
 # ----------------------------------------------------------------------------- planning
 
 
-def plan_matmuls(model: Model, settings: OrtSettings, caps: Capabilities, fresh: Callable[[str], str],
-                 fp16_in_fp32: Optional[bool]) -> tuple[list[Rewrite], list[tuple[str, str]]]:
-    """(rewrites, skipped): ORT's rule for every DQ -> MatMul/Gemm, then this build's refusals.
+def _left_alone(c: Candidate, context: PlanContext) -> Optional[str]:
+    """Why a candidate of ORT's rule is not rewritten here (None: it is): ORT fuses it itself, ORT
+    fails on it, this build refuses it, or its weight cannot be read."""
+    if c.ort_outcome == "fused_by_ort":
+        return "left to ORT, which fuses it itself: " + "; ".join(c.notes)
+    if c.ort_outcome == "session_error":
+        return "ORT's own rule fails session creation here; left for ORT to report: " + "; ".join(c.notes)
+    refusal = context.capabilities.matmul_refusal(
+        weight_type=onnx_type_name(c.weight_dtype), has_zp=c.has_zp, scale_type=onnx_type_name(c.scale_dtype),
+        accuracy=c.accuracy_level, block_size=c.block_size)
+    if refusal is not None:
+        return f"left to ORT: {refusal}"
+    try:
+        source_bytes(context.model, c.graph_path, c.weight)
+    except ConversionError as e:
+        return str(e)
+    return None
 
-    ``fp16_in_fp32``: whether a fused MatMulNBits with fp16 scales runs in fp32 in the target session;
-    ``None`` asks ORT's CPU EP (True on x86-64).
-    """
-    result: MatchResult = dq_matmul_match(model.skeleton, settings=settings, block_max=caps.fusion_block_max,
-                                          shared_guard=caps.shared_initializer_guard)
-    rewrites: list[Rewrite] = []
-    skipped = [(f"{r.node} -> {r.consumer}", r.reason) for r in result.rejected]
-    for c in result.candidates:
-        if c.ort_outcome == "fused_by_ort":
-            skipped.append((c.node, "left to ORT, which fuses it itself: " + "; ".join(c.notes)))
-            continue
-        if c.ort_outcome == "session_error":
-            skipped.append((c.node, "ORT's own rule fails session creation here; left for ORT to report: " + "; ".join(c.notes)))
-            continue
-        refusal = caps.matmul_refusal(weight_type=onnx_type_name(c.weight_dtype), has_zp=c.has_zp,
-                                      scale_type=onnx_type_name(c.scale_dtype), accuracy=c.accuracy_level,
-                                      block_size=c.block_size)
-        if refusal is not None:
-            skipped.append((c.node, f"left to ORT: {refusal}"))
-            continue
-        try:
-            source_bytes(model, c.graph_path, c.weight)
-        except ConversionError as e:
-            skipped.append((c.node, str(e)))
-            continue
-        need_zp = nb.needs_zero_points(c.signed, c.has_zp)
-        shp = nb.matmulnbits_shapes(c.K, c.N, c.bits, c.block_size, need_zp)
-        B = OutTensor(fresh(f"{c.weight}_Q{c.bits}"), TensorProto.UINT8, shp.B, int(np.prod(shp.B)))
-        fp32 = c.scale_dtype == TensorProto.FLOAT16 and (
-            fp16_in_fp32 if fp16_in_fp32 is not None else runs_fp16_matmulnbits_in_fp32(_target_op(c)))
-        if not fp32:
-            c = _defer_level2_bias_fold(model, c)
-        s_type = TensorProto.FLOAT if fp32 else c.scale_dtype
-        scales = OutTensor(fresh(f"{c.weight}_scales"), s_type, shp.scales,
-                           int(np.prod(shp.scales)) * dtype_info(s_type).numpy.itemsize)
-        zp = None
-        if need_zp:
-            zp = OutTensor(fresh(f"{c.weight}_zp"), TensorProto.UINT8, shp.zero_points, int(np.prod(shp.zero_points)))
-        rewrites.append(Rewrite(c, B, scales, zp, fp32=fp32))
-    return rewrites, skipped
+
+def _rewrite(c: Candidate, context: PlanContext) -> MatMulRewrite:
+    """The MatMulNBits for candidate ``c``: its tensors named and sized (not yet placed)."""
+    fresh = context.fresh
+    need_zp = nb.needs_zero_points(c.signed, c.has_zp)
+    shp = nb.matmulnbits_shapes(c.K, c.N, c.bits, c.block_size, need_zp)
+    B = OutTensor(fresh(f"{c.weight}_Q{c.bits}"), TensorProto.UINT8, shp.B, int(np.prod(shp.B)))
+    fp16_in_fp32 = context.fp16_in_fp32
+    fp32 = c.scale_dtype == TensorProto.FLOAT16 and (
+        fp16_in_fp32 if fp16_in_fp32 is not None else runs_fp16_matmulnbits_in_fp32(_target_op(c)))
+    if not fp32:
+        c = _defer_level2_bias_fold(context.model, c)
+    s_type = TensorProto.FLOAT if fp32 else c.scale_dtype
+    scales = OutTensor(fresh(f"{c.weight}_scales"), s_type, shp.scales,
+                       int(np.prod(shp.scales)) * dtype_info(s_type).numpy.itemsize)
+    zp = None
+    if need_zp:
+        zp = OutTensor(fresh(f"{c.weight}_zp"), TensorProto.UINT8, shp.zero_points, int(np.prod(shp.zero_points)))
+    return MatMulRewrite(c, B, scales, zp, fp32=fp32)
 
 
 def _defer_level2_bias_fold(model: Model, c: Candidate) -> Candidate:
@@ -182,51 +184,67 @@ def _target_op(c: Candidate) -> str:
 # ----------------------------------------------------------------------------- the new graph
 
 
-def edit_graph(edit: GraphEdit, rewrites: list[Rewrite], location: str, fresh: Callable[[str], str]) -> None:
+class _Fp32Casts:
+    """What ORT's InsertCastTransformer builds around a fused node run in fp32 (see
+    runs_fp16_matmulnbits_in_fp32), for the rewrites of one graph: Casts to fp32 on its fp16 inputs,
+    one back to fp16 on its output; ORT's RemoveDuplicateCastTransformer then removes the same Cast
+    pairs here as in its own graph. The Casts carry ORT's "InsertedPrecisionFreeCast_" prefix because
+    RemoveDuplicateCastTransformer::UnsafeCast treats exactly those fp32->fp16 Casts as free.
+
+    The fused node was *unassigned* fp16 when InsertCastTransformer's ForceSingleNodeCPUFloat16ToFloat32
+    looked at its neighbours (IsIsolatedFp16NodeOnCpu), so a CPU fp16 node (LayerNormalization,
+    Transpose, ...) between it and other unassigned nodes was forced to fp32. A single-input Sum in
+    fp16, which the CPU EP has no kernel for, plays that unassigned neighbour here (an exact copy once
+    ORT runs it in fp32), where a neighbour could be forced at all (may_be_isolated).
+    """
+
+    def __init__(self, g: onnx.GraphProto, fresh: Callable[[str], str]):
+        self.fresh = fresh
+        self.to_fp32: dict[str, str] = {}  # fp16 tensor -> its fp32 Cast, shared like InsertCastTransformer's
+        self.producer = {o: n for n in g.node for o in n.output if o}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for n in g.node:
+            for i in set(n.input):
+                self.consumers.setdefault(i, []).append(n)
+        self.sentinel = fp16_sentinel_op()
+
+    def inputs(self, names: Sequence[str]) -> list[onnx.NodeProto]:
+        """The Casts (and sentinels) that give each of ``names`` an fp32 twin in :attr:`to_fp32`."""
+        pre: list[onnx.NodeProto] = []
+        for name in names:
+            if name and name not in self.to_fp32:
+                src = name
+                if self.sentinel and name in self.producer and may_be_isolated(self.producer[name]):
+                    src = self.fresh(f"{name}_fp16")
+                    pre.append(helper.make_node(self.sentinel, [name], [src], name=src))
+                self.to_fp32[name] = self.fresh(f"InsertedPrecisionFreeCast_{name}")
+                pre.append(helper.make_node("Cast", [src], [self.to_fp32[name]], name=self.to_fp32[name],
+                                            to=TensorProto.FLOAT))
+        return pre
+
+    def output(self, output: str) -> tuple[str, list[onnx.NodeProto]]:
+        """(the fused node's fp32 output, the nodes that turn it back into fp16 ``output``)."""
+        out = self.fresh(f"InsertedPrecisionFreeCast_{output}")
+        if self.sentinel and any(may_be_isolated(n) for n in self.consumers.get(output, [])):
+            y16 = self.fresh(f"{output}_fp16")
+            return out, [helper.make_node("Cast", [out], [y16], name=out, to=TensorProto.FLOAT16),
+                         helper.make_node(self.sentinel, [y16], [output], name=y16)]
+        return out, [helper.make_node("Cast", [out], [output], name=out, to=TensorProto.FLOAT16)]
+
+
+def edit_graph(edit: GraphEdit, rewrites: Sequence[MatMulRewrite], location: str, fresh: Callable[[str], str]) -> None:
     """Replace each rewritten MatMul/Gemm(+Add) of one graph with a MatMulNBits (and, for a node run in
     fp32, the Casts ORT's own session puts around it), its new initializers pointing into ``location``."""
-    g = edit.graph
-    to_fp32: dict[str, str] = {}  # fp16 tensor -> its fp32 Cast, shared like InsertCastTransformer's
-    producer = {o: n for n in g.node for o in n.output if o}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in g.node:
-        for i in set(n.input):
-            consumers.setdefault(i, []).append(n)
-    sentinel = fp16_sentinel_op()
+    casts = _Fp32Casts(edit.graph, fresh)
     for r in sorted(rewrites, key=lambda r: r.candidate.node_index):  # a shared Cast precedes every reader
         c = r.candidate
         a, bias, out = c.input_a, c.bias or "", c.output
         pre: list[onnx.NodeProto] = []
         post: list[onnx.NodeProto] = []
         if r.fp32:
-            # What ORT's InsertCastTransformer builds around the fused node (see
-            # runs_fp16_matmulnbits_in_fp32): Casts to fp32 on its fp16 inputs, one back to fp16 on
-            # its output; ORT's RemoveDuplicateCastTransformer then removes the same Cast pairs here as
-            # in its own graph. The Casts carry ORT's "InsertedPrecisionFreeCast_" prefix because
-            # RemoveDuplicateCastTransformer::UnsafeCast treats exactly those fp32->fp16 Casts as free.
-            # The fused node was *unassigned* fp16 when InsertCastTransformer's
-            # ForceSingleNodeCPUFloat16ToFloat32 looked at its neighbours (IsIsolatedFp16NodeOnCpu), so a
-            # CPU fp16 node (LayerNormalization, Transpose, ...) between it and other unassigned nodes
-            # was forced to fp32. A single-input Sum in fp16, which the CPU EP has no kernel for, plays
-            # that unassigned neighbour here (an exact copy once ORT runs it in fp32), where a neighbour
-            # could be forced at all (may_be_isolated).
-            for name in (a, bias):
-                if name and name not in to_fp32:
-                    src = name
-                    if sentinel and name in producer and may_be_isolated(producer[name]):
-                        src = fresh(f"{name}_fp16")
-                        pre.append(helper.make_node(sentinel, [name], [src], name=src))
-                    to_fp32[name] = fresh(f"InsertedPrecisionFreeCast_{name}")
-                    pre.append(helper.make_node("Cast", [src], [to_fp32[name]], name=to_fp32[name],
-                                                to=TensorProto.FLOAT))
-            a, bias = to_fp32[a], to_fp32[bias] if bias else ""
-            out = fresh(f"InsertedPrecisionFreeCast_{c.output}")
-            if sentinel and any(may_be_isolated(n) for n in consumers.get(c.output, [])):
-                y16 = fresh(f"{c.output}_fp16")
-                post = [helper.make_node("Cast", [out], [y16], name=out, to=TensorProto.FLOAT16),
-                        helper.make_node(sentinel, [y16], [c.output], name=y16)]
-            else:
-                post = [helper.make_node("Cast", [out], [c.output], name=out, to=TensorProto.FLOAT16)]
+            pre = casts.inputs((a, bias))
+            a, bias = casts.to_fp32[a], casts.to_fp32[bias] if bias else ""
+            out, post = casts.output(c.output)
         inputs = [a, r.B.name, r.scales.name, r.zero_points.name if r.zero_points else "", "", bias]
         while inputs and not inputs[-1]:
             inputs.pop()
@@ -243,3 +261,39 @@ def edit_graph(edit: GraphEdit, rewrites: list[Rewrite], location: str, fresh: C
             edit.remove.add(edit.labels[c.fold_add])
         edit.add_initializers(external_tensor(t, location) for t in r.out_tensors())
         edit.droppable |= r.droppable_nodes()
+
+
+# ----------------------------------------------------------------------------- the rule
+
+
+class DQMatMulRule:
+    """DQ+MatMul/Gemm -> MatMulNBits, exactly where ORT's own rule would fuse (:mod:`.dq_matmul_match`)."""
+
+    name = NAME
+
+    def plan(self, context: PlanContext, claimed: frozenset[NodeKey]) -> Planned:
+        """ORT's rule for every DQ -> MatMul/Gemm, then this build's refusals."""
+        caps = context.capabilities
+        result: MatchResult = dq_matmul_match(context.model.skeleton, settings=context.settings,
+                                              block_max=caps.fusion_block_max,
+                                              shared_guard=caps.shared_initializer_guard)
+        rewrites: list[MatMulRewrite] = []
+        skipped = [(f"{r.node} -> {r.consumer}", r.reason) for r in result.rejected]
+        for c in result.candidates:
+            why = (CLAIMED_REASON if already_claimed(c.graph_path, (c.node_index, c.dq_index), claimed)
+                   else _left_alone(c, context))
+            if why is not None:
+                skipped.append((c.node, why))
+                continue
+            rewrites.append(_rewrite(c, context))
+        return Planned(rewrites, skipped)
+
+    def edit_graph(self, edit: GraphEdit, rewrites: Sequence[MatMulRewrite], location: str,
+                   fresh: Callable[[str], str]) -> None:
+        edit_graph(edit, rewrites, location, fresh)
+
+    def summary(self, rewrites: Sequence[MatMulRewrite]) -> Optional[str]:
+        return f"converted {len(rewrites)} DQ+MatMul pattern(s) to MatMulNBits"
+
+
+RULE = DQMatMulRule()

@@ -41,20 +41,10 @@ signed 2-bit pads with 0.
 
 Per-tensor and per-channel DQ weights are expanded to blocks first (:func:`expand_to_blocks`), as
 ``TransposeDQWeightsForMatMulNBits`` does, with the block size from
-``session.qdq_matmulnbits_block_size`` (:func:`ortmem.passes.dq_matmul_match.effective_block_size`).
+``session.qdq_matmulnbits_block_size`` (:func:`ortmem.passes.dq_matmul_checks.effective_block_size`).
 
-Speed
------
-Everything is whole-array numpy over cache-sized tiles (2 MiB of scratch per call on the fast path). The
-expensive step is a byte transpose ``[K, N/p] -> [N/p, K]`` (p = 8/bits), done as "gather 8 rows into
-uint64 words, then transpose uint64 words in strips" (see :func:`_tile_transpose`). The lane shuffle that
-turns "p columns x p rows" bytes into "p rows x p columns" bytes is a SWAR transpose on uint16 (4-bit) or
-uint32 (2-bit) words: one or two masked XOR-swaps per word instead of any per-element unpacking; the
-signed re-bias is one XOR per word. Measured on the shared 2-core dev box, 4096x4096 int4: ~5.5-7 ms,
-1.2-1.5 GB/s of input (about half byte transpose, half shuffle and copy-out); measure with
-``python -c "from ortmem.passes.nbits_layout import benchmark_pack_B as b; print(b(4096, 4096, 4))"``.
-Sizes whose rows are not byte aligned (``N*bits % 8 != 0``) take a slower generic path that unpacks
-codes one byte each.
+The byte transpose these kernels share, and how it is made fast, is :mod:`.nbits_transpose`; the
+oracles the tests compare them with, and a benchmark, are :mod:`.nbits_reference`.
 
 Known ORT defect
 ----------------
@@ -70,6 +60,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import ConversionError, TensorShapeError
+from .nbits_transpose import STRIP_ROWS, transpose_pack, view_as, xor_byte
 
 __all__ = [
     "SUPPORTED_BITS",
@@ -85,22 +76,12 @@ __all__ = [
     "convert_dq_weights",
     "dq_to_matmulnbits",
     "expand_to_blocks",
-    "dequantize_dq_reference",
-    "dequantize_matmulnbits_reference",
     "needs_zero_points",
-    "benchmark_pack_B",
 ]
 
 SUPPORTED_BITS = (2, 4, 8)
 #: Default cap on scratch memory a single kernel call allocates (inputs/outputs not counted).
 DEFAULT_MAX_SCRATCH_BYTES = 32 * 1024 * 1024
-#: Source rows per strip of the byte transpose; 8 measured fastest (fits L1 with N/p columns).
-_STRIP_ROWS = 8
-#: Scratch of one tile of the fast path (gathered words + transposed tile + SWAR temporary). Measured
-#: on 4096x4096 int4: 256 KiB 8 ms, 512 KiB 7 ms, 2 MiB 5.5-6 ms, 4 MiB 5.5-6 ms (fewer numpy calls per
-#: byte vs. cache residency); 2 MiB keeps the tile in L2/L3.
-_TILE_BYTES = 2 * 1024 * 1024
-_TILE_MIN_ROWS = 256
 
 
 # ----------------------------------------------------------------------------------------------- shapes
@@ -210,181 +191,6 @@ def unpack_codes(packed: np.ndarray, count: int, bits: int, signed: bool = False
     return (u << (8 - bits)).view(np.int8) >> (8 - bits)
 
 
-def _xor_byte(bits: int) -> int:
-    """Byte that flips the top bit of every lane: turns two's-complement lanes into offset binary."""
-    return {2: 0xAA, 4: 0x88, 8: 0x80}[bits]
-
-
-def _strip_transpose(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[:] = src.T`` for 2-D byte arrays, in strips of 8 source rows.
-
-    A plain ``np.copyto(dst, src.T)`` on uint8 walks one of the two arrays with a stride of a full
-    row per byte and runs at ~0.15 GB/s here; strips of 8 source rows keep the 8 source rows and the
-    destination lines in L1 and run ~10x faster (measured 4096x2048 bytes: 54 ms -> 4.9 ms).
-    """
-    rows = src.shape[0]
-    for i in range(0, rows, _STRIP_ROWS):
-        j = min(i + _STRIP_ROWS, rows)
-        dst[:, i:j] = src[i:j].T
-
-
-# ------------------------------------------------------------------------------- core transpose-pack
-def _transpose_pack(
-    src: np.ndarray,
-    R: int,
-    N: int,
-    bits: int,
-    signed: bool,
-    out2: np.ndarray,
-    *,
-    pad_mid: bool,
-    max_scratch_bytes: int,
-) -> None:
-    """Core of pack_B / pack_zero_points.
-
-    ``src``: flat packed bytes of a row-major ``[R, N]`` ``bits``-bit matrix. ``out2``: uint8
-    ``[N, >= ceil(R*bits/8)]``; row n receives column n's codes along R, low bits first. Signed codes
-    are re-biased (XOR with the lane's top bit). Rows R..ceil(R/p)*p-1 of the last partial byte are
-    padded with raw 0, re-biased too when ``pad_mid`` (signed only). Bytes beyond are left untouched.
-    """
-    per = 8 // bits
-    xor = _xor_byte(bits) if signed else 0
-    budget = max(int(max_scratch_bytes), 4096)
-    if (N * bits) % 8 == 0:
-        C = N * bits // 8  # bytes per source row
-        src2 = src.reshape(R, C)
-        # Work in cache-sized tiles: a tile needs X and T (the transposed tile) and a same-size
-        # temporary for the SWAR shuffle, allocated once per call and reused (fresh 8 MiB temporaries
-        # per call cost page faults and cache misses: one big pass measured ~2x slower).
-        work = min(budget, _TILE_BYTES)
-        col_chunk = min(C, max(64, work // (3 * _TILE_MIN_ROWS) // 64 * 64))
-        rows_chunk = max(64, work // (3 * col_chunk) // 64 * 64)
-        rows_chunk = min(rows_chunk, -(-R // 8) * 8)
-        scratch = np.empty(3 * col_chunk * rows_chunk, np.uint8)
-        for c0 in range(0, C, col_chunk):
-            c1 = min(C, c0 + col_chunk)
-            for r0 in range(0, R, rows_chunk):
-                r1 = min(R, r0 + rows_chunk)
-                _fast_chunk(src2, r0, r1, c0, c1, bits, xor, out2, pad_mid, scratch)
-    else:
-        # Rows are not byte aligned: unpack codes (1 byte each). Chunks start at multiples of 8 rows, so
-        # at bit offset r0*N*bits, which is a whole byte.
-        n_chunk = N if N * _STRIP_ROWS * 4 <= budget else max(1, budget // (4 * _STRIP_ROWS))
-        rows_chunk = max(_STRIP_ROWS, (budget // (4 * N)) // _STRIP_ROWS * _STRIP_ROWS)
-        mask = np.uint8((1 << bits) - 1)
-        shifts = (np.arange(per, dtype=np.uint8) * bits)[None, :]
-        for r0 in range(0, R, rows_chunk):
-            r1 = min(R, r0 + rows_chunk)
-            b0, b1 = r0 * N * bits // 8, -(-r1 * N * bits // 8)
-            codes = ((src[b0:b1, None] >> shifts) & mask).reshape(-1)[: (r1 - r0) * N].reshape(r1 - r0, N)
-            rp = -(-(r1 - r0) // per) * per
-            for n0 in range(0, N, n_chunk):
-                n1 = min(N, n0 + n_chunk)
-                T = np.zeros((n1 - n0, rp), np.uint8)
-                _strip_transpose(T[:, : r1 - r0], codes[:, n0:n1])
-                if xor:
-                    T[:, : (rp if pad_mid else r1 - r0)] ^= np.uint8((1 << bits) >> 1)
-                lanes = T.reshape(n1 - n0, rp // per, per)
-                packed = lanes[:, :, 0].copy()
-                for i in range(1, per):
-                    packed |= lanes[:, :, i] << np.uint8(bits * i)
-                out2[n0:n1, r0 // per : r0 // per + rp // per] = packed
-
-
-def _tile_transpose(T: np.ndarray, src: np.ndarray, X: np.ndarray) -> None:
-    """``T[:, :nr] = src.T`` for a byte tile ``src`` ``[nr, cc]``; ``T`` is ``[cc, w]`` with ``w`` a
-    multiple of 8 >= nr; rows nr..w of the transposed tile (``T[:, nr:]``) become 0.
-
-    Two steps that numpy does fast, instead of one byte-granular transpose (which it does slowly):
-    gather each group of 8 source rows into uint64 words (``X[g, c]`` = bytes of rows 8g..8g+7 in
-    column c: 8 strided byte copies), then transpose the uint64 matrix ``X`` in strips of 8 rows, so
-    every destination write is a whole 64-byte line. Measured on 4096x2048 bytes: 4 ms, against
-    10 ms for strips of 8 byte rows and 54 ms for ``np.copyto(dst, src.T)``.
-    """
-    nr, cc = src.shape
-    g = T.shape[1] // 8
-    full = nr // 8
-    xv = _view_as(X[: g * cc * 8], (g, cc, 8))
-    for r in range(8):
-        xv[:full, :, r] = src[r : full * 8 : 8]
-    if full < g:
-        xv[full:] = 0
-        for r in range(nr - full * 8):
-            xv[full, :, r] = src[full * 8 + r]
-    X64 = _view_as(X[: g * cc * 8].view(np.uint64), (g, cc))
-    T64 = T.view(np.uint64)
-    for i in range(0, g, 8):
-        T64[:, i : i + 8] = X64[i : i + 8].T
-
-
-def _delta_swap(V: np.ndarray, t: np.ndarray, shift: int, mask) -> None:
-    """Swap the bit groups selected by ``mask`` with those ``shift`` bits above them, in place, in
-    every word of ``V`` (``t`` is same-shape scratch): the SWAR step of a lane transpose."""
-    np.right_shift(V, shift, out=t)
-    t ^= V
-    t &= mask
-    V ^= t
-    t <<= shift
-    V ^= t
-
-
-def _fast_chunk(src2: np.ndarray, r0: int, r1: int, c0: int, c1: int, bits: int, xor: int,
-                out2: np.ndarray, pad_mid: bool, scratch: np.ndarray) -> None:
-    """Rows r0..r1 (r0 % 8 == 0), source byte columns c0..c1 -> out2 rows c0*p..c1*p."""
-    per = 8 // bits
-    nr = r1 - r0
-    rp = -(-nr // per) * per  # rows padded to whole output bytes
-    w = -(-nr // 8) * 8  # tile width: whole uint64 words
-    cc = c1 - c0
-    ob0, ob1 = r0 // per, r0 // per + rp // per
-    n = cc * w
-    T = _view_as(scratch[:n], (cc, w))
-    tmp = scratch[n : 2 * n]
-    _tile_transpose(T, src2[r0:r1, c0:c1], scratch[2 * n : 3 * n])
-    if bits == 8:
-        if xor:
-            tx = T if pad_mid else T[:, :nr]
-            tx ^= np.uint8(xor)
-        out2[c0:c1, ob0:ob1] = T[:, :nr]
-        return
-    if xor and not pad_mid:
-        # the XOR must not reach the padding rows: do it on the tile before the shuffle
-        T[:, :nr] ^= np.uint8(xor)
-        xor = 0
-    out3 = _view_as(out2[c0 * per : c1 * per], (cc, per, out2.shape[1]))
-    if bits == 4:
-        # word = row 2j (low byte) | row 2j+1 (high byte); lanes: bits 0-3 col 2c, 4-7 col 2c+1.
-        # Swap (row 2j, col 2c+1) <-> (row 2j+1, col 2c): then low byte = col 2c, high byte = col 2c+1.
-        V = T.view(np.uint16)
-        t = _view_as(tmp.view(np.uint16), V.shape)
-        _delta_swap(V, t, 4, np.uint16(0x00F0))
-        Vo = V[:, : ob1 - ob0]
-        if xor:  # re-bias fused into the copy-out: both bytes of the word get 0x88
-            Vo ^= np.uint16(xor * 0x101)
-        np.copyto(out3[:, 0, ob0:ob1], Vo, casting="unsafe")  # uint16 -> uint8 keeps the low byte
-        np.right_shift(Vo, 8, out=out3[:, 1, ob0:ob1], casting="unsafe")
-    else:
-        # 4x4 transpose of 2-bit lanes in a uint32 (byte r = row 4j+r, lane l = column 4c+l):
-        # swap the off-diagonal 2x2 blocks (distance 12 bits), then the off-diagonal lanes (6 bits).
-        V = T.view(np.uint32)
-        t = _view_as(tmp.view(np.uint32), V.shape)
-        _delta_swap(V, t, 12, np.uint32(0x0000F0F0))
-        _delta_swap(V, t, 6, np.uint32(0x00CC00CC))
-        Vo = V[:, : ob1 - ob0]
-        if xor:
-            Vo ^= np.uint32(xor * 0x01010101)
-        np.copyto(out3[:, 0, ob0:ob1], Vo, casting="unsafe")
-        for lane in range(1, 4):
-            np.right_shift(Vo, 8 * lane, out=out3[:, lane, ob0:ob1], casting="unsafe")
-
-
-def _view_as(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Reshape that must not copy (we write through it); raises instead of silently copying."""
-    v = a.view()
-    v.shape = shape
-    return v
-
-
 # ------------------------------------------------------------------------------------------ kernels
 def pack_B(
     w: np.ndarray,
@@ -407,14 +213,14 @@ def pack_B(
     shp = matmulnbits_shapes(K, N, bits, block_size, False)
     src = _as_bytes(w, "weight", -(-K * N * bits // 8))
     _check_out(out, shp.B, np.uint8, "B")
-    out2 = _view_as(out, (N, shp.k_blocks * shp.blob_size))
+    out2 = view_as(out, (N, shp.k_blocks * shp.blob_size))
     per = 8 // bits
-    _transpose_pack(src, K, N, bits, signed, out2, pad_mid=True, max_scratch_bytes=max_scratch_bytes)
+    transpose_pack(src, K, N, bits, signed, out2, pad_mid=True, max_scratch_bytes=max_scratch_bytes)
     first_pad = -(-K // per)
     if first_pad < out2.shape[1]:
         # Whole padding bytes of the tail block: ORT's memset(0), then MLAS writes XORed zeros for
         # signed 8-bit and 2-bit (observed with ORT 1.31.1); 4-bit leaves them 0.
-        fill = _xor_byte(bits) if (signed and bits in (2, 8)) else 0
+        fill = xor_byte(bits) if (signed and bits in (2, 8)) else 0
         out2[:, first_pad:] = fill
     return out
 
@@ -428,10 +234,10 @@ def transpose_scales(scales: np.ndarray, K: int, N: int, block_size: int, *, out
     if out.dtype != scales.dtype or out.size != kb * N or not out.flags.c_contiguous:
         raise TensorShapeError(f"scales out: expected a contiguous {scales.dtype} buffer of {kb * N} "
                                f"elements, got {out.dtype} {out.shape}")
-    o2 = _view_as(out, (N, kb))
+    o2 = view_as(out, (N, kb))
     # strip transpose: rows of [kb, N] are N wide; 8 at a time keeps it cache friendly
-    for i in range(0, kb, _STRIP_ROWS):
-        o2[:, i : i + _STRIP_ROWS] = scales[i : i + _STRIP_ROWS].T
+    for i in range(0, kb, STRIP_ROWS):
+        o2[:, i : i + STRIP_ROWS] = scales[i : i + STRIP_ROWS].T
     return out
 
 
@@ -462,7 +268,7 @@ def pack_zero_points(
     kb = shp.k_blocks
     src = _as_bytes(zero_points, "zero_points", -(-kb * N * bits // 8))
     # pad_mid: 4-bit signed pads the odd nibble with 8 (MLAS Pack<true>(v, 0)); 2-bit pads with 0.
-    _transpose_pack(src, kb, N, bits, signed, _view_as(out, (N, shp.zero_points[1])), pad_mid=(bits == 4),
+    transpose_pack(src, kb, N, bits, signed, view_as(out, (N, shp.zero_points[1])), pad_mid=(bits == 4),
                     max_scratch_bytes=max_scratch_bytes)
     return out
 
@@ -557,80 +363,3 @@ def expand_to_blocks(
     codes = unpack_codes(z.view(np.uint8) if z.dtype.itemsize == 1 else z, n_z, bits)
     codes = np.broadcast_to(codes.reshape(-1), (kb, N)) if n_z == N else np.full((kb, N), codes[0], np.uint8)
     return s, pack_codes(codes, bits)
-
-
-# -------------------------------------------------------------------------------------- references
-def dequantize_dq_reference(
-    w: np.ndarray,
-    scales: np.ndarray,
-    zero_points: np.ndarray | None,
-    K: int,
-    N: int,
-    bits: int,
-    signed: bool,
-    block_size: int,
-) -> np.ndarray:
-    """ONNX DequantizeLinear (axis=0, blockwise) in plain numpy: ``(q - z) * s`` in float32, then cast
-    to the scale dtype. Slow and memory hungry on purpose: it is the oracle for tests."""
-    kb = -(-K // block_size)
-    q = unpack_codes(w, K * N, bits, signed).astype(np.float32).reshape(K, N)
-    z = np.zeros((kb, N), np.float32) if zero_points is None else \
-        unpack_codes(zero_points, kb * N, bits, signed).astype(np.float32).reshape(kb, N)
-    s = np.asarray(scales)
-    rep = lambda a: np.repeat(a, block_size, axis=0)[:K]  # noqa: E731
-    return ((q - rep(z)) * rep(s.astype(np.float32))).astype(s.dtype)
-
-
-def dequantize_matmulnbits_reference(
-    B: np.ndarray,
-    scales: np.ndarray,
-    zero_points: np.ndarray | None,
-    K: int,
-    N: int,
-    bits: int,
-    block_size: int,
-) -> np.ndarray:
-    """MatMulNBits' view of its weight as a ``[K, N]`` float32 matrix (padding dropped): codes along K
-    per column, zero point ``2**(bits-1)`` when absent. Oracle for tests."""
-    shp = matmulnbits_shapes(K, N, bits, block_size, zero_points is not None)
-    kb = shp.k_blocks
-    codes = unpack_codes(np.ascontiguousarray(B).reshape(-1), N * kb * block_size, bits)
-    codes = codes.reshape(N, kb * block_size)[:, :K].astype(np.float32)
-    if zero_points is None:
-        z = np.full((N, kb), float(1 << (bits - 1)), np.float32)
-    else:
-        zb = np.ascontiguousarray(zero_points).reshape(N, -1)
-        z = np.stack([unpack_codes(zb[n], kb, bits) for n in range(N)]).astype(np.float32)
-    s = np.asarray(scales).reshape(N, kb).astype(np.float32)
-    rep = lambda a: np.repeat(a, block_size, axis=1)[:, :K]  # noqa: E731
-    return ((codes - rep(z)) * rep(s)).T.astype(np.asarray(scales).dtype)
-
-
-def benchmark_pack_B(K: int = 4096, N: int = 4096, bits: int = 4, signed: bool = True, block_size: int = 32,
-                     repeats: int = 15) -> dict[str, float]:
-    """Time :func:`pack_B` on random bytes; returns best/median seconds and GB/s of input weight bytes."""
-    import time
-
-    w = np.random.default_rng(0).integers(0, 256, -(-K * N * bits // 8), dtype=np.uint8)
-    out = np.empty(matmulnbits_shapes(K, N, bits, block_size, False).B, np.uint8)
-    pack_B(w, K, N, bits, signed, block_size, out=out)  # warm up (page faults of out)
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        pack_B(w, K, N, bits, signed, block_size, out=out)
-        ts.append(time.perf_counter() - t0)
-    best, med = min(ts), float(np.median(ts))
-    return {"bytes": float(w.nbytes), "best_s": best, "median_s": med,
-            "best_GBps": w.nbytes / best / 1e9, "median_GBps": w.nbytes / med / 1e9}
-
-
-if __name__ == "__main__":  # pragma: no cover - manual benchmark
-    import sys
-
-    args = [int(a) for a in sys.argv[1:4]]
-    K_, N_, bits_ = (args + [4096, 4096, 4][len(args):])[:3]
-    for signed_ in (True, False):
-        r = benchmark_pack_B(K_, N_, bits_, signed_)
-        print(f"pack_B {'int' if signed_ else 'uint'}{bits_} [{K_}x{N_}] bs32: best {r['best_s'] * 1e3:.1f} ms "
-              f"({r['best_GBps']:.2f} GB/s), median {r['median_s'] * 1e3:.1f} ms ({r['median_GBps']:.2f} GB/s) "
-              f"of {r['bytes'] / 2**20:.0f} MiB input")

@@ -31,11 +31,12 @@ import onnxruntime as ort
 from ..errors import PlanError
 from ..plan.partition import PartitionPlan, StageInfo, is_cpu, stage_providers
 from ..session import InferenceSession
+from .stage_io import StagedModelIO
 
 __all__ = ["PipelineSession"]
 
 
-class PipelineSession:
+class PipelineSession(StagedModelIO):
     """Run the stages of a partition plan in order (see the module docstring).
 
     ``plan_or_dir``: a :class:`PartitionPlan` that was written (``out_dir``), its folder, or its
@@ -67,31 +68,10 @@ class PipelineSession:
         self._ortvalue = transfer == "ortvalue" or (transfer == "auto" and not all_cpu)
         # the last stage reading each value: after it, the value can go (unless asked for)
         self._last_read = plan.last_readers()
-        self._inputs = self._collect(plan.inputs, lambda s: s.get_inputs())
-        self._outputs = self._collect(plan.outputs, lambda s: s.get_outputs(), feeds_ok=True)
+        self.declare_io(plan.inputs, plan.outputs, [a for s in self._sessions for a in s.get_inputs()],
+                        [a for s in self._sessions for a in s.get_outputs()])
 
     # ---------------------------------------------------------------------------------- metadata
-    def _collect(self, names: Sequence[str], getter, feeds_ok: bool = False) -> list[Any]:
-        by_name: dict[str, Any] = {}
-        for sess in self._sessions:
-            for arg in getter(sess):
-                by_name.setdefault(arg.name, arg)
-        if feeds_ok:  # a graph output that is a graph input passes straight through
-            for arg in self._inputs:
-                by_name.setdefault(arg.name, arg)
-        missing = [n for n in names if n not in by_name]
-        if missing:
-            raise PlanError(f"no stage declares {missing}: the plan and its stage files disagree")
-        return [by_name[n] for n in names]
-
-    def get_inputs(self) -> list[Any]:
-        """The unpartitioned model's inputs (ORT ``NodeArg``s, in the model's order)."""
-        return list(self._inputs)
-
-    def get_outputs(self) -> list[Any]:
-        """The unpartitioned model's outputs (ORT ``NodeArg``s, in the model's order)."""
-        return list(self._outputs)
-
     def get_providers(self) -> list[str]:
         out: list[str] = []
         for sess in self._sessions:

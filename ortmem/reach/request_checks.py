@@ -43,7 +43,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
 from ..errors import OrtmemError
 from ..loader import load
-from ..measure.inputs import ORT_NUMPY_TYPES
+from ..dtypes import ORT_NUMPY_TYPES
 from ..ortmodel.value_types import ValueTypes
 from ..units import parse_bytes
 

@@ -80,9 +80,9 @@ def create_session(model: str, engine: str = "ortmem", threads: int | None = Non
         return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
     if engine != "ortmem":
         raise ValueError(f"ORTMEM_SERVE_ENGINE must be one of {ENGINES}, not {engine!r}")
-    import ortmem
+    from ..session import InferenceSession
 
-    return ortmem.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    return InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
 def create_app(session: Any, *, engine: str = "ortmem", model: str = "",

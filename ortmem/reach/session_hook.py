@@ -45,9 +45,10 @@ from onnxruntime.capi import onnxruntime_inference_collection as _collection
 
 from ..helper_env import ENV_OPTIONS, ENV_SWITCH
 from ..hygiene import trim as trim_heap
-from .model_facts import FOLDER_KEY, FUSING_PROVIDERS, min_prepared_bytes, link_skeleton, read_facts
+from ..model_facts import FOLDER_KEY, min_prepared_bytes, link_skeleton, read_facts
 from ..options import get_config
 from ..ort_original import ORT_SESSION
+from ..ortmodel.providers import FUSING_PROVIDERS, not_fusing, provider_names
 from .plain_run import process_memory  # the standard library only: the hook stays light
 
 log = logging.getLogger(__name__)
@@ -262,7 +263,7 @@ _QDQ_CONFIG_KEYS = ("session.qdq_matmulnbits_accuracy_level", "session.qdq_matmu
 
 def _light_route(model: Any, args: tuple, kwargs: dict, opts: HookOptions) -> Optional[Any]:
     """The session, made without importing ortmem's session path, for a model file that needs nothing
-    of it (decided from the file's bytes, :mod:`ortmem.reach.model_facts`); None when the model needs it:
+    of it (decided from the file's bytes, :mod:`ortmem.model_facts`); None when the model needs it:
     DequantizeLinear to convert, recompute metadata, external data or tensors the loader must check,
     weights enough for a prepared entry (the session path looks it up or builds it), caller options
     that set ortmem-relevant keys, or embedded weights that cannot be handed over by a hard link
@@ -398,8 +399,7 @@ def _untouched_reason(model: Any, args: tuple, kwargs: dict) -> Optional[str]:
         # an in-memory conversion registers its buffers on the options ORT is given, for good
         return "cache=False with the caller's SessionOptions (in-memory files would stay registered on them)"
     providers = args[2] if len(args) > 2 else kwargs.get("providers")
-    names = [p if isinstance(p, str) else p[0] for p in providers or []]
-    others = [n for n in names if n not in FUSING_PROVIDERS]
+    others = not_fusing(provider_names(providers))
     if others:
         return f"provider {others[0]} (ortmem handles {', '.join(sorted(FUSING_PROVIDERS))})"
     return None

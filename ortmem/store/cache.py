@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -44,11 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-import platformdirs
-
 from . import digest
 from ..errors import CacheError
-from ..helper_env import CACHE_DIR_ENV
+from ..helper_env import cache_folder
+from .layout import MANIFEST, MODEL_FILE, SOURCE_LINK_PREFIX, TMP_PREFIX, TRASH_PREFIX, WEIGHTS_FILE
+from .sources import sources_problem
 from .trust import (
     PRIVATE_FILE_MODE,
     make_private_dir,
@@ -62,15 +61,8 @@ from .trust import (
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-MODEL_FILE = "model.onnx"
-WEIGHTS_FILE = "weights.bin"
 #: 2: identities with ctime, a full digest of every file, private modes.
 FORMAT = 2
-#: Prefix of files an entry links from the model's own folder (another owner's, checked by identity).
-SOURCE_LINK_PREFIX = "source-"
-TMP_PREFIX = ".tmp-"
-TRASH_PREFIX = ".trash-"
 #: A temporary folder or file nobody has written for this long, whose writer is not a live process
 #: on this machine, is a crash leftover (a writer touches its files continuously; another container's
 #: pids are invisible here, hence the idle time too). After a day it is stale whatever the pid says.
@@ -84,46 +76,9 @@ class UntrustedCacheError(CacheError):
 
 def cache_root() -> Path:
     """``$ORTMEM_CACHE_DIR``, else the platform's user cache dir; created private on first use."""
-    root = os.environ.get(CACHE_DIR_ENV)
-    path = Path(root) if root else Path(platformdirs.user_cache_dir("ortmem"))
+    path = cache_folder()
     make_private_dir(path, parents=True)
     return path
-
-
-def make_key(parts: dict[str, Any]) -> str:
-    """A stable hex key over everything the cached bytes depend on (sources, options, versions)."""
-    blob = json.dumps(parts, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:32]
-
-
-def file_identity(path: Path) -> dict[str, Any]:
-    """Identity of a source file: everything ``stat`` gives that a replacement or an in-place write
-    must change. ``ctime_ns`` cannot be set back by the writer (unlike mtime); it also moves when
-    the link count does, so ``nlink`` is kept to tell a cache entry's hard link from an edit
-    (:func:`same_source`)."""
-    st = path.stat()
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino,
-            "dev": st.st_dev, "ctime_ns": st.st_ctime_ns, "nlink": st.st_nlink}
-
-
-def key_identity(path: Path) -> dict[str, Any]:
-    """The part of :func:`file_identity` that goes into a cache key (not ctime/nlink, which other
-    entries' hard links move; those are checked against the entry's manifest instead)."""
-    ident = file_identity(path)
-    return {k: ident[k] for k in ("path", "size", "mtime_ns", "inode", "dev")}
-
-
-def same_source(recorded: dict[str, Any], current: dict[str, Any]) -> Optional[bool]:
-    """True: unchanged. False: replaced, resized or rewritten with a new mtime. None: only ctime (and
-    maybe the link count) moved: either another entry linked or dropped the file (every cache entry
-    hard-links its sources, and a link then an unlink leaves the count where it was) or the file was
-    edited in place with its mtime set back; the caller tells the two apart by content."""
-    if recorded == current:
-        return True
-    stable = ("path", "size", "mtime_ns", "inode", "dev")
-    if all(recorded.get(k) == current.get(k) for k in stable):
-        return None
-    return False
 
 
 @dataclass
@@ -263,6 +218,30 @@ class Cache:
         log.warning("ortmem: cache entry %s is unusable (%s); rebuilding", e.path, problem)
         self._discard(e.path)
         return None
+
+    def lookup_sourced(self, key: str) -> Optional[Entry]:
+        """:meth:`lookup`, then the sources the entry's manifest records (:func:`ortmem.store.sources.source_record`):
+        an entry whose source changed is discarded (None). The manifest update that follows a confirmed
+        content (a source's new ctime) is best effort: a read-only cache only digests again next time."""
+        entry = self.lookup(key)
+        if entry is None:
+            return None
+        try:
+            manifest = entry.manifest()
+        except (OSError, ValueError):
+            manifest = {}
+        manifest = manifest if isinstance(manifest, dict) else {}
+        problem, update = sources_problem(manifest)
+        if problem is not None:
+            log.info("ortmem: %s of cache entry %s; rebuilding", problem, entry.path)
+            self.discard(entry)
+            return None
+        if update and self.writable:
+            try:
+                entry.rewrite_manifest({k: v for k, v in {**manifest, **update}.items() if v is not None})
+            except OSError:
+                pass
+        return entry
 
     def discard(self, e: Entry) -> None:
         """Remove an entry (a reader that already opened its files keeps them)."""

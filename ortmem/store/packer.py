@@ -61,8 +61,6 @@ from typing import Optional
 import onnxruntime as ort
 
 from .cache import (
-    MANIFEST,
-    WEIGHTS_FILE,
     Cache,
     Entry,
     LockBusyError,
@@ -72,7 +70,8 @@ from .cache import (
 )
 from ..ortmodel.settings import OrtSettings
 from ..helper_env import helper_environment
-from .prepacked import PREPACKED_MANIFEST, packing_settings, prepacked_model, save_prepacked
+from .layout import MANIFEST, PREPACKED_MANIFEST, WEIGHTS_FILE
+from .prepacked import packing_settings, prepacked_model, save_prepacked
 from .prepared_entries import build_prepared, lookup_prepared, prepared_key
 
 log = logging.getLogger(__name__)

@@ -80,7 +80,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from . import digest as content_digest
-from .cache import MANIFEST, MODEL_FILE, WEIGHTS_FILE, Entry, cache_file_problem, fsync_dir
+from .cache import Entry, cache_file_problem, fsync_dir
+from .layout import MANIFEST, MODEL_FILE, PREPACKED_DATA, PREPACKED_MANIFEST, PREPACKED_MODEL, WEIGHTS_FILE
 from .trust import PRIVATE_FILE_MODE, make_private_dir, open_new, read_nofollow, write_new
 from ..errors import CacheError
 from ..options import get_config
@@ -90,9 +91,6 @@ from ..weights import PAGE, page_align
 
 log = logging.getLogger(__name__)
 
-PREPACKED_MODEL = "model.prepacked.onnx"
-PREPACKED_DATA = "prepacked.bin"
-PREPACKED_MANIFEST = "prepacked.json"
 #: Bumped whenever what this module writes changes.
 PREPACKED_FORMAT = 3  # 2: full digests of both files; 3: every file's digest in ortmem.store.digest's form
 #: ``B`` bytes packed per throw-away session. The saver's peak is about the session's fixed cost

@@ -28,7 +28,7 @@ What is checked, and when (:func:`prepared_path`, on every use)
 -------------------------------------------------------------
 ``<stem>.json`` is written last and atomically; it records what the blobs are valid for
 (:func:`ortmem.store.prepacked.prepacked_key_parts`: ORT release, CPU, format), the source's identity (the
-.onnx and each external data file: :func:`ortmem.convert.source_record`) and a full digest of each
+.onnx and each external data file: :func:`ortmem.store.sources.source_record`) and a full digest of each
 written file. Before use, every file passes the cache's one trust check
 (:func:`ortmem.store.cache.cache_file_problem`: owner, mode, no symbolic link, size and, in ``"full"``
 mode, every byte), the key parts must equal this ORT and CPU's and (``source`` given) the source must
@@ -53,7 +53,7 @@ import onnxruntime as ort
 
 from . import digest
 from .cache import cache_file_problem, fsync_dir
-from ..convert import source_record, sources_problem
+from .sources import source_record, sources_problem
 from ..errors import CacheError
 from .trust import PRIVATE_FILE_MODE, make_private_dir, read_nofollow, write_new
 from ..onnx_walk import external_data_dict, is_external, iter_tensor_sites

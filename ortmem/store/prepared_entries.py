@@ -4,8 +4,8 @@ An entry of kind ``"prepared"`` holds what :func:`ortmem.store.prepared.prepare_
 ``model`` (``model.onnx``, ``model.data`` with ORT's pre-packed blobs, ``model.json``) under the
 cache's ``manifest.json``, so the cache's own checks apply to every byte (:meth:`ortmem.store.cache.Cache.verify`:
 trust check and digest of every file, per ``verify=``) and the manifest records the source files
-(:func:`ortmem.convert.source_record`), so a changed source is never served stale
-(:func:`ortmem.convert.lookup_sourced`). Where ORT packs nothing (``useful`` False: a Conv net, a model
+(:func:`ortmem.store.sources.source_record`), so a changed source is never served stale
+(:meth:`ortmem.store.cache.Cache.lookup_sourced`). Where ORT packs nothing (``useful`` False: a Conv net, a model
 of element-wise ops) or cannot save the model, the entry is a *marker*: a manifest with no files and
 ``"marker": true``, so later starts decide at once and ortmem costs nothing there.
 
@@ -27,9 +27,9 @@ import onnx
 import onnxruntime as ort
 
 from .. import __version__
-from .cache import MANIFEST, MODEL_FILE, Cache, Entry, key_identity, make_key
-from ..convert import lookup_sourced, private_mode, source_record
-from ..reach.model_facts import MIN_BYTES_ENV, MIN_PREPARED_BYTES, min_prepared_bytes  # noqa: F401 - re-exported
+from .cache import Cache, Entry
+from .layout import MANIFEST, MODEL_FILE
+from .sources import key_identity, make_key, private_mode, source_record
 from ..ortmodel.settings import OrtSettings
 from .prepacked import prepacked_key_parts
 from .prepared import (
@@ -75,7 +75,7 @@ def lookup_prepared(cache: Cache, key: str) -> Optional[Entry]:
     """The verified prepared entry (or marker) under ``key`` whose sources are unchanged, or None.
     Every file passed the cache's check (:meth:`ortmem.store.cache.Cache.lookup`); the prepared model's own
     manifest must also be for this ORT and CPU, else the entry is discarded."""
-    entry = lookup_sourced(cache, key)
+    entry = cache.lookup_sourced(key)
     if entry is None or is_marker(entry):
         return entry
     problem = prepared_problem(entry.path, STEM, mode="off")  # the bytes were just checked by the lookup

@@ -10,8 +10,8 @@ from pathlib import Path
 
 
 from ...ortmodel.release import capabilities
+from ...units import MiB
 
-MiB = 1 << 20
 CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 
 

@@ -13,14 +13,11 @@ import sys
 
 import numpy as np
 
-from ...units import parse_dim
+from ...units import pair_arg, parse_dim
 
 
 def _input(text: str) -> tuple[str, str]:
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"expected NAME=FILE.npy, got {text!r}")
-    return name, path
+    return pair_arg(text, "NAME=FILE.npy", value_required=True)
 
 
 def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:

@@ -29,8 +29,8 @@ from .estimator import workspace_fn
 from ...ortmodel.settings import session_settings
 from .recipe import nchwc_block, plan_model
 from .graph_context import Context, ModelLike, load_proto, ort_view
+from ...units import MiB
 
-MiB = 1 << 20
 OrderLike = Union[str, Sequence[int]]
 
 

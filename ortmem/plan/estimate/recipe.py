@@ -377,7 +377,7 @@ def ortmem_gathers(root: og.OrtGraph, skeleton: onnx.ModelProto, st: OrtSettings
     """The DQ -> Gather pairs ortmem rewrites into GatherBlockQuantized on this release (the
     matcher's candidates the release probe accepts; none below ORT_ENABLE_BASIC)."""
     from ...passes.dq_gather import gathers_enabled
-    from ...passes.dq_matmul_match import dq_gather_match
+    from ...passes.dq_gather_match import dq_gather_match
     from ...ortmodel.release import capabilities
     from ...ortmodel.variants import onnx_type_name
 

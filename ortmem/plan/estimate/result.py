@@ -7,8 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-
-MiB = 1 << 20
+from ...units import MiB
 
 
 # --------------------------------------------------------------------------------------- results

@@ -13,24 +13,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ...units import bytes_arg, parse_bytes
+from ...units import bytes_arg, pair_arg
 
 
 def _device(text: str) -> tuple[str, int]:
-    name, sep, value = text.rpartition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME=BYTES, got {text!r}")
-    try:
-        return name, parse_bytes(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    name, value = pair_arg(text, "NAME=BYTES", at_last=True)  # a node:NAME/DEVICE name may hold "="
+    return name, bytes_arg(value)
 
 
 def _provider(text: str) -> tuple[str, str]:
-    name, sep, value = text.partition("=")
-    if not sep or not name or not value:
-        raise argparse.ArgumentTypeError(f"expected DEVICE=PROVIDER, got {text!r}")
-    return name, value
+    return pair_arg(text, "DEVICE=PROVIDER", value_required=True)
 
 
 def add_partition_arguments(parser: argparse.ArgumentParser) -> None:

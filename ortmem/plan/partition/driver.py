@@ -76,7 +76,8 @@ from .result import PLAN_FILE, Crossing, DeviceReport, PartitionPlan, StageInfo
 from .stages import CUT_WINDOW, choose_stages, StageCosts, module_boundaries
 from .submodels import find_crossings, build_stage_models, StageGraph
 from .verify import ARENA_STEADY, estimate_stage
-from .weights import WEIGHTS_FILE, WeightsLayout, plan_layout, write_stage_weights
+from ...store.layout import WEIGHTS_FILE  # the name of every weights file ortmem writes
+from .weights import WeightsLayout, plan_layout, write_stage_weights
 
 
 log = logging.getLogger(__name__)

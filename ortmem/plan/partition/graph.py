@@ -18,7 +18,7 @@ from ...model import Model
 from ...onnx_walk import external_data_dict, iter_graphs, node_label, node_subgraphs
 from ...ortmodel import graph_index as og
 from ...errors import PlanError
-from .graph_modules import NodeCost, leaf_modules
+from .graph_modules import NodeCost, leaf_modules, position_links
 
 #: Ops whose output differs from run to run: never treated as constants (never replicated).
 _RANDOM_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
@@ -141,14 +141,7 @@ class PartitionGraph:
         self.labels = [self.labels_all[i] for i in self.order]
         self.pos = {i: p for p, i in enumerate(self.order)}
         n = len(self.order)
-        self.inputs_pos: list[list[int]] = []
-        self.consumers_pos: list[list[int]] = [[] for _ in range(n)]
-        for p, i in enumerate(self.order):
-            prods = sorted({self.pos[self.producer[x]] for x in self.raw_inputs[i]
-                            if x in self.producer and self.producer[x] in self.pos and self.pos[self.producer[x]] != p})
-            self.inputs_pos.append(prods)
-            for q in prods:
-                self.consumers_pos[q].append(p)
+        self.inputs_pos, self.consumers_pos = position_links(self.order, self.raw_inputs, self.producer)
         outs = set(self.outputs)
         self.escapes = [any(o in outs for o in g.node[i].output) for i in self.order]
         self.weights = [self._node_weights(i) for i in self.order]

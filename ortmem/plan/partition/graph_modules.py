@@ -233,6 +233,25 @@ def _peak(members: Sequence[int], inputs: Sequence[Sequence[int]], consumers: Se
 activation_peak = _peak
 
 
+def position_links(order: Sequence[int], node_inputs: Sequence[Sequence[str]],
+                   producer: Mapping[str, int]) -> tuple[list[list[int]], list[list[int]]]:
+    """``(inputs, consumers)`` by position in ``order`` (node indices in execution order): ``inputs[p]``
+    the ascending positions of the nodes producing what node ``order[p]`` reads, ``consumers[p]`` the
+    positions of the nodes reading what it produces. ``node_inputs`` and ``producer`` (value -> node
+    index) are indexed by node; a node outside ``order`` (a constant chain) and a node reading its own
+    output link nothing. The liveness walk (:func:`activation_peak`) reads both lists."""
+    pos = {node_i: p for p, node_i in enumerate(order)}
+    inputs: list[list[int]] = []
+    consumers: list[list[int]] = [[] for _ in order]
+    for p, node_i in enumerate(order):
+        prods = sorted({pos[producer[x]] for x in node_inputs[node_i]
+                        if x in producer and producer[x] in pos and pos[producer[x]] != p})
+        inputs.append(prods)
+        for q in prods:
+            consumers[q].append(p)
+    return inputs, consumers
+
+
 def group_modules(graph: GraphProto | ModelProto, costs: Iterable[NodeCost], *,
                   by: str | Mapping[str, str] = "scope") -> ModuleTree:
     """Group ``graph``'s nodes into modules (``by="scope"``, ``"node"``, or a mapping from node label
@@ -250,18 +269,8 @@ def group_modules(graph: GraphProto | ModelProto, costs: Iterable[NodeCost], *,
     cost = [matched[i] for i in order]
     leaf = leaf_modules(labels, by)
 
-    # values -> positions in execution order
-    pos_of = {node_i: pos for pos, node_i in enumerate(order)}
-    producer = {name: pos_of[i] for name, i in idx.producer.items()}
-    raw_inputs = [idx.node_inputs(i) for i in range(len(g.node))]
     n = len(order)
-    inputs: list[list[int]] = []
-    consumers: list[list[int]] = [[] for _ in range(n)]
-    for pos, node_i in enumerate(order):
-        prods = sorted({producer[x] for x in raw_inputs[node_i] if x in producer and producer[x] != pos})
-        inputs.append(prods)
-        for p in prods:
-            consumers[p].append(pos)
+    inputs, consumers = position_links(order, [idx.node_inputs(i) for i in range(len(g.node))], idx.producer)
     graph_outputs = {o.name for o in g.output}
     escapes_graph = [any(o in graph_outputs for o in g.node[order[pos]].output) for pos in range(n)]
     act = [c.activation_bytes if c else 0 for c in cost]

@@ -17,15 +17,13 @@ import onnx
 from onnx import AttributeProto, GraphProto, TensorProto
 
 from ...model import Model
+from ...weights import FILE_ALIGN
 from ...onnx_walk import external_data_dict
 from ...errors import PlanError
 from .graph import tensor_nbytes
 
 #: The partitioner's messages keep the logger name users configure, whichever module logs them.
 log = logging.getLogger("ortmem.plan.partition")
-
-WEIGHTS_FILE = "weights.bin"
-ALIGN = 4096
 
 
 @dataclass
@@ -59,7 +57,7 @@ def plan_layout(model: Model, mode: str) -> WeightsLayout:
     spans: dict[tuple[str, int, int], int] = {}
     pos = 0
     for key in sorted(distinct):
-        pos = -(-pos // ALIGN) * ALIGN
+        pos = -(-pos // FILE_ALIGN) * FILE_ALIGN
         spans[key] = pos
         pos += key[2]
     return WeightsLayout("copy", None, spans, pos, total)

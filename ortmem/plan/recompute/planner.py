@@ -17,8 +17,7 @@ from .rewrite import apply, reorder
 from .settings import (CSE, DISABLE_OPTIMIZERS_KEY, META_PREFIX, ORT_OPTIMIZED_KEY, PLAN_VERSION, PlanEntry, format_plan,
                        parse_plan, session_changes_for)
 from .state import State, initial_state
-
-MiB = 1 << 20
+from ...units import MiB
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Build the fp32 handoff example of docs/handoff.md: a 256 MiB embedding table and 128 MiB of
 MatMul weights, saved embedded (big/emb.onnx) and with external data (big/ext/ext.onnx).
 
-    python docs/scripts/mkbig.py [OUT_DIR]
+    python -m bench.mkbig [OUT_DIR]
 """
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-import model_builders as mb  # noqa: E402
+from tests.support import builders as mb
 
 
 def build() -> "helper.ModelProto":

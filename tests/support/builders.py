@@ -1,4 +1,5 @@
-"""Small hand-built ONNX models for loader and session tests: each stresses one way weights are stored."""
+"""Small models for loader, session, cache and measurement tests: hand-built ones that each stress one way
+weights are stored, and ``ortmem.synth``'s tiny decoder written to a folder."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from ortmem.synth import SynthConfig, write_model
 
 OPSET = [helper.make_opsetid("", 21)]
 IR_VERSION = 10  # onnx 1.23 writes IR 14 by default; ORT 1.31 reads up to 13
@@ -30,6 +33,13 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     return out
+
+
+def tiny_decoder(folder: Path, **config) -> Path:
+    """``ortmem.synth``'s tiny QDQ decoder (``SynthConfig.tiny(**config)``) written to ``folder/model.onnx``:
+    the model of the conversion, cache and session tests, fed ``input_ids``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_model(SynthConfig.tiny(**config), folder / "model.onnx")
 
 
 def matmul_chain(rng: np.random.Generator, widths: list[int], *, name_prefix: str = "W") -> onnx.ModelProto:
@@ -149,3 +159,25 @@ def int4_model(rng: np.random.Generator, k: int = 256, n: int = 128, block: int 
         [w, scales],
     )
     return make_model(g)
+
+
+def embedding_relu_model(path: Path) -> Path:
+    """ids[batch, seq] -> Gather(emb[100, 16]) -> MatMul -> Relu, saved to ``path``: symbolic dims, int64
+    indices, weights small enough that a fresh-process probe measures the process, not the model."""
+    rng = np.random.default_rng(0)
+    emb = numpy_helper.from_array(rng.standard_normal((100, 16)).astype(np.float32), "emb")
+    w = numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["emb", "ids"], ["e"]),
+            helper.make_node("MatMul", ["e", "w"], ["m"]),
+            helper.make_node("Relu", ["m"], ["y"]),
+        ],
+        "tiny",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 16])],
+        [emb, w],
+    )
+    model = helper.make_model(graph, ir_version=IR_VERSION, opset_imports=OPSET)
+    onnx.save(model, path)
+    return path

@@ -13,6 +13,10 @@ path only for a model that needs it. Everything here uses the standard library a
 - embedded ``raw_data`` above :data:`INLINE_MAX_BYTES`: protowire's walk finds it and writes the
   skeleton bytes that point back into the file, and :func:`link_skeleton` hands that skeleton to ORT
   beside a hard link to the file, exactly as :mod:`ortmem.handoff` does for a loaded model.
+
+It sits at the bottom of the package beside :mod:`ortmem.protowire`: the loader, the handoff, the
+session and the store read their constants here (the inline limit, the folder key, the recompute
+metadata prefix, the prepared-entry threshold), so each of them points down to it.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..protowire import (
+from .protowire import (
     ATTR_T,
     ATTR_TENSORS,
     DATA_LOCATION_EXTERNAL,
@@ -49,10 +53,7 @@ _log = logging.getLogger(__name__)
 INLINE_MAX_BYTES = 4096
 #: The session config key naming where a bytes-loaded model's external files are.
 FOLDER_KEY = "session.model_external_initializers_file_folder_path"
-#: Execution providers for which ORT itself applies DQMatMulToMatMulNBits, so rewriting ahead of
-#: time builds the graph ORT would build. Others (TensorRT, OpenVINO, QNN, ...) consume QDQ natively.
-FUSING_PROVIDERS = frozenset({"CPUExecutionProvider", "CUDAExecutionProvider", "DmlExecutionProvider",
-                              "AzureExecutionProvider"})
+
 #: Metadata prefix of a model rewritten by ``ortmem recompute`` (``ortmem.plan.recompute.META_PREFIX``).
 RECOMPUTE_METADATA = "ortmem.recompute."
 DEQUANTIZE = b"DequantizeLinear"
@@ -77,7 +78,7 @@ def min_prepared_bytes() -> int:
     text = os.environ.get(MIN_BYTES_ENV, "").strip()
     if not text:
         return MIN_PREPARED_BYTES
-    from ..units import parse_bytes
+    from .units import parse_bytes
 
     try:
         return int(parse_bytes(text))

@@ -14,10 +14,16 @@ not enough, so ortmem asks the build it runs on: for each variant it builds a DQ
    whether the outputs are identical (the *kernel* question: ortmem must never write a node this ORT
    cannot run or runs differently).
 
-This module is the child program (``python -m ortmem.ortmodel.probe`` prints one JSON object); it runs
-in a subprocess because older releases crash the process on some malformed graphs, and a crash must
-cost a probe, not the user's program. :mod:`ortmem.ortmodel.release` runs it once per ORT build and CPU
-and caches the answer. About 130 tiny sessions: 2-5 s on a 2-core VM.
+This module is the child program (:func:`main` prints one JSON object); it runs in a subprocess
+because older releases crash the process on some malformed graphs, and a crash must cost a probe, not
+the user's program. :mod:`ortmem.ortmodel.release` runs it by module name once per ORT build and CPU and
+caches the answer. About 130 tiny sessions: 2-5 s on a 2-core VM.
+
+Why here and not in ``ortmodel``: the questions are put to ortmem's own converter, pre-packer and
+session path, which sit above ``ortmodel``; the release model only names the variants
+(:mod:`ortmem.ortmodel.variants`) and reads the answers, so ``ortmodel`` imports nothing above it. The
+converter and the session path are imported inside the functions that use them, so that
+:func:`import_baseline_bytes` measures the process with the session path and nothing more.
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from .variants import (ACCURACY_LEVELS, BLOCK_SWEEP, GATHER_WEIGHT_TYPES, SCALE_TYPES, SHARED_WEIGHT_KEY, WEIGHT_TYPES,
+from .ortmodel.variants import (ACCURACY_LEVELS, BLOCK_SWEEP, GATHER_WEIGHT_TYPES, SCALE_TYPES, SHARED_WEIGHT_KEY, WEIGHT_TYPES,
                        dq_gather_model, dq_matmul_model, dq_shared_weight_model, variant_key)
 
 
@@ -69,11 +75,11 @@ def _short(exc: BaseException) -> str:
 def probe_variant(ort: Any, m: onnx.ModelProto, accuracy: int, work: Path, fused_op: str,
                   convert: bool = True) -> dict[str, Any]:
     """Fusion and kernel answers for one model (see the module docstring)."""
-    from ..convert import write_converted
-    from .settings import session_settings
-    from ..loader import load
-    from ..passes.conversion import plan_conversion
-    from .release import unrestricted_capabilities
+    from .convert import write_converted
+    from .ortmodel.settings import session_settings
+    from .loader import load
+    from .passes.conversion import plan_conversion
+    from .ortmodel.release import unrestricted_capabilities
 
     work.mkdir(parents=True, exist_ok=True)
     src = work / "qdq.onnx"
@@ -123,12 +129,12 @@ def probe_variant(ort: Any, m: onnx.ModelProto, accuracy: int, work: Path, fused
 def probe_prepacked(ort: Any, work: Path) -> dict[str, Any]:
     """Does this release save pre-packed MatMulNBits weights to an external file, and does a session on
     the saved model give the QDQ model's outputs? (1.25 saves none; 1.32 re-packs and compares them.)"""
-    from ..convert import write_converted
-    from .settings import session_settings
-    from ..loader import load
-    from ..passes.conversion import plan_conversion
-    from ..store.prepacked import save_prepacked
-    from .release import unrestricted_capabilities
+    from .convert import write_converted
+    from .ortmodel.settings import session_settings
+    from .loader import load
+    from .passes.conversion import plan_conversion
+    from .store.prepacked import save_prepacked
+    from .ortmodel.release import unrestricted_capabilities
 
     work.mkdir(parents=True, exist_ok=True)
     # B must be large enough to be stored as external data (ortmem keeps tensors of one page inline)
@@ -185,7 +191,7 @@ def probe_borrowing(ort: Any) -> bool:
     """Does ORT borrow in-memory external data in place under ``session.use_external_initializer_file_buffers_directly``
     (new in 1.31), instead of copying it at creation? A buffer changed after creation shows in the
     output only when it was borrowed (``ortmem.inmemory``'s zero-copy path depends on it)."""
-    from ..borrowing import BORROW_KEY
+    from .borrowing import BORROW_KEY
 
     n = 1024
     buffer = np.ones(n, np.float32)

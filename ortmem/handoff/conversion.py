@@ -1,0 +1,150 @@
+"""A start that converts: what ORT would fuse, rewritten ahead of time, then handed over by path or memory.
+
+With a cache, the converted model is published as a new entry (:func:`ortmem.store.verdict.publish`)
+and loaded by path, so ORT maps each converted tensor from the page cache and drops it after
+pre-packing, exactly as it does for a native MatMulNBits model. Without one (``cache=False``, or a
+cache that cannot be used), the converted tensors go into anonymous memory ORT borrows
+(:mod:`ortmem.inmemory`), or, when the caller passed ``SessionOptions``, into a private temporary
+folder. A model ortmem must not or cannot convert goes to ORT as given (:mod:`.unconverted`).
+
+Imported only by a start that may convert: a warm start loads none of this (nor the passes).
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Optional
+
+from ..convert import entry_writer, source_paths, write_converted
+from ..errors import CacheError, OrtmemError
+from ..inmemory import convert_in_memory
+from ..model import Model
+from ..onnx_walk import iter_graphs
+from ..passes.conversion import plan_conversion
+from ..passes.conversion_plan import ConversionPlan, ConversionReport
+from ..store.layout import MODEL_FILE
+from ..store.verdict import CONVERTED, publish
+from ..validity import validity_fault
+from .handoff import Handoff
+from .unconverted import from_model
+
+if TYPE_CHECKING:  # the request's module imports this one when a start converts
+    from .prepare import Request
+
+log = logging.getLogger(__name__)
+
+
+def converted_or_as_is(model: Model, request: Request, own_folder: bool = False) -> Handoff:
+    """The handoff of a loaded model: converted where ORT would fuse and nothing forbids it, else as
+    given. ``own_folder``: the model lives in a private folder ortmem made (a spilled bytes model)."""
+    link_root = request.cache.root if request.cache is not None else None
+    if not request.converting or not _has_dequantize(model):
+        return from_model(model, own_folder=own_folder, link_root=link_root)
+    fault = validity_fault(model.skeleton.graph)
+    if fault is not None:  # a rewrite could hide it: ORT judges the model as given
+        log.info("ortmem: not converting %s (%s); onnxruntime gets it as given", model.path, fault)
+        return replace(from_model(model, own_folder=own_folder, link_root=link_root), declined=True)
+    try:
+        return _convert(model, request, own_folder)
+    except MemoryError:
+        raise
+    except CacheError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any rewrite failure: ORT gets the model as given
+        detail = str(exc) if isinstance(exc, OrtmemError) else f"{type(exc).__name__}: {exc}"
+        log.warning("ortmem: could not convert %s (%s); onnxruntime gets it as given", model.path, detail)
+        return replace(from_model(model, own_folder=own_folder, link_root=link_root), declined=True)
+
+
+def _convert(model: Model, request: Request, own_folder: bool) -> Handoff:
+    """The conversion itself (:func:`converted_or_as_is` decides whether to try it)."""
+    settings = request.settings
+    if request.cache is not None:
+        try:
+            handoff = _into_cache(model, request, own_folder)
+            if handoff is not None:
+                return handoff
+        except CacheError as exc:
+            log.warning("ortmem: the cache could not be used (%s); converting in memory instead", exc)
+    plan = plan_conversion(model, settings, carry_unchanged=True, fp16_in_fp32=request.fp16_in_fp32)
+    if not plan.has_work:
+        return from_model(model, own_folder=own_folder)
+    if request.sess_options is not None:
+        return _converted_in_tempdir(model, plan, request, own_folder)
+    memory = convert_in_memory(model, plan, progress=request.progress, prepacking=settings.prepacking)
+    report = ConversionReport.from_plan(plan, memory.seconds)
+    model.store.release_all()  # source pages read for conversion go back now
+    return Handoff(model=memory.skeleton, config=MappingProxyType(memory.config), source=model, memory=memory,
+                   action="in-memory", report=report)
+
+
+def _into_cache(model: Model, request: Request, own_folder: bool) -> Optional[Handoff]:
+    """The model's cache entry, built now (or by another process while this one waited): loaded by
+    path. None when the store answers a miss even so (an entry found damaged twice): the caller
+    converts in memory."""
+    assert request.cache is not None
+    plan = plan_conversion(model, request.settings, fp16_in_fp32=request.fp16_in_fp32)
+    if not plan.has_work:
+        return from_model(model, own_folder=own_folder, link_root=request.cache.root)
+    reports: list[ConversionReport] = []
+    start = publish(request.cache, model.path, source_paths(model),
+                    entry_writer(model, plan, progress=request.progress, reports=reports),
+                    settings=request.settings, fp16_in_fp32=request.fp16_in_fp32, prepacked=request.prepacked,
+                    sess_options=request.sess_options)
+    if start.path is None:
+        return None
+    _consume(model)
+    return Handoff(model=str(start.path), action=start.kind, cache_hit=start.cache_hit, start=start,
+                   report=reports[0] if reports and start.kind == CONVERTED else None,
+                   fallback=str(start.fallback) if start.fallback is not None else None,
+                   prepack_later=start.later)
+
+
+def _converted_in_tempdir(model: Model, plan: ConversionPlan, request: Request, own_folder: bool) -> Handoff:
+    """Convert into a private temporary folder that ORT loads by path (removed after creation).
+
+    Taken instead of the in-memory conversion when the caller passed ``SessionOptions``: ORT's only
+    way to borrow in-memory files is to register them on the options object
+    (``add_external_initializers_from_files_in_memory``), a registration that can be neither undone
+    nor kept private (``SessionOptions`` cannot be copied). Left on the caller's object, it made a
+    later plain-ORT session of another model whose data file has the same name read *this* model's
+    weights (issue 20). Unchanged tensors are hard-linked from their source files where possible
+    (copied otherwise); a folder that cannot be written (a full disk) leaves the model to ORT as given.
+    """
+    workdir = Path(tempfile.mkdtemp(prefix="ortmem-convert-", dir=model.folder if own_folder else None))
+    try:
+        report = write_converted(model, plan, workdir, progress=request.progress, link=True)
+    except OSError as exc:
+        shutil.rmtree(workdir, ignore_errors=True)
+        log.warning("ortmem: could not write the converted model into %s (%s); onnxruntime gets %s as given",
+                    workdir, exc, model.path)
+        return from_model(model, own_folder=own_folder)
+    _consume(model)
+    return Handoff(model=str(workdir / MODEL_FILE), tempdirs=(workdir,), action="converted-temporary", report=report)
+
+
+def conversion_check(model: Model) -> tuple[bool, Optional[str]]:
+    """(whether ortmem tries to convert ``model``: it has DequantizeLinear nodes; why it declines: a
+    validity fault ORT must judge on the model as given, or None). ``ortmem prepare`` asks the same
+    questions a session start does."""
+    if not _has_dequantize(model):
+        return False, None
+    fault = validity_fault(model.skeleton.graph)
+    return fault is None, fault
+
+
+def _has_dequantize(model: Model) -> bool:
+    """Cheap pre-check: matching indexes every graph and may have ORT resolve a weightless copy of the
+    model (:mod:`ortmem.ortmodel.value_types`), which a model without DequantizeLinear never needs."""
+    return any(n.op_type == "DequantizeLinear" for _, g in iter_graphs(model.skeleton.graph) for n in g.node)
+
+
+def _consume(model: Model) -> None:
+    """The source model has been converted: give back every page of it before ORT starts."""
+    model.store.mark_handed()
+    model.release()
+    model.close()

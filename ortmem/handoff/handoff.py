@@ -1,0 +1,165 @@
+"""What ORT is given, and what ortmem decided on the way: read-only, built once.
+
+A :class:`Handoff` is made by :func:`ortmem.handoff.prepare.prepare` and never edited afterwards. The
+two things that change what ORT loads after it is made are steps that return a new handoff:
+:meth:`Handoff.with_recompute` (a recompute plan, or the settings a recompute-written model records)
+and :meth:`Handoff.refused` (ORT refused a pre-packed or prepared model: discard it, load the fallback).
+The session only reads it (``ortmem.InferenceSession.ortmem_handoff``), and creates ORT's session with
+the options :meth:`Handoff.creation_options` yields.
+
+What is not a decision but a resource (our mappings of the source, the buffer ORT borrows, temporary
+folders) is given back by :meth:`Handoff.after_create`, which may be called more than once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
+
+import onnx
+import onnxruntime as ort
+
+from ..errors import OrtmemError
+from ..model import Model
+from ..model_facts import FOLDER_KEY, RECOMPUTE_METADATA
+from ..options import get_config, scoped_config
+from ..store.packer import PrepackLater
+from ..store.verdict import Start
+
+if TYPE_CHECKING:  # the conversion is imported only by a start that converts
+    from ..inmemory import InMemoryConversion
+    from ..passes.conversion_plan import ConversionReport
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What ORT is given: a path or skeleton bytes, the session config entries it needs, and (for a
+    conversion done in memory) the buffer ORT borrows, which this object keeps alive; and what ortmem
+    decided: :attr:`action`, :attr:`report`, :attr:`cache_hit`."""
+
+    model: Union[str, bytes]
+    #: Session config entries ORT needs for ``model`` (set only for the creation call; read-only: a
+    #: ``MappingProxyType`` wherever a step or a conversion sets any).
+    config: Mapping[str, str] = field(default_factory=dict)
+    #: What ortmem did, in a word or two, for reports: "as-is", "mapped", "converted", "cache-hit",
+    #: "pre-packed" (mapped ORT's packed weights, saved earlier or by this start), "prepared" (a model
+    #: ortmem does not convert, loaded from its prepared cache entry: ORT maps its packed weights,
+    #: :mod:`ortmem.store.prepared_entries`), "in-memory", "converted-temporary" (converted into a private
+    #: folder removed after creation), or "untouched: <why>".
+    action: str = "as-is"
+    #: What was converted (None when nothing was, or on a cache hit).
+    report: Optional["ConversionReport"] = None
+    #: Whether ORT loads a converted entry found in the cache.
+    cache_hit: bool = False
+    #: ortmem declined to convert a model it could have (a validity fault, a failed rewrite): ORT
+    #: judges such a model as given, and nothing is prepared from it either.
+    declined: bool = False
+    source: Optional[Model] = None
+    memory: Optional["InMemoryConversion"] = None
+    #: Private folders removed once ORT's session exists (ORT's mappings keep what it still reads).
+    tempdirs: tuple[Path, ...] = ()
+    #: ``model`` is a cache entry's pre-packed or prepared model: what to load instead if ORT refuses it.
+    fallback: Optional[str] = None
+    #: The store's verdict behind ``model`` (:meth:`refused` asks it to discard what ORT refused).
+    start: Optional[Start] = None
+    #: A cold start's packing of ORT's weights (or building of a prepared entry), started once the
+    #: session has run (:mod:`ortmem.store.packer`); None when nothing is left for the background.
+    prepack_later: Optional[PrepackLater] = None
+    #: Session changes of a recompute rewrite (``execution_order``, ``session_config``; :meth:`with_recompute`).
+    recompute: Mapping[str, Any] = field(default_factory=dict)
+
+    def refused(self) -> "Handoff":
+        """ORT refused ``model``: discard it (no later start tries it again) and load ``fallback``."""
+        if self.start is not None:
+            self.start.refused()
+        return dataclasses.replace(self, model=self.fallback, fallback=None, start=None,
+                                   action="cache-hit" if self.action == "pre-packed" else "as-is")
+
+    def with_recompute(self, recompute: Any, dims: Optional[Mapping[str, int]]) -> "Handoff":
+        """Plan or replay a recompute rewrite on what ORT is about to get.
+
+        A model rewritten by ``ortmem recompute`` records its execution order and optimizer settings in
+        its metadata: those apply whether or not ``recompute`` is given. A new plan is made on ORT's
+        optimized graph, written into a temporary folder that goes once the session exists.
+        """
+        if self.memory is not None:
+            if recompute not in (None, False):
+                raise OrtmemError("recompute= needs the converted model on disk: use cache=True (the default)")
+            return self
+        skeleton = self.skeleton()
+        if recompute in (None, False) and not any(p.key.startswith(RECOMPUTE_METADATA) for p in skeleton.metadata_props):
+            return self  # the common case: nothing to plan, nothing recorded (and no planner imported)
+        from ..plan import recompute as rc
+
+        recorded = rc.recorded_settings(skeleton)
+        if recorded or recompute in (None, False):
+            return dataclasses.replace(self, recompute=MappingProxyType(dict(recorded)))
+        workdir = Path(tempfile.mkdtemp(prefix="ortmem-recompute-"))
+        try:
+            new_model, changes = rc.apply_for_session(skeleton, recompute, dims, folder=self.folder, workdir=workdir)
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        planned = dataclasses.replace(self, tempdirs=(*self.tempdirs, workdir), recompute=MappingProxyType(dict(changes)))
+        if not changes:
+            return planned
+        return dataclasses.replace(planned, model=new_model.SerializeToString(),
+                                   config=MappingProxyType({**self.config,
+                                                            FOLDER_KEY: str(changes.get("model_folder") or self.folder)}))
+
+    @contextmanager
+    def creation_options(self, user_options: Optional[ort.SessionOptions]) -> Iterator[ort.SessionOptions]:
+        """The options ORT's session is created with: the caller's (or fresh ones) carrying this
+        handoff's config entries and recompute settings for the duration of the call only; in-memory
+        files are registered only on options ortmem made itself (:mod:`ortmem.options`)."""
+        config = dict(self.config)
+        for key, value in (self.recompute.get("session_config") or {}).items():
+            from ..plan.recompute import merge_config_value
+
+            config[key] = merge_config_value(key, str(value), get_config(user_options, key) if user_options else None)
+        with scoped_config(user_options, config) as options:
+            if options is not user_options and self.memory is not None:
+                self.memory.register(options)
+            previous_order = options.execution_order
+            if "execution_order" in self.recompute:
+                options.execution_order = getattr(ort.ExecutionOrder, str(self.recompute["execution_order"]))
+            try:
+                yield options
+            finally:
+                options.execution_order = previous_order
+
+    def after_create(self) -> None:
+        """ORT has mapped what it needs: give back our own mappings, pages ORT no longer reads, and
+        temporary files. Safe to call again."""
+        if self.source is not None:
+            self.source.store.mark_handed()
+            self.source.release()
+            self.source.close()
+        if self.memory is not None:
+            self.memory.release_unread()
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        """Remove the temporary folders (what ORT mapped from them stays readable to it)."""
+        for d in self.tempdirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def skeleton(self) -> onnx.ModelProto:
+        """The weightless ModelProto ORT is about to be given (parsed from the path or the bytes)."""
+        if self.source is not None and self.source.pristine and self.model == str(self.source.path):
+            return self.source.skeleton  # already parsed by the loader
+        if isinstance(self.model, str):
+            return onnx.load(self.model, load_external_data=False)
+        return onnx.ModelProto.FromString(self.model)
+
+    @property
+    def folder(self) -> Optional[str]:
+        """Where the external data of :meth:`skeleton` lives."""
+        if FOLDER_KEY in self.config:
+            return self.config[FOLDER_KEY]
+        return str(Path(self.model).resolve().parent) if isinstance(self.model, str) else None

@@ -1,0 +1,137 @@
+"""The one entry point of a start: what the caller asked (a frozen :class:`Request`) and any model
+input in, a :class:`~ortmem.handoff.handoff.Handoff` out.
+
+Why frozen: the handoff is built once from the request, and what was decided (a report, a cache hit,
+an action) lives on the handoff, never written back into the request; a request can be shared and
+reused.
+
+For a path, the store answers first (:func:`ortmem.store.verdict.start`, one verdict, read without
+parsing the model): a converted entry (pre-packed or not) or a prepared one is loaded by path and
+nothing else is imported. On a miss the model is loaded and converted or handed over as given
+(:mod:`.conversion`, imported only then); bytes and ``onnx.ModelProto`` are written once to a private
+temporary file first, so their weights can be mapped instead of copied.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+
+import onnx
+
+from ..loader import load
+from ..model import Model
+from ..model_facts import FOLDER_KEY
+from ..options import get_config
+from ..ortmodel.providers import cpu_only, fusing_only, runs_fp16_on_gpu, session_provider_names
+from ..ortmodel.settings import OrtSettings, session_settings
+from ..store.cache import Cache, open_cache
+from ..store.verdict import start
+from .handoff import Handoff
+
+if TYPE_CHECKING:  # the passes are imported only by a start that converts
+    from ..passes.writers import Progress
+
+ModelInput = Union[str, os.PathLike, bytes, onnx.ModelProto, Model]
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the hook may do to the graph before ORT sees it, and with what."""
+
+    #: Rewrite what ORT would fuse (DQ+MatMul into MatMulNBits...) ahead of time.
+    converting: bool = True
+    settings: OrtSettings = field(default_factory=OrtSettings)
+    #: None: converted in memory (or a private temporary folder), nothing kept.
+    cache: Optional[Cache] = None
+    progress: Optional[Progress] = None
+    #: None: ask ORT's CPU EP; False when a GPU EP runs fp16 natively.
+    fp16_in_fp32: Optional[bool] = None
+    #: Load ORT's pre-packed weights from the cache (converted entries' pre-packed files, prepared
+    #: entries): CPU EP only, and only when ORT pre-packs at all. See ortmem.store.prepacked.
+    prepacked: bool = False
+    #: The caller's ``SessionOptions`` (never changed; the packing sessions copy its MLAS settings).
+    sess_options: Optional[Any] = None
+
+    @classmethod
+    def for_session(cls, sess_options: Optional[Any], providers: Optional[Sequence[Any]], *, convert: bool = True,
+                    cache: Union[bool, str, os.PathLike] = True, prepacked: bool = True, verify: str = "full",
+                    progress: Optional[Progress] = None, disabled_optimizers: Any = None) -> "Request":
+        """The request of an ``ortmem.InferenceSession(...)`` call (its arguments mean what they mean there)."""
+        settings = session_settings(sess_options, disabled_optimizers=disabled_optimizers)
+        names = session_provider_names(providers)
+        return cls(
+            converting=convert and fusing_only(names),
+            settings=settings,
+            cache=None if cache is False else open_cache(None if cache is True else Path(cache), verify=verify),
+            progress=progress,
+            fp16_in_fp32=False if providers and runs_fp16_on_gpu(names) else None,
+            prepacked=prepacked and settings.prepacking and cpu_only(names),
+            sess_options=sess_options,
+        )
+
+#: The handoff of a model with nothing to convert (``prepare(model)`` without a request).
+AS_GIVEN = Request(converting=False)
+
+
+def prepare(model: ModelInput, request: Optional[Request] = None) -> Handoff:
+    """Turn any supported model input into a :class:`Handoff` (may load or convert; never copies weights)."""
+    request = request if request is not None else AS_GIVEN
+    if isinstance(model, Model):
+        from .conversion import converted_or_as_is
+
+        return converted_or_as_is(model, request)
+    if isinstance(model, (str, os.PathLike)):
+        return _from_path(model, request)
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        return _spill(lambda f: f.write(model), request)
+    if isinstance(model, onnx.ModelProto):
+        return _spill(lambda f: f.write(model.SerializeToString()), request)
+    raise TypeError(f"ortmem cannot load a model from {type(model).__name__}; pass a path, bytes, ModelProto or ortmem.Model")
+
+
+def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
+    """A model file: the store's entry when it has one, else the model loaded, converted or as given."""
+    if request.sess_options is not None and get_config(request.sess_options, FOLDER_KEY):
+        # ORT would look for every external file in the caller's folder, not beside what we give it
+        return Handoff(model=str(model), action=f"untouched: the caller's SessionOptions set {FOLDER_KEY}")
+    verdict = start(request.cache, Path(model), settings=request.settings, fp16_in_fp32=request.fp16_in_fp32,
+                    converting=request.converting, prepacked=request.prepacked, sess_options=request.sess_options)
+    if verdict.path is not None:  # a warm start: nothing to parse but the entry, which ORT reads itself
+        return Handoff(model=str(verdict.path), action=verdict.kind, cache_hit=verdict.cache_hit, start=verdict,
+                       fallback=str(verdict.fallback) if verdict.fallback is not None else None)
+    from .conversion import converted_or_as_is
+
+    handoff = converted_or_as_is(load(model), request)
+    if FOLDER_KEY in handoff.config and handoff.memory is None and request.sess_options is not None:
+        # Only the caller's options could carry the folder entry, and ortmem leaves them alone.
+        handoff.after_create()
+        return Handoff(model=str(model), action="untouched: no hard link possible beside the caller's SessionOptions")
+    if (handoff.action in ("as-is", "mapped") and handoff.memory is None and handoff.report is None
+            and not handoff.declined and handoff.source is not None):
+        # ORT gets the model unconverted: its prepared entry is built after the first run (if worth it)
+        later = verdict.later_for_unconverted(handoff.source.weight_bytes)
+        if later is not None:
+            return replace(handoff, prepack_later=later)
+    return handoff
+
+
+def _spill(write: Callable, request: Request) -> Handoff:
+    """Write an in-memory model to a private file so its weights can be mapped instead of copied."""
+    from .conversion import converted_or_as_is
+
+    tempdir = Path(tempfile.mkdtemp(prefix="ortmem-"))
+    try:
+        path = tempdir / "model.onnx"
+        with open(path, "wb") as f:
+            write(f)
+        # a temporary file has no identity worth caching under (and is gone before a background
+        # cache write could read it)
+        handoff = converted_or_as_is(load(path), replace(request, cache=None), own_folder=True)
+    except BaseException:
+        shutil.rmtree(tempdir, ignore_errors=True)
+        raise
+    return replace(handoff, tempdirs=(*handoff.tempdirs, tempdir))
