@@ -15,7 +15,9 @@ What is counted (Python frames only; ORT's C++ is one call):
   repeats a move counts it once, as reading the code would; the path is counted at module level: each
   distinct move from one module to another once, calls into the leaves of the import graph (modules
   that import no other ortmem module: errors, units, dtypes, digests, trust checks...) and into package
-  ``__init__`` files left out, since a leaf cannot carry the path anywhere; a module's **entries** are the
+  ``__init__`` files left out, since a leaf cannot carry the path anywhere; ``passes``, ``ortmodel``
+  and ``plan`` count as one unit each (the session path calls them through their public surface; how
+  they are built inside is theirs, and the review that asked for this count found them reading well); a module's **entries** are the
   distinct moves into it;
 - what runs under an import (module and class bodies of modules imported on the way) does not count:
   importing is not a step of the path;
@@ -39,8 +41,10 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 import ortmem
+from tests.support.layers import LAYERS, layer_of
 
 PACKAGE = Path(ortmem.__file__).resolve().parent
 
@@ -134,18 +138,30 @@ def import_layers(package: Path = PACKAGE) -> dict[str, int]:
     return layers
 
 
-def utilities(layers: dict[str, int]) -> frozenset[str]:
-    """Modules a call into is a *use*, not a step of the path: the leaves of ortmem's import graph (a
-    module that imports no other ortmem module cannot carry the path anywhere: exceptions, element types,
-    the wire-format walk, byte parsing, digests, file-trust checks...) and package ``__init__`` files
-    (lazy attribute tables)."""
-    packages = {str(p.relative_to(PACKAGE.parent).parent).replace("/", ".") for p in PACKAGE.rglob("__init__.py")}
-    return frozenset(m for m, h in layers.items() if h == 0) | frozenset(packages)
+#: The layers the session path is counted in module by module: the rest of ortmem is counted one unit
+#: per layer (tests/support/layers.py), since the path calls them through their public surface.
+SESSION_LAYERS = ("store", "session")
+#: The loading core (docs/architecture.md, ../shared/design.md): the model's own data types and what they
+#: are made of; calling them (``model.store``, ``ref.view()``, ``load(path)``) uses the model, it does not
+#: take the path anywhere.
+LOADING_CORE = ("bottom", "load")
 
 
-def module_moves(moves: list[list[str]], skip: frozenset[str]) -> list[tuple[str, str]]:
-    """The distinct module-to-module moves of one traced start, the modules in ``skip`` left out."""
-    path = [m for m in _collapse(moves) if m not in skip]
+def unit_of(module: str) -> Optional[str]:
+    """What a stay in ``module`` counts as: the module itself in :data:`SESSION_LAYERS`, else its layer's
+    name; None for the loading core (:data:`LOADING_CORE`: a call into it is a use, not a step) and for
+    package ``__init__`` files (lazy attribute tables)."""
+    if (PACKAGE / module.removeprefix("ortmem.").replace(".", "/") / "__init__.py").exists():
+        return None
+    layer = LAYERS[layer_of(module)][0]
+    if layer in LOADING_CORE:
+        return None
+    return module if layer in SESSION_LAYERS else layer
+
+
+def module_moves(moves: list[list[str]]) -> list[tuple[str, str]]:
+    """The distinct moves between units (:func:`unit_of`) of one traced start."""
+    path = [u for u in (unit_of(m) for m in _collapse(moves)) if u is not None]
     path = [m for i, m in enumerate(path) if i == 0 or path[i - 1] != m]
     return list(dict.fromkeys(zip(path, path[1:])))
 
@@ -157,7 +173,12 @@ def summarize(distinct: list[tuple[str, str]], layers: dict[str, int]) -> dict:
     calling the same module), as reading the code module by module would.
     """
     entries = Counter(to_mod for _, to_mod in distinct)
-    climbs = sum(1 for a, b in distinct if layers.get(b, 0) > layers.get(a, 0))
+    def rank(unit: str) -> tuple[int, int]:
+        if unit.startswith("ortmem"):
+            return layer_of(unit), layers.get(unit, 0)
+        return next(i for i, (name, _) in enumerate(LAYERS) if name == unit), 0
+
+    climbs = sum(1 for a, b in distinct if rank(b) > rank(a))
     modules = {m for move in distinct for m in move}
     return {"modules": len(modules), "moves": len(distinct), "climbs": climbs,
             "max_entries": max(entries.values(), default=0), "entries": dict(entries.most_common())}
@@ -184,7 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     from ortmem.synth import SynthConfig, write_model
 
     layers = import_layers()
-    skip = utilities(layers)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = write_model(SynthConfig(storage="external"), Path(tmp) / "model.onnx")
@@ -192,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         every: list[tuple[str, str]] = []
         for label, cache in (("cold", True), ("second", True), ("warm", True), ("cache=False", False)):
             r = trace(Path(model), cache, env)
-            moves = module_moves(r["moves"], skip)
+            moves = module_moves(r["moves"])
             every += moves
             results[label] = {"action": r["action"], **summarize(moves, layers)}
         results["every branch"] = {"action": "(all four)", **summarize(list(dict.fromkeys(every)), layers)}

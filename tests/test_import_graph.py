@@ -16,36 +16,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import ortmem
+from tests.support.layers import LAYERS, layer_of
 
 ROOT = Path(ortmem.__file__).resolve().parent
-
-#: The layers, bottom first: a module may import its own layer and those below, never one above. A
-#: module belongs to the layer of its longest listed prefix. Ordered by what the code needs:
-LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # stdlib/numpy-level primitives and what the hook reads before it imports anything heavy. The package
-    # root holds only __version__, the exceptions and lazy names. ``store.trust`` and ``store.layout``
-    # import nothing of ortmem: the store is built on them, the release model keeps its probe answers
-    # private with trust, and the converter and the partitioner name their files from layout.
-    ("bottom", ("ortmem", "ortmem.errors", "ortmem.lazy", "ortmem.units", "ortmem.dtypes", "ortmem.protowire",
-                "ortmem.onnx_walk", "ortmem.progress", "ortmem.helper_env", "ortmem.ort_original", "ortmem.options",
-                "ortmem.hygiene", "ortmem.model_facts", "ortmem.store.trust", "ortmem.store.layout")),
-    # one model of ORT: what it fuses, its settings, graph indexes, external-data rules, providers
-    ("ortmodel", ("ortmem.ortmodel",)),
-    # the loader follows ORT's external-data rules (ortmodel.external_data), so it sits just above them;
-    # ``store.digest`` hashes page-aligned spans (weights.PAGE) and the passes' writers digest what they
-    # write, so it sits here though the store's folder holds it
-    ("load", ("ortmem.loader", "ortmem.weights", "ortmem.model", "ortmem.store.digest")),
-    ("passes", ("ortmem.passes",)),
-    ("store", ("ortmem.store",)),
-    ("session", ("ortmem.validity", "ortmem.borrowing", "ortmem.inmemory", "ortmem.convert", "ortmem.handoff",
-                 "ortmem.session")),
-    ("reach", ("ortmem.reach",)),
-    # planners, measurement, commands and programs; PipelineSession runs a partition plan, so it sits
-    # with the planner it reads; the release probe is a child program that puts ORT's questions to the
-    # session path
-    ("top", ("ortmem.plan", "ortmem.measure", "ortmem.cli", "ortmem.__main__", "ortmem.doctor", "ortmem.inspection",
-             "ortmem.synth", "ortmem.distributed", "ortmem.release_probe", "ortmem.reach.pipeline")),
-)
 
 #: Imports that still point up, as (importer prefixes, imported prefix), each with its reason; the test
 #: fails when one no longer matches any import (delete it here).
@@ -106,16 +79,6 @@ def _graph() -> tuple[dict[str, set[str]], list[str]]:
     return edges, private
 
 
-def _layer(module: str) -> int:
-    best, layer = -1, None
-    for i, (_, prefixes) in enumerate(LAYERS):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
-                best, layer = len(p), i
-    assert layer is not None, f"{module} is in no layer: add it to LAYERS"
-    return layer
-
-
 def test_no_import_cycle():
     edges, _ = _graph()
     try:
@@ -135,11 +98,11 @@ def _within(module: str, prefixes: str | tuple[str, ...]) -> bool:
 
 def test_imports_point_down_the_layers():
     edges, _ = _graph()
-    upward = {(a, b) for a, targets in edges.items() for b in targets if _layer(b) > _layer(a)}
+    upward = {(a, b) for a, targets in edges.items() for b in targets if layer_of(b) > layer_of(a)}
     allowed = {(a, b) for a, b in upward for ap, bp in UPWARD_ALLOWED if _within(a, ap) and _within(b, bp)}
     new = sorted(upward - allowed)
     assert not new, "imports pointing up:\n" + "\n".join(
-        f"{a} ({LAYERS[_layer(a)][0]}) -> {b} ({LAYERS[_layer(b)][0]})" for a, b in new)
+        f"{a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})" for a, b in new)
     gone = [pair for pair in UPWARD_ALLOWED if not any(_within(a, pair[0]) and _within(b, pair[1]) for a, b in upward)]
     assert not gone, f"no longer imported, remove from UPWARD_ALLOWED: {gone}"
 
