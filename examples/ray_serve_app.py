@@ -6,7 +6,7 @@
     curl -X POST localhost:8000/ -d '{"inputs": {"input_ids": [[1, 2, 3, 4]]}, "outputs": ["logits"]}'
 
 The deployment itself is :class:`ortmem.distributed.serving.PartitionedModel` (tested by
-tests/test_distributed.py over loopback).
+tests/distributed/test_pipeline.py over loopback).
 """
 import os
 

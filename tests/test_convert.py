@@ -310,7 +310,7 @@ def test_in_memory_releases_what_ort_no_longer_reads(tmp_path):
 
 def test_in_memory_keeps_what_ort_still_reads(tmp_path):
     """With pre-packing disabled ORT reads B on every run: nothing may be released. Such settings
-    come with the caller's options, which never carry in-memory files (tests/test_caller_options.py):
+    come with the caller's options, which never carry in-memory files (tests/test_options.py):
     the session converts into a private folder, and the in-memory plan is checked on its own."""
     path = tiny_decoder(tmp_path / "m", storage="external")
     so = ort.SessionOptions()

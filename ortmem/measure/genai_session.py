@@ -5,7 +5,7 @@ from ``get_inputs()``, runs ``run(None, feeds)`` once and hashes the outputs. A 
 such session; :class:`GenaiRun` gives it those three calls, and its one run is what a genai program
 does first: greedy generation of :data:`NEW_TOKENS` tokens from the fixed prompt :data:`PROMPT`. Its
 outputs are the generated sequence and every step's logits, so equal hashes mean the same tokens and
-bit-identical logits (what ``tests/test_genai.py`` compares).
+bit-identical logits (what ``tests/reach/test_genai.py`` compares).
 """
 from __future__ import annotations
 

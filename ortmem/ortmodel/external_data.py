@@ -6,7 +6,7 @@ ORT accepts: anything looser and ``ortmem.load`` says OK to a model ORT then ref
 stricter and ortmem refuses a model plain ORT runs. The rules below are ORT's, read from its source
 (``core/framework/tensor_external_data_info.cc``, ``ParseStringWithClassicLocale``, which is
 ``std::from_chars`` over the whole string) and checked by experiment against the installed release
-in ``tests/test_hostile_models.py`` (CI runs it on every release it tests: 1.25.1, 1.31.1, 1.32.0).
+in ``tests/ortmodel/test_external_data.py`` (CI runs it on every release it tests: 1.25.1, 1.31.1, 1.32.0).
 They are per-release knowledge: a release that parses differently changes this module, nothing else.
 """
 from __future__ import annotations

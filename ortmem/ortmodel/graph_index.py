@@ -39,7 +39,7 @@ github.com/microsoft/onnxruntime):
 
 These are facts about the graph ORT *receives*. ORT's optimizers (level >= 1) replace nodes and add new
 ones at the end of the index space, so after fusions the executed order can differ; with
-``GraphOptimizationLevel.ORT_DISABLE_ALL`` it is exact (``tests/test_estimate.py`` checks it against
+``GraphOptimizationLevel.ORT_DISABLE_ALL`` it is exact (``tests/plan/estimate/test_estimator.py`` checks it against
 ORT's own profile).
 """
 from __future__ import annotations

@@ -104,7 +104,7 @@ UNBOUNDED = 1 << 30
 
 #: What each tested release does, as its probe measured it in a fresh venv (``python -m ortmem doctor
 #: --probe``) and cross-read with ORT's source (docs/ort-releases.md). The record, not a gate: ortmem
-#: does what the installed build's probe shows (:func:`from_probe`); tests/test_release.py checks that
+#: does what the installed build's probe shows (:func:`from_probe`); tests/ortmodel/test_release.py checks that
 #: each tested release's probe still agrees with its row.
 RELEASE_TABLE: dict[tuple[int, int], ReleaseFacts] = {
     # 1.25: ORT's own fused 2-bit MatMulNBits with fp16 scales fails at run (matmul_nbits.cc

@@ -37,7 +37,7 @@ gathers. Which pairs qualify, and what to do with scales and zero points, is dec
   huge id still fails): ``4 n`` bytes in weights.bin, one per graph and table size, beside a table
   of ``n x D x bits/8`` (0.4 % of an int4 [32000, 2048] one); per run it costs a gather of the ids
   themselves. ORT neither folds nor drops it (its indices are not constant);
-  ``tests/test_gather_bounds.py`` holds both the errors and the outputs to plain ORT's.
+  ``tests/passes/test_dq_gather.py`` holds both the errors and the outputs to plain ORT's.
 
 The rewrite is ortmem's own (ORT would not do it), so it is applied only when ORT would optimize
 the graph at all (``graph_optimization_level >= ORT_ENABLE_BASIC``). Outputs are bit-identical to

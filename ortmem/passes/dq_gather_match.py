@@ -5,7 +5,7 @@ every level), so a DQ before an embedding Gather dequantizes the whole table on 
 is ortmem's own, so the authority here is the op's schema and its CPU kernel
 (``contrib_ops/cpu/quantization/gather_block_quantized.cc``), cited at each check; the constraints and
 how each DQ form maps onto the op are ``docs/ort-fusion-rules.md`` section 9, and
-``tests/test_dq_matmul_match.py`` runs every candidate form against ORT's own DQ+Gather. Pure and
+``tests/passes/test_dq_matmul_match.py`` runs every candidate form against ORT's own DQ+Gather. Pure and
 metadata-only, like :mod:`.dq_matmul_match`; the conversion half is :mod:`.dq_gather`.
 """
 from __future__ import annotations

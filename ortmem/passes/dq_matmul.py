@@ -162,7 +162,7 @@ def _defer_level2_bias_fold(model: Model, c: Candidate) -> Candidate:
     In ORT's own session the Add after the fused node is folded by ``MatMulNBitsFusion``
     (``core/optimizer/matmul_nbits_fusion.cc``), which runs late in the Level-2 list, after fusions
     that may take the same Add first: ``BiasGeluFusion`` turns ``Add(bias) -> Gelu`` into one
-    ``BiasGelu`` (seen on all-MiniLM-L6-v2's intermediate dense, tests/test_real_model.py, where
+    ``BiasGelu`` (seen on all-MiniLM-L6-v2's intermediate dense, tests/passes/test_conversion.py, where
     folding it ahead of time changed the outputs by up to 0.05). The converted graph gives ORT the
     same ``MatMulNBits -> Add`` that its QDQ fusion produces, so ORT makes the same choice in the same
     order. Only the Level-1 path (``MatMulAddFusion`` -> Gemm -> bias on input 5, built by the DQ

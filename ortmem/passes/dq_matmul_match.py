@@ -7,7 +7,7 @@ never copies and transposes the weights inside session creation. The rewrite mus
 ORT's own rule picks, otherwise ortmem changes numerics (``accuracy_level``) or kernels where ORT would
 not, or leaves a DQ that ORT would have fused. ORT is the authority, so every condition here cites the
 ORT source it comes from (paths relative to github.com/microsoft/onnxruntime, ORT 1.31.1); the full
-write-up with quotes is ``docs/ort-fusion-rules.md``, and ``tests/test_dq_matmul_match.py`` asks ORT itself,
+write-up with quotes is ``docs/ort-fusion-rules.md``, and ``tests/passes/test_dq_matmul_match.py`` asks ORT itself,
 model by model, whether it fused each node.
 
 What is modelled

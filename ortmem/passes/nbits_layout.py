@@ -10,7 +10,7 @@ the old and the new weights alive together. Doing the same transposition *ahead 
 into buffers the caller owns (an mmapped output file, a pre-sized arena), removes that peak. These
 kernels therefore write into preallocated outputs and bound their own scratch memory.
 
-Layouts (the contract, checked byte for byte against ORT 1.31.1 in tests/test_nbits_layout.py)
+Layouts (the contract, checked byte for byte against ORT 1.31.1 in tests/passes/test_nbits_layout.py)
 -----------------------------------------------------------------------------------------------
 * Input ``W``: the DQ weight, logical shape ``[K, N]``, element type int2/uint2/int4/uint4/int8/uint8.
   Sub-byte types are packed ``8/bits`` elements per byte, low bits first, in row-major order over

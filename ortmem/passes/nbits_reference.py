@@ -2,7 +2,7 @@
 
 Why apart from the kernels: the oracles are plain, slow numpy (``(q - z) * s`` over whole tensors),
 written to be obviously right rather than fast; tests compare the kernels' output with them
-(``tests/test_nbits_layout.py``). Measure the kernel with
+(``tests/passes/test_nbits_layout.py``). Measure the kernel with
 ``python -m ortmem.passes.nbits_reference [K N bits]``.
 """
 from __future__ import annotations

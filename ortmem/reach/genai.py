@@ -6,7 +6,7 @@ onnxruntime-genai (``og``) creates plain ORT sessions over the ONNX files its ``
 names, so every process packs every MatMul/MatMulNBits weight into private heap memory again. ORT can
 save those packed buffers beside the weights and map them on the next load
 (:mod:`ortmem.store.prepared`); genai then only needs its config to name the prepared files. Measured with
-the folder ``tests/test_genai.py`` builds (384 MiB of fp32 MatMul weights; onnxruntime 1.32.0, genai
+the folder ``tests/reach/test_genai.py`` builds (384 MiB of fp32 MatMul weights; onnxruntime 1.32.0, genai
 0.18.0; docs/genai.md): a process's private memory after a generation step fell from 409 to 45 MiB,
 and 4 processes' total PSS from 1666 to 600 MiB (0.36x), with bit-identical tokens and logits.
 

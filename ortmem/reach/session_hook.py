@@ -18,7 +18,7 @@ ortmem's side falls back to plain ORT. Every input plain ORT refuses is refused 
 it: ortmem tries without ORT's EP fallback (no "EP Error" banner) and holds its own log records back
 until it has succeeded, and the fallback creates ORT's session outside the failed attempt, so the
 application sees ORT's own exception, unchained, and ORT's own output, once. The one warning is logged
-only when plain ORT then succeeds (tests/test_hook_parity.py compares both, input by input). With
+only when plain ORT then succeeds (tests/reach/test_session_hook_parity.py compares both, input by input). With
 ``strict=True`` ortmem's exceptions propagate instead. Sessions ortmem itself creates while making
 one (pre-packing, probes) always go to ORT directly: the hook is off inside its own work.
 

@@ -26,7 +26,7 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 def owner_uid(st: os.stat_result) -> int:
     """The uid that owns a file, as every trust check reads it. One function, so a test that cannot
     chown (not root) can give one chosen file another owner and see it refused
-    (tests/test_cache_security.py::test_an_entry_file_of_another_owner_is_refused)."""
+    (tests/store/test_trust.py::test_an_entry_file_of_another_owner_is_refused)."""
     return st.st_uid
 
 

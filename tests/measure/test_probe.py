@@ -241,7 +241,7 @@ def test_inputs_are_deterministic_and_valid_indices() -> None:
 
 
 def test_schedule_interleaves() -> None:
-    """Rounds of every strategy once, each round rotated by one (tests/test_bench_honesty.py)."""
+    """Rounds of every strategy once, each round rotated by one (tests/measure/test_bench.py)."""
     assert schedule(["m"], ["A", "B", "C"], 2) == [
         ("m", "A", 0), ("m", "B", 0), ("m", "C", 0), ("m", "B", 1), ("m", "C", 1), ("m", "A", 1),
     ]

