@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ortmem
-from ortmem.convert import write_converted
+from ortmem.store.writer import write_converted
 from ortmem.ortmodel.settings import session_settings
 from ortmem.passes import nbits_layout as nb
 from ortmem.passes.conversion import plan_conversion

@@ -129,7 +129,7 @@ def best_of(repeat: int, fn) -> float:
 
 def time_conversion(n: int, folder: Path, repeat: int) -> float:
     import ortmem
-    from ortmem.convert import write_converted
+    from ortmem.store.writer import write_converted
     from ortmem.ortmodel.settings import session_settings
     from ortmem.passes.conversion import plan_conversion
 

@@ -54,7 +54,7 @@ INLINE_MAX_BYTES = 4096
 #: The session config key naming where a bytes-loaded model's external files are.
 FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
-#: Metadata prefix of a model rewritten by ``ortmem recompute`` (``ortmem.plan.recompute.META_PREFIX``).
+#: Metadata prefix of a model rewritten by ``ortmem recompute`` (the planner's ``META_PREFIX`` is this one).
 RECOMPUTE_METADATA = "ortmem.recompute."
 DEQUANTIZE = b"DequantizeLinear"
 #: Bytes read per ``pread`` by the search: the search never holds more of the file than this.

@@ -75,7 +75,7 @@ def _short(exc: BaseException) -> str:
 def probe_variant(ort: Any, m: onnx.ModelProto, accuracy: int, work: Path, fused_op: str,
                   convert: bool = True) -> dict[str, Any]:
     """Fusion and kernel answers for one model (see the module docstring)."""
-    from .convert import write_converted
+    from .store.writer import write_converted
     from .ortmodel.settings import session_settings
     from .loader import load
     from .passes.conversion import plan_conversion
@@ -129,7 +129,7 @@ def probe_variant(ort: Any, m: onnx.ModelProto, accuracy: int, work: Path, fused
 def probe_prepacked(ort: Any, work: Path) -> dict[str, Any]:
     """Does this release save pre-packed MatMulNBits weights to an external file, and does a session on
     the saved model give the QDQ model's outputs? (1.25 saves none; 1.32 re-packs and compares them.)"""
-    from .convert import write_converted
+    from .store.writer import write_converted
     from .ortmodel.settings import session_settings
     from .loader import load
     from .passes.conversion import plan_conversion

@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import onnxruntime as ort
 
 from .handoff.handoff import Handoff
-from .handoff.prepare import ModelInput, Request, prepare
+from .handoff.prepare import ModelInput, prepare
+from .handoff.request import Request
 from .hygiene import allocator_hygiene
 from .ort_original import ORT_SESSION
 

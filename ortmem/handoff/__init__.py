@@ -14,8 +14,9 @@ skeleton whose large tensors are external data (docs/handoff.md):
   from memory, or a private temporary folder;
 - bytes or an ``onnx.ModelProto``: written once to a private temporary file first.
 
-The modules, in the order a start meets them: :mod:`.prepare` (what the caller asked, a frozen
-``Request``, and the one entry point: asks the store, converts on a miss), :mod:`.handoff` (what ORT
+The modules, in the order a start meets them: :mod:`.request` (what the caller asked, a frozen
+``Request``, everything asked of ORT asked once), :mod:`.prepare` (the one entry point: asks the store,
+converts on a miss), :mod:`.handoff` (what ORT
 is given and what ortmem decided, read-only; recompute and the pre-packed retry are steps that return
 a new handoff). A warm start never imports the conversion (:mod:`.conversion`, :mod:`.unconverted`
 and the passes).

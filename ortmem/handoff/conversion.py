@@ -19,21 +19,21 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Optional
 
-from ..convert import entry_writer, source_paths, write_converted
 from ..errors import CacheError, OrtmemError
 from ..inmemory import convert_in_memory
 from ..model import Model
 from ..onnx_walk import iter_graphs
 from ..passes.conversion import plan_conversion
 from ..passes.conversion_plan import ConversionPlan, ConversionReport
+from ..passes.validity import validity_fault
 from ..store.layout import MODEL_FILE
-from ..store.verdict import CONVERTED, publish
-from ..validity import validity_fault
+from ..store.verdict import publish
+from ..store.writer import write_converted
 from .handoff import Handoff
 from .unconverted import from_model
 
-if TYPE_CHECKING:  # the request's module imports this one when a start converts
-    from .prepare import Request
+if TYPE_CHECKING:
+    from .request import Request
 
 log = logging.getLogger(__name__)
 
@@ -90,16 +90,13 @@ def _into_cache(model: Model, request: Request, own_folder: bool) -> Optional[Ha
     plan = plan_conversion(model, request.settings, fp16_in_fp32=request.fp16_in_fp32)
     if not plan.has_work:
         return from_model(model, own_folder=own_folder, link_root=request.cache.root)
-    reports: list[ConversionReport] = []
-    start = publish(request.cache, model.path, source_paths(model),
-                    entry_writer(model, plan, progress=request.progress, reports=reports),
-                    settings=request.settings, fp16_in_fp32=request.fp16_in_fp32, prepacked=request.prepacked,
-                    sess_options=request.sess_options)
+    start = publish(request.cache, model, plan, settings=request.settings, progress=request.progress,
+                    fp16_in_fp32=request.fp16_in_fp32, prepacked=request.prepacked, sess_options=request.sess_options)
     if start.path is None:
         return None
     _consume(model)
     return Handoff(model=str(start.path), action=start.kind, cache_hit=start.cache_hit, start=start,
-                   report=reports[0] if reports and start.kind == CONVERTED else None,
+                   report=start.report,
                    fallback=str(start.fallback) if start.fallback is not None else None,
                    prepack_later=start.later)
 

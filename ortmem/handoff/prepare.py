@@ -1,9 +1,5 @@
-"""The one entry point of a start: what the caller asked (a frozen :class:`Request`) and any model
-input in, a :class:`~ortmem.handoff.handoff.Handoff` out.
-
-Why frozen: the handoff is built once from the request, and what was decided (a report, a cache hit,
-an action) lives on the handoff, never written back into the request; a request can be shared and
-reused.
+"""The one entry point of a start: what the caller asked (a frozen :class:`~ortmem.handoff.request.Request`)
+and any model input in, a :class:`~ortmem.handoff.handoff.Handoff` out.
 
 For a path, the store answers first (:func:`ortmem.store.verdict.start`, one verdict, read without
 parsing the model): a converted entry (pre-packed or not) or a prepared one is loaded by path and
@@ -16,9 +12,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Union
 
 import onnx
 
@@ -26,55 +22,11 @@ from ..loader import load
 from ..model import Model
 from ..model_facts import FOLDER_KEY
 from ..options import get_config
-from ..ortmodel.providers import cpu_only, fusing_only, runs_fp16_on_gpu, session_provider_names
-from ..ortmodel.settings import OrtSettings, session_settings
-from ..store.cache import Cache, open_cache
 from ..store.verdict import start
 from .handoff import Handoff
-
-if TYPE_CHECKING:  # the passes are imported only by a start that converts
-    from ..passes.writers import Progress
+from .request import AS_GIVEN, Request
 
 ModelInput = Union[str, os.PathLike, bytes, onnx.ModelProto, Model]
-
-
-@dataclass(frozen=True)
-class Request:
-    """What the hook may do to the graph before ORT sees it, and with what."""
-
-    #: Rewrite what ORT would fuse (DQ+MatMul into MatMulNBits...) ahead of time.
-    converting: bool = True
-    settings: OrtSettings = field(default_factory=OrtSettings)
-    #: None: converted in memory (or a private temporary folder), nothing kept.
-    cache: Optional[Cache] = None
-    progress: Optional[Progress] = None
-    #: None: ask ORT's CPU EP; False when a GPU EP runs fp16 natively.
-    fp16_in_fp32: Optional[bool] = None
-    #: Load ORT's pre-packed weights from the cache (converted entries' pre-packed files, prepared
-    #: entries): CPU EP only, and only when ORT pre-packs at all. See ortmem.store.prepacked.
-    prepacked: bool = False
-    #: The caller's ``SessionOptions`` (never changed; the packing sessions copy its MLAS settings).
-    sess_options: Optional[Any] = None
-
-    @classmethod
-    def for_session(cls, sess_options: Optional[Any], providers: Optional[Sequence[Any]], *, convert: bool = True,
-                    cache: Union[bool, str, os.PathLike] = True, prepacked: bool = True, verify: str = "full",
-                    progress: Optional[Progress] = None, disabled_optimizers: Any = None) -> "Request":
-        """The request of an ``ortmem.InferenceSession(...)`` call (its arguments mean what they mean there)."""
-        settings = session_settings(sess_options, disabled_optimizers=disabled_optimizers)
-        names = session_provider_names(providers)
-        return cls(
-            converting=convert and fusing_only(names),
-            settings=settings,
-            cache=None if cache is False else open_cache(None if cache is True else Path(cache), verify=verify),
-            progress=progress,
-            fp16_in_fp32=False if providers and runs_fp16_on_gpu(names) else None,
-            prepacked=prepacked and settings.prepacking and cpu_only(names),
-            sess_options=sess_options,
-        )
-
-#: The handoff of a model with nothing to convert (``prepare(model)`` without a request).
-AS_GIVEN = Request(converting=False)
 
 
 def prepare(model: ModelInput, request: Optional[Request] = None) -> Handoff:

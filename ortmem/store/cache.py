@@ -18,7 +18,7 @@ written through a mapping, so a full disk is a clean ``CacheError``, never a SIG
 Trust (docs/cache-security.md): the root, every entry and every file in it are created private
 (0700/0600, or the source's mode where stricter) and are read only when this user owns them, they
 are not symbolic links, and neither group nor others may write them (:mod:`ortmem.store.trust`).
-:func:`cache_file_problem` is the one check every file read from the cache passes (an entry's files and
+:func:`ortmem.store.trust.cache_file_problem` is the one check every file read from the cache passes (an entry's files and
 manifest, and every other file in its folder, pre-packed weights included), so a new kind of file
 cannot be read unchecked. A folder that already exists is never re-moded (a user's 0777
 ``ORTMEM_CACHE_DIR`` stays 0777 and is then not used; with the sticky bit, as /tmp has, the private
@@ -41,20 +41,21 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from . import digest
 from ..errors import CacheError
 from ..helper_env import cache_folder
 from .layout import MANIFEST, MODEL_FILE, SOURCE_LINK_PREFIX, TMP_PREFIX, TRASH_PREFIX, WEIGHTS_FILE
-from .sources import sources_problem
+from .sources import key_identity, linked_digests, make_key, private_mode, source_record, sources_problem
 from .trust import (
     PRIVATE_FILE_MODE,
+    cache_file_problem,
+    fsync_dir,
     make_private_dir,
-    open_new,
     parent_untrusted_reason,
     read_nofollow,
-    stat_untrusted_reason,
+    replace_private,
     untrusted_reason,
     write_new,
 )
@@ -72,6 +73,13 @@ STALE_ANY_SECONDS = 86400.0
 
 class UntrustedCacheError(CacheError):
     """The cache folder could be written by someone else: it is not used at all."""
+
+
+def entry_key(source: Path, parts: Mapping[str, Any]) -> str:
+    """The key of an entry made from the model file ``source``: its identity
+    (:func:`ortmem.store.sources.key_identity`) and ``parts``, everything else the entry's bytes depend
+    on (what it is, the options, the versions). A lookup needs no parsing of the model at all."""
+    return make_key({**parts, "model": key_identity(Path(source))})
 
 
 def cache_root() -> Path:
@@ -110,43 +118,12 @@ class Entry:
 
     def rewrite_manifest(self, manifest: dict[str, Any]) -> None:
         """Replace the manifest atomically (a private temporary file renamed over it)."""
-        tmp = self.path / f".{MANIFEST}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        write_new(tmp, json.dumps(manifest, indent=1).encode(), sync=True)
-        os.replace(tmp, self.path / MANIFEST)
+        replace_private(self.path / MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
 def spot_digest(path: Path, spans: list[tuple[int, int]]) -> str:
     """Sampled digest of ``spans`` (:func:`ortmem.store.digest.sampled_digest`)."""
     return digest.sampled_digest(path, spans)
-
-
-def cache_file_problem(path: Path, *, size: Optional[int] = None, recorded: Optional[str] = None,
-                       owner_only: bool = True) -> Optional[str]:
-    """Why ``path``, a file in the cache, may not be read, or None.
-
-    The one check every file ortmem reads from its cache passes (an entry's files and manifest,
-    every other file in its folder, the pre-packed weights, their model and manifest), so no kind
-    of file is read unchecked: a symbolic link, a file another user owns (``owner_only``; hard-linked
-    sources keep their owner), one group or others may write (:mod:`ortmem.store.trust`), anything but
-    a regular file, a size other than ``size`` (when given), or content whose full digest is not
-    ``recorded`` (:mod:`ortmem.store.digest`; when given, and an empty string never matches) is refused.
-    """
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return f"{path.name} missing"
-    except OSError as exc:
-        return f"{path.name} cannot be examined: {exc.strerror or exc}"
-    problem = stat_untrusted_reason(st, owner_only=owner_only)
-    if problem:
-        return f"{path.name} {problem}"
-    if not stat.S_ISREG(st.st_mode):
-        return f"{path.name} is not a regular file"
-    if size is not None and st.st_size != size:
-        return f"{path.name} has the wrong size"
-    if recorded is not None and not digest.matches(path, recorded):
-        return f"{path.name} content changed (full digest)"
-    return None
 
 
 def reclaimable_bytes(path: Path) -> int:
@@ -253,7 +230,7 @@ class Cache:
         ``mode`` (default: the cache's ``verify``): "full" digests every byte of every file,
         "sampled" the first and last page of every weight span, "off" checks sizes and the skeleton.
         Every file in the entry's folder, listed in its manifest or not (pre-packed weights, and any
-        file a later kind of entry adds), passes :func:`cache_file_problem`: one symbolic link, file of
+        file a later kind of entry adds), passes :func:`ortmem.store.trust.cache_file_problem`: one symbolic link, file of
         another user or file others may write, and the whole entry is refused. Names starting with "."
         are a writer's temporaries, which no reader opens.
         """
@@ -289,7 +266,7 @@ class Cache:
             full = name in files and (mode == "full" or name == MODEL_FILE)
             problem = cache_file_problem(e.path / name, size=files.get(name),
                                          recorded=digests.get(name, "") if full else None,
-                                         owner_only=not name.startswith(SOURCE_LINK_PREFIX))
+                                         owner_only=not name.startswith(SOURCE_LINK_PREFIX), matches=digest.matches)
             if problem:
                 return problem
         spans = [tuple(s) for s in m.get("spans", [])]
@@ -352,6 +329,25 @@ class Cache:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+    def build_sourced(self, key: str, source: Path, sources: Sequence[Path],
+                      builder: Callable[[Path], dict[str, Any]]) -> Entry:
+        """:meth:`build` for an entry made from files: the model ``source`` and ``sources`` (its .onnx
+        and every data file). The manifest records them (:func:`ortmem.store.sources.source_record`),
+        so :meth:`lookup_sourced` discards the entry once one changes; hard-linked sources get the
+        digests just taken of them (each source is read once); files are no more permissive than
+        ``source`` (:func:`ortmem.store.sources.private_mode`)."""
+
+        def build(folder: Path) -> dict[str, Any]:
+            made = builder(folder)
+            record = source_record(list(sources))
+            extras: dict[str, Any] = {"spans": made.get("spans", []), "source": str(source),
+                                      **{k: v for k, v in made.items() if k not in ("spans", "digests")}, **record}
+            extras["digests"] = {**(made.get("digests") or {}),
+                                 **linked_digests(folder, record["sources"], record["source_content"])}
+            return extras
+
+        return self.build(key, build, file_mode=private_mode(source))
 
     @contextlib.contextmanager
     def creating(self, key: str, *, timeout: Optional[float] = None,
@@ -724,33 +720,3 @@ def _unlink_quiet(path: Path) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-def reserve(path: Path, size: int, mode: int = PRIVATE_FILE_MODE) -> int:
-    """Create ``path`` (new: never through a planted file or link) with ``size`` bytes of disk
-    actually allocated; returns an open read-write fd."""
-    fd = open_new(path, mode, readable=True)
-    try:
-        if size:
-            if hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(fd, 0, size)
-            else:  # pragma: no cover - macOS: no fallocate; ftruncate is sparse
-                os.ftruncate(fd, size)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in ``path`` durable (best effort: not every filesystem can)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -71,7 +71,7 @@ from .cache import (
 from ..ortmodel.settings import OrtSettings
 from ..helper_env import helper_environment
 from .layout import MANIFEST, PREPACKED_MANIFEST, WEIGHTS_FILE
-from .prepacked import packing_settings, prepacked_model, save_prepacked
+from .prepacked import prepacked_model, save_prepacked
 from .prepared_entries import build_prepared, lookup_prepared, prepared_key
 
 log = logging.getLogger(__name__)
@@ -164,15 +164,16 @@ class PrepackLater:
             return None
 
 
-def prepack_later_for(entry: Entry, cache: Cache, sess_options: Optional[object]) -> Optional[PrepackLater]:
-    """The background packing of a freshly built ``entry``, or None when the first hit should pack
-    (small weights) or the entry cannot be sized."""
+def prepack_later_for(entry: Entry, cache: Cache, packing: tuple[dict[str, str], int]) -> Optional[PrepackLater]:
+    """The background packing of a freshly built ``entry`` with the caller's ``packing`` settings
+    (:func:`ortmem.store.prepacked.packing_settings`), or None when the first hit should pack (small
+    weights) or the entry cannot be sized."""
     try:
         if (entry.path / WEIGHTS_FILE).stat().st_size < MIN_WEIGHT_BYTES:
             return None
     except OSError:
         return None
-    config, threads = packing_settings(sess_options)
+    config, threads = packing
     return PrepackLater(str(cache.root), entry.key, cache.verify_mode, config, threads)
 
 
@@ -232,13 +233,13 @@ def _pack(cache: Cache, job: PrepackLater) -> Optional[Path]:
     return save_prepacked(entry.path, sess_options=so)
 
 
-def prepare_later_for(source: Path, key: str, cache: Cache, sess_options: Optional[object],
-                      settings: OrtSettings, converting: bool) -> Optional[PrepackLater]:
-    """The background building of ``source``'s prepared entry ``key`` after the first run, or None
-    when the cache cannot be written (a read-only deployment: nothing is left to do there)."""
-    if not cache.writable:
-        return None
-    config, threads = packing_settings(sess_options)
+def prepare_later_for(source: Path, key: str, cache: Cache, packing: tuple[dict[str, str], int],
+                      settings: OrtSettings, converting: bool) -> PrepackLater:
+    """The background building of ``source``'s prepared entry ``key`` after the first run, with the
+    caller's ``packing`` settings (:func:`ortmem.store.prepacked.packing_settings`). Only for a cache
+    that can be written (a read-only deployment leaves nothing to do: the caller asks
+    :attr:`ortmem.store.cache.Cache.writable` first)."""
+    config, threads = packing
     parts = {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
              "disabled": sorted(settings.disabled_optimizers), "converting": converting}
     return PrepackLater(str(cache.root), key, cache.verify_mode, config, threads, kind="prepared",

@@ -46,7 +46,7 @@ other tensor still maps from ``weights.bin``; the graph is the original one, not
 dump, so nothing hardware-specific but the blobs is baked in). ``prepacked.json`` is written last
 and records what the blobs are valid for (:func:`prepacked_key_parts`) and a full digest of each file.
 Before any of them is used, every one (the manifest too) passes the cache's one file check
-(:func:`ortmem.store.cache.cache_file_problem`: owner, mode, no symbolic link, size, digest).
+(:func:`ortmem.store.trust.cache_file_problem`: owner, mode, no symbolic link, size, digest).
 
 A full disk: the entry may fit where its pre-packed files do not. ORT then fails with "Failed to write
 ... external file", naming no cause; :func:`save_prepacked` tells it by the free space left on the
@@ -80,9 +80,9 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from . import digest as content_digest
-from .cache import Entry, cache_file_problem, fsync_dir
 from .layout import MANIFEST, MODEL_FILE, PREPACKED_DATA, PREPACKED_MANIFEST, PREPACKED_MODEL, WEIGHTS_FILE
-from .trust import PRIVATE_FILE_MODE, make_private_dir, open_new, read_nofollow, write_new
+from .trust import (PRIVATE_FILE_MODE, cache_file_problem, fsync_dir, make_private_dir, open_new, read_nofollow,
+                    replace_private, write_new)
 from ..errors import CacheError
 from ..options import get_config
 from ..ortmodel.release import cpu_flags
@@ -187,7 +187,7 @@ def _digest(path: Path, spans: Iterable[tuple[int, int]]) -> str:
 def verify_prepacked(entry_dir: Path, mode: str = content_digest.DEFAULT_VERIFY) -> Optional[str]:
     """None when ``entry_dir``'s pre-packed model may be used on this machine and ORT; otherwise why
     not. Every file (manifest, model, data, the base model it was packed from) passes the cache's one
-    check (:func:`ortmem.store.cache.cache_file_problem`: owner, mode, no symbolic link, size). ``mode`` as
+    check (:func:`ortmem.store.trust.cache_file_problem`: owner, mode, no symbolic link, size). ``mode`` as
     the cache's ``verify``: "full" digests every byte of every file (xxh3, about 0.05 s/GB, see
     ortmem.store.digest), "sampled" checks sampled pages of the data (:func:`_digest`), "off" its size; the
     models are small and always digested in full."""
@@ -213,7 +213,7 @@ def verify_prepacked(entry_dir: Path, mode: str = content_digest.DEFAULT_VERIFY)
               (entry_dir / base, None, digests.get(base, "")),
               (data, m.get("data_size", -1), digests.get(PREPACKED_DATA, "") if mode == "full" else None))
     for path, size, recorded in checks:
-        problem = cache_file_problem(path, size=size, recorded=recorded)
+        problem = cache_file_problem(path, size=size, recorded=recorded, matches=content_digest.matches)
         if problem:
             return problem
     try:
@@ -496,7 +496,7 @@ def _record_no_space(entry_dir: Path, free: Optional[int]) -> None:
     else:
         m[NO_SPACE_RECORD] = {"free_bytes": free, "key_parts": prepacked_key_parts(), "at": time.time()}
     try:
-        Entry(entry_dir.name, entry_dir).rewrite_manifest(m)
+        replace_private(entry_dir / MANIFEST, json.dumps(m, indent=1).encode())
     except OSError as exc:
         log.debug("ortmem: could not record the full disk in %s (%s)", entry_dir, exc)
 

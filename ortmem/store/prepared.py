@@ -30,7 +30,7 @@ What is checked, and when (:func:`prepared_path`, on every use)
 (:func:`ortmem.store.prepacked.prepacked_key_parts`: ORT release, CPU, format), the source's identity (the
 .onnx and each external data file: :func:`ortmem.store.sources.source_record`) and a full digest of each
 written file. Before use, every file passes the cache's one trust check
-(:func:`ortmem.store.cache.cache_file_problem`: owner, mode, no symbolic link, size and, in ``"full"``
+(:func:`ortmem.store.trust.cache_file_problem`: owner, mode, no symbolic link, size and, in ``"full"``
 mode, every byte), the key parts must equal this ORT and CPU's and (``source`` given) the source must
 be unchanged. This module knows nothing of the cache: :mod:`ortmem.store.prepared_entries` keeps these files
 in cache entries; onnxruntime-genai folders keep them inside the folder.
@@ -52,10 +52,9 @@ import onnx
 import onnxruntime as ort
 
 from . import digest
-from .cache import cache_file_problem, fsync_dir
 from .sources import source_record, sources_problem
 from ..errors import CacheError
-from .trust import PRIVATE_FILE_MODE, make_private_dir, read_nofollow, write_new
+from .trust import PRIVATE_FILE_MODE, cache_file_problem, fsync_dir, make_private_dir, read_nofollow, write_new
 from ..onnx_walk import external_data_dict, is_external, iter_tensor_sites
 from ..ortmodel.settings import OrtSettings
 from .prepacked import prepacked_key_parts
@@ -269,7 +268,8 @@ def prepared_problem(folder: Path, stem: str = "prepared", *, source: Optional[P
         if name not in (f"{stem}.onnx", f"{stem}.data"):
             return f"{stem}.json names {name!r}"
         full = mode == "full" or name.endswith(".onnx")  # the graph is small: always digested
-        problem = cache_file_problem(folder / name, size=size, recorded=digests.get(name, "") if full else None)
+        problem = cache_file_problem(folder / name, size=size, recorded=digests.get(name, "") if full else None,
+                                     matches=digest.matches)
         if problem:
             return problem
     if source is not None:
@@ -285,7 +285,7 @@ def prepared_problem(folder: Path, stem: str = "prepared", *, source: Optional[P
 def prepared_path(folder: Path, stem: str = "prepared", *, source: Optional[Path] = None,
                   mode: str = "full") -> Optional[Path]:
     """``folder/<stem>.onnx`` when ``<stem>.json``, ``<stem>.onnx`` and ``<stem>.data`` all pass
-    :func:`ortmem.store.cache.cache_file_problem` (owner, mode, no symlink, size, and the full digest when
+    :func:`ortmem.store.trust.cache_file_problem` (owner, mode, no symlink, size, and the full digest when
     ``mode == "full"``; ``"sampled"``/``"off"`` check the data file's size only), the manifest's key
     parts equal this ORT and CPU's, and (``source`` given) the source is unchanged; else None (logged)."""
     problem = prepared_problem(folder, stem, source=source, mode=mode)

@@ -27,9 +27,9 @@ import onnx
 import onnxruntime as ort
 
 from .. import __version__
-from .cache import Cache, Entry
+from .cache import Cache, Entry, entry_key
 from .layout import MANIFEST, MODEL_FILE
-from .sources import key_identity, make_key, private_mode, source_record
+from .sources import private_mode, source_record
 from ..ortmodel.settings import OrtSettings
 from .prepacked import prepacked_key_parts
 from .prepared import (
@@ -49,10 +49,9 @@ log = logging.getLogger(__name__)
 STEM = Path(MODEL_FILE).stem
 def prepared_key(model_path: Path, settings: OrtSettings, packing: dict[str, str], converting: bool) -> str:
     """The key of a model's prepared entry (see the module docstring)."""
-    return make_key({
+    return entry_key(Path(model_path), {
         "what": "prepared",
         "format": PREPARED_FORMAT,
-        "model": key_identity(Path(model_path)),
         "settings": {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
                      "disabled": sorted(settings.disabled_optimizers), "packing": dict(packing)},
         "converting": bool(converting),

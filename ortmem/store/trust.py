@@ -8,13 +8,18 @@ is private (0700 folders, 0600 files, ``O_EXCL|O_NOFOLLOW``), so an attacker can
 replace or redirect it. A folder that already exists is never re-moded: it may be the user's own
 (``ORTMEM_CACHE_DIR``), and whether it can be trusted is for :func:`untrusted_reason` and
 :func:`parent_untrusted_reason` to say. See docs/cache-security.md for the threat model.
+
+:func:`cache_file_problem` is the one check every file read from the cache passes (an entry's files
+and manifest, pre-packed and prepared files); it lives here, below everything that reads the cache,
+so the modules that keep files in an entry ask it directly and never the cache itself.
 """
 from __future__ import annotations
 
 import os
 import stat
+import uuid
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 PathLike = Union[str, os.PathLike]
 
@@ -110,5 +115,78 @@ def read_nofollow(path: PathLike) -> bytes:
     try:
         with os.fdopen(fd, "rb", closefd=False) as f:
             return f.read()
+    finally:
+        os.close(fd)
+
+
+def cache_file_problem(path: Path, *, size: Optional[int] = None, recorded: Optional[str] = None,
+                       owner_only: bool = True,
+                       matches: Optional[Callable[[Path, str], bool]] = None) -> Optional[str]:
+    """Why ``path``, a file in the cache, may not be read, or None.
+
+    The one check every file ortmem reads from its cache passes (an entry's files and manifest,
+    every other file in its folder, the pre-packed weights, their model and manifest), so no kind
+    of file is read unchecked: a symbolic link, a file another user owns (``owner_only``; hard-linked
+    sources keep their owner), one group or others may write, anything but a regular file, a size
+    other than ``size`` (when given), or content whose full digest is not ``recorded`` (when given,
+    judged by ``matches``, :func:`ortmem.store.digest.matches`, which this bottom module is handed
+    rather than imports; an empty string never matches) is refused.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"{path.name} missing"
+    except OSError as exc:
+        return f"{path.name} cannot be examined: {exc.strerror or exc}"
+    problem = stat_untrusted_reason(st, owner_only=owner_only)
+    if problem:
+        return f"{path.name} {problem}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path.name} is not a regular file"
+    if size is not None and st.st_size != size:
+        return f"{path.name} has the wrong size"
+    if recorded is not None:
+        if matches is None:
+            raise TypeError("cache_file_problem: a recorded digest needs the function that checks it (matches=)")
+        if not matches(path, recorded):
+            return f"{path.name} content changed (full digest)"
+    return None
+
+
+def replace_private(path: PathLike, data: bytes) -> None:
+    """Replace ``path`` atomically with ``data``: a new private temporary file beside it (a writer's
+    "."-name, which no reader opens), fsynced, then renamed over it."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    write_new(tmp, data, sync=True)
+    os.replace(tmp, path)
+
+
+def reserve(path: PathLike, size: int, mode: int = PRIVATE_FILE_MODE) -> int:
+    """Create ``path`` (new: never through a planted file or link) with ``size`` bytes of disk
+    actually allocated; returns an open read-write fd."""
+    fd = open_new(path, mode, readable=True)
+    try:
+        if size:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            else:  # pragma: no cover - macOS: no fallocate; ftruncate is sparse
+                os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def fsync_dir(path: PathLike) -> None:
+    """Make a rename or a new file in ``path`` durable (best effort: not every filesystem can)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
     finally:
         os.close(fd)

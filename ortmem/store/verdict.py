@@ -6,7 +6,12 @@ and what is left for after the session's first run. Everything the answer depend
 :func:`start` and :func:`publish`: the key, the lookup with its trust and digest checks, the sources
 check, the full check before anything is derived from an entry, discarding a damaged entry, the
 creator lock, packing ORT's weights on the first hit, prepared entries for models ortmem does not
-convert. The caller (:mod:`ortmem.handoff`) never verifies, discards or locks anything itself.
+convert. The caller (:mod:`ortmem.handoff`) never verifies, discards or locks anything itself, and the
+store never asks the release whether ORT saves pre-packed weights: ``prepacked`` says so, decided once
+when the caller's request was built (:class:`ortmem.handoff.request.Request`). Keys, source records and
+the creator lock are the cache's (:mod:`ortmem.store.cache`), the pre-packed files
+:mod:`ortmem.store.prepacked`'s, the converted folder the writer's (:mod:`ortmem.store.writer`), the work
+left for after the first run the packer's (:mod:`ortmem.store.packer`).
 
 Kinds (:attr:`Start.kind`, also the session's ``ortmem_action`` for a hit):
 
@@ -24,21 +29,25 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import onnx
 import onnxruntime as ort
 
 from .. import __version__
 from ..errors import CacheError
-from ..ortmodel.release import capabilities
-from ..ortmodel.settings import OrtSettings
+from ..model import Model
 from ..model_facts import min_prepared_bytes
-from .cache import Cache, Entry, LockBusyError
+from ..ortmodel.settings import OrtSettings
+from .cache import Cache, Entry, LockBusyError, entry_key
 from .packer import PrepackLater, prepack_later_for, prepare_later_for
 from .prepacked import discard_prepacked, packing_settings, prepacked_model, save_prepacked
 from .prepared_entries import is_marker, lookup_prepared, prepared_key
-from .sources import key_identity, linked_digests, make_key, private_mode, source_record
+from .writer import Written, entry_writer, source_paths
+
+if TYPE_CHECKING:
+    from ..passes.conversion_plan import ConversionPlan, ConversionReport
+    from ..passes.writers import Progress
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +60,6 @@ CONVERTED = "converted"
 CACHE_HIT = "cache-hit"
 PRE_PACKED = "pre-packed"
 PREPARED = "prepared"
-
-
-@dataclass(frozen=True)
-class Written:
-    """What a conversion wrote into a new entry's folder, for its manifest: the spans of the converted
-    tensors in ``weights.bin``, the full digests taken while writing, and the report's summary."""
-
-    spans: list[tuple[int, int]]
-    digests: dict[str, str]
-    summary: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -78,6 +77,8 @@ class Start:
     #: or, on a miss, building the model's prepared entry (see :meth:`later_for_unconverted`).
     later: Optional[PrepackLater] = None
     cache: Optional[Cache] = None
+    #: What :func:`publish` converted (``"converted"`` only; None on a hit or a miss).
+    report: Optional["ConversionReport"] = None
 
     @property
     def cache_hit(self) -> bool:
@@ -106,9 +107,9 @@ class Start:
 def start(cache: Optional[Cache], path: Path, *, settings: OrtSettings, fp16_in_fp32: Optional[bool] = None,
           converting: bool = True, prepacked: bool = False, sess_options: Optional[object] = None) -> Start:
     """The verdict for the model file ``path`` before it is parsed: its converted entry (``converting``),
-    pre-packed when ``prepacked`` (CPU EP with pre-packing on; saved now on the first hit), else its
-    prepared entry (``prepacked``), else a miss. An entry found damaged by the full check before
-    packing is discarded and answers a miss."""
+    pre-packed when ``prepacked`` (CPU EP with pre-packing on, and an ORT that saves pre-packed weights;
+    saved now on the first hit), else its prepared entry (``prepacked``), else a miss. An entry found
+    damaged by the full check before packing is discarded and answers a miss."""
     if cache is None or not path.is_file():
         return Start(MISS)
     if converting:
@@ -117,48 +118,51 @@ def start(cache: Optional[Cache], path: Path, *, settings: OrtSettings, fp16_in_
             hit = _hit(cache, entry, prepacked, sess_options)
             if hit is not None:
                 return hit
-    if not prepacked or not capabilities().prepacked_save:
+    if not prepacked:
         return Start(MISS)
-    key = prepared_key(path, settings, packing_settings(sess_options)[0], converting)
+    packing = packing_settings(sess_options)
+    key = prepared_key(path, settings, packing[0], converting)
     entry = lookup_prepared(cache, key)
-    if entry is None:  # built after the first run, if ORT gets the model unconverted
-        return Start(MISS, later=prepare_later_for(path, key, cache, sess_options, settings, converting))
+    if entry is None:  # built after the first run, if ORT gets the model unconverted and the cache can be written
+        later = prepare_later_for(path, key, cache, packing, settings, converting) if cache.writable else None
+        return Start(MISS, later=later)
     if is_marker(entry):  # ORT packs nothing in this model: the start is ORT's
         return Start(MISS)
     return Start(PREPARED, path=entry.model_path, fallback=path, entry=entry, cache=cache)
 
 
-def publish(cache: Cache, source: Path, sources: list[Path], write: Callable[[Path], Written], *,
-            settings: OrtSettings, fp16_in_fp32: Optional[bool] = None, prepacked: bool = False,
+def publish(cache: Cache, model: Model, plan: "ConversionPlan", *, settings: OrtSettings,
+            progress: Optional["Progress"] = None, fp16_in_fp32: Optional[bool] = None, prepacked: bool = False,
             sess_options: Optional[object] = None) -> Start:
-    """A miss's converted entry: ``write(folder)`` writes ``model.onnx`` and ``weights.bin`` into a
-    private folder that is published atomically as the entry of ``source`` (made from the files
-    ``sources``). Under the entry's creator lock: concurrent creators meet there, one builds and the
-    others wait at most :func:`ortmem.store.cache.lock_timeout` and take its entry (a hit, answered as
-    :func:`start` would). A holder that takes longer raises :class:`LockBusyError` (a ``CacheError``).
+    """A miss's converted entry: the converted folder of ``model`` under ``plan``
+    (:func:`ortmem.store.writer.entry_writer`) is written into a private folder that is published
+    atomically as the entry of ``model.path``, recording the files it is made from. Under the entry's
+    creator lock: concurrent creators meet there, one builds and the others wait at most
+    :func:`ortmem.store.cache.lock_timeout` and take its entry (a hit, answered as :func:`start` would).
+    A holder that takes longer raises :class:`LockBusyError` (a ``CacheError``).
 
-    A new entry answers ``"converted"``, with the packing of ORT's weights after the first run when
-    ``prepacked`` (:func:`ortmem.store.packer.prepack_later_for`). A hit found damaged is discarded
-    and built again, once; a second damaged one answers a miss."""
-    key = converted_key(source, settings, {"fp16_in_fp32": fp16_in_fp32})
+    A new entry answers ``"converted"`` with the conversion's report, and with the packing of ORT's
+    weights after the first run when ``prepacked`` (:func:`ortmem.store.packer.prepack_later_for`). A
+    hit found damaged is discarded and built again, once; a second damaged one answers a miss."""
+    key = converted_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32})
+    write = entry_writer(model, plan, progress=progress)
+    reports: list["ConversionReport"] = []
 
     def build(folder: Path) -> dict[str, Any]:
-        written = write(folder)
-        extras: dict[str, Any] = {"spans": written.spans, "source": str(source), "report": written.summary,
-                                  **source_record(sources)}
-        extras["digests"] = {**written.digests,
-                             **linked_digests(folder, extras["sources"], extras["source_content"])}
-        return extras
+        written: Written = write(folder)
+        reports.append(written.report)
+        return {"spans": written.spans, "report": written.summary, "digests": written.digests}
 
     for _ in range(2):
         with cache.creating(key):
             entry = cache.lookup_sourced(key)  # built while we waited?
             built = entry is None
             if built:
-                entry = cache.build(key, build, file_mode=private_mode(source))
+                entry = cache.build_sourced(key, model.path, source_paths(model), build)
         if built:
-            later = prepack_later_for(entry, cache, sess_options) if prepacked and capabilities().prepacked_save else None
-            return Start(CONVERTED, path=entry.model_path, entry=entry, later=later, cache=cache)
+            later = prepack_later_for(entry, cache, packing_settings(sess_options)) if prepacked else None
+            return Start(CONVERTED, path=entry.model_path, entry=entry, later=later, cache=cache,
+                         report=reports[0] if reports else None)
         hit = _hit(cache, entry, prepacked, sess_options)
         if hit is not None:
             return hit
@@ -169,10 +173,9 @@ def converted_key(model_path: Path, settings: OrtSettings, extra: Optional[Mappi
     """The key of a model's conversion: the .onnx file's identity, the options the result depends
     on, and the versions that shape it. External data files are checked at lookup (their identities
     are in the manifest), so a warm start finds its entry without parsing the model at all."""
-    return make_key({
+    return entry_key(Path(model_path), {
         "what": "dq-matmulnbits",
         "format": CONVERSION_FORMAT,
-        "model": key_identity(Path(model_path)),
         "settings": {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
                      "disabled": sorted(settings.disabled_optimizers)},
         "ortmem": __version__,
@@ -199,7 +202,7 @@ def _hit(cache: Cache, entry: Entry, prepacked: bool, sess_options: Optional[obj
     packs) may take longer than ORT takes to load the entry itself, so a start that finds the lock
     taken loads the entry at once ("cache-hit"; a later start maps the pre-packed weights).
     """
-    if prepacked and capabilities().prepacked_save:
+    if prepacked:
         mode = cache.verify_mode
         path = prepacked_model(entry.path, mode)
         if path is None:

@@ -17,7 +17,7 @@ import pytest
 import ortmem
 from ortmem.ortmodel import variants as pr
 from ortmem.ortmodel import release as rel
-from ortmem.convert import write_converted
+from ortmem.store.writer import write_converted
 from ortmem.ortmodel.settings import session_settings
 from ortmem.passes.conversion import plan_conversion
 from ortmem.synth import SynthConfig, write_model

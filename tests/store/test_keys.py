@@ -88,7 +88,8 @@ def test_conversion_format(tmp_path, monkeypatch):
 def test_fp16_in_fp32(tmp_path):
     """The CPU EP runs a fused fp16 MatMulNBits in fp32 and CUDA/DML in fp16: the two forms have
     their own entries (asked of the handoff directly: no GPU here)."""
-    from ortmem.handoff.prepare import Request, prepare
+    from ortmem.handoff.prepare import prepare
+    from ortmem.handoff.request import Request
 
     folder = tmp_path / "m"
     folder.mkdir()

@@ -20,7 +20,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("load", ("ortmem.loader", "ortmem.weights", "ortmem.model", "ortmem.store.digest")),
     ("passes", ("ortmem.passes",)),
     ("store", ("ortmem.store",)),
-    ("session", ("ortmem.validity", "ortmem.borrowing", "ortmem.inmemory", "ortmem.convert", "ortmem.handoff",
+    ("session", ("ortmem.borrowing", "ortmem.inmemory", "ortmem.convert", "ortmem.handoff",
                  "ortmem.session")),
     ("reach", ("ortmem.reach",)),
     # planners, measurement, commands and programs; PipelineSession runs a partition plan, so it sits

@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-#: keys of the rewritten model's ``metadata_props``; the optimizer ORT must skip; the plan format
-META_PREFIX = "ortmem.recompute."
+from ...model_facts import RECOMPUTE_METADATA as META_PREFIX
+
+#: keys of the rewritten model's ``metadata_props`` (META_PREFIX: defined where the hook reads it without
+#: importing the planner); the optimizer ORT must skip; the plan format
 ORT_OPTIMIZED_KEY = "ortmem.ort_optimized"  # set by liveness.ort_optimized: the file order is ORT's run order
 CSE = "CommonSubexpressionElimination"
 PLAN_VERSION = "1"

@@ -1,5 +1,8 @@
 """Faults a rewrite could hide: found before conversion so ortmem never makes an invalid model valid.
 
+Here, beside the rules, because it guards what they do: a fault inside a pattern a rule rewrites
+would vanish with the nodes the rule rebuilds.
+
 ORT refuses a model whose node repeats an attribute, whose graph defines a name twice, or whose node
 reads a name nothing defines. Conversion rebuilds the nodes it rewrites (and drops the ones it
 fuses), so such a fault inside a rewritten pattern would vanish and ORT would accept a model it
