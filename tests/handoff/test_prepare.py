@@ -1,0 +1,98 @@
+"""The handoff on its own: a frozen request in, a read-only handoff out, for each kind of start.
+
+What ``ortmem.InferenceSession`` does with a handoff is tested in ``tests/test_session.py``; here the
+handoff is asked directly (:func:`ortmem.handoff.prepare.prepare`), and what it hands over is given to a
+*plain* ``onnxruntime.InferenceSession``, whose outputs must equal ORT's own run of the original model.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from ortmem.handoff.handoff import Handoff
+from ortmem.handoff.prepare import prepare
+from ortmem.handoff.request import AS_GIVEN, Request
+from ortmem.loader import load
+from ortmem.ortmodel.release import capabilities
+from tests.support.builders import tiny_decoder
+from tests.support.compare import assert_same_outputs
+from tests.support.reference import CPU, run_plain
+
+FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
+
+
+def _run(handoff: Handoff) -> list[np.ndarray]:
+    """What ORT answers for what the handoff gives it, with the config entries it asks for."""
+    with handoff.creation_options(None) as options:
+        sess = ort.InferenceSession(handoff.model, options, providers=CPU)
+    handoff.after_create()
+    return sess.run(None, FEEDS)
+
+
+@pytest.fixture
+def qdq(tmp_path):
+    return tiny_decoder(tmp_path / "src", storage="external")
+
+
+def _request(tmp_path, **kw) -> Request:
+    return Request.for_session(None, CPU, cache=tmp_path / "cache", **kw)
+
+
+def test_a_request_is_frozen_and_decided_once(tmp_path):
+    request = _request(tmp_path)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.converting = False  # type: ignore[misc]
+    assert request.converting  # the CPU EP is one ORT fuses DQ+MatMul for
+    # pre-packed weights only where this ORT saves them (the release probe's answer, asked here once)
+    assert request.prepacked == (request.settings.prepacking and capabilities().prepacked_save)
+    assert not Request.for_session(None, CPU, cache=False).cache
+    assert not Request.for_session(None, CPU, cache=tmp_path / "c", convert=False).converting
+
+
+def test_cold_then_warm_start_hand_over_the_store_entry_with_ort_outputs(tmp_path, qdq):
+    expected = run_plain(qdq, FEEDS)
+    request = _request(tmp_path)
+
+    cold = prepare(str(qdq), request)
+    assert cold.action == "converted" and not cold.cache_hit and cold.report is not None
+    assert str(tmp_path / "cache") in cold.model  # ORT loads the new entry by path
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cold.action = "as-is"  # type: ignore[misc]
+    assert_same_outputs(_run(cold), expected)
+
+    warm = prepare(str(qdq), request)  # the same frozen request serves again
+    assert warm.cache_hit and warm.report is None
+    assert warm.action == ("pre-packed" if request.prepacked else "cache-hit")
+    assert warm.start is not None and str(warm.start.path) == warm.model
+    assert_same_outputs(_run(warm), expected)
+
+
+def test_a_refused_entry_is_a_step_that_returns_a_new_handoff(tmp_path, qdq):
+    request = _request(tmp_path)
+    if not request.prepacked:
+        pytest.skip(f"onnxruntime {ort.__version__} saves no pre-packed weights: no fallback to take")
+    prepare(str(qdq), request)  # cold
+    warm = prepare(str(qdq), request)
+    assert warm.action == "pre-packed" and warm.fallback is not None
+    refused = warm.refused()
+    assert refused is not warm and warm.action == "pre-packed"  # the handoff itself is never edited
+    assert refused.model == warm.fallback and refused.fallback is None and refused.action == "cache-hit"
+    assert_same_outputs(_run(refused), run_plain(qdq, FEEDS))
+    again = prepare(str(qdq), request)  # what ORT refused was discarded: the next start packs anew
+    assert again.action == "pre-packed" and again.model != refused.model
+
+
+def test_a_model_as_given_is_handed_over_without_converting(tmp_path, qdq):
+    handoff = prepare(load(qdq), AS_GIVEN)
+    assert handoff.report is None and not handoff.cache_hit and handoff.action in ("as-is", "mapped")
+    assert_same_outputs(_run(handoff), run_plain(qdq, FEEDS))
+    handoff.cleanup()
+
+
+def test_without_a_cache_the_conversion_is_borrowed_from_memory(tmp_path, qdq):
+    handoff = prepare(str(qdq), Request.for_session(None, CPU, cache=False))
+    assert handoff.action == "in-memory" and handoff.memory is not None and handoff.report is not None
+    assert_same_outputs(_run(handoff), run_plain(qdq, FEEDS))
