@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import sys
 
 from ..units import bytes_arg
@@ -12,6 +13,8 @@ HELP = "list, prune, clear or verify (in full) converted models in the cache ($O
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["list", "prune", "clear", "verify"])
+    p.add_argument("--cache", default=None, metavar="DIR",
+                   help="the cache folder (default: $ORTMEM_CACHE_DIR, else the user cache folder)")
     p.add_argument("--max-size", type=bytes_arg, default=None, metavar="BYTES",
                    help="prune: remove least recently used entries until the rest fit (e.g. 20GiB); "
                         "$ORTMEM_CACHE_MAX_SIZE applies the same limit after every new entry")
@@ -21,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from ..store.cache import Cache
     from ..store.layout import PREPACKED_MANIFEST
 
-    cache = Cache()
+    cache = Cache(Path(args.cache) if args.cache else None)
     if args.action == "clear":
         freed = cache.clear()
         print(f"cleared {cache.root} ({freed / 2**20:.1f} MiB)")
@@ -39,12 +42,20 @@ def run(args: argparse.Namespace) -> int:
     print(f"{cache.root}: {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}")
     for e in rows:
         try:
-            source = e.manifest().get("source", "?")
+            manifest = e.manifest()
         except (OSError, ValueError):
-            source = "(unreadable manifest)"
-        packed = "  (+ pre-packed weights)" if (e.path / PREPACKED_MANIFEST).exists() else ""
-        print(f"  {e.key}  {e.size_bytes() / 2**20:9.1f} MiB  {source}{packed}")
+            manifest = {"source": "(unreadable manifest)"}
+        print(f"  {e.key}  {e.size_bytes() / 2**20:9.1f} MiB  {_kind(manifest)}  {manifest.get('source', '?')}"
+              + ("  (+ pre-packed weights)" if (e.path / PREPACKED_MANIFEST).exists() else ""))
     return 0
+
+
+def _kind(manifest: dict) -> str:
+    """What an entry is, for a reader: a conversion of the model, ORT's pre-packed weights of a model
+    ortmem does not convert, or the note that ORT packs nothing in it (so its starts stay ORT's)."""
+    if manifest.get("kind") != "prepared":
+        return "converted"
+    return f"prepared (nothing to map: {manifest.get('why', '?')})" if manifest.get("marker") else "prepared"
 
 
 def _verify_cache(cache) -> int:

@@ -162,6 +162,15 @@ def _prepared_cache(tmp_path: Path, model: Path) -> Path:
     return cache
 
 
+def test_cache_list_names_what_each_entry_is(tmp_path, any_size, capsys):
+    model = mlp(tmp_path / "m.onnx", layers=2, dim=256)
+    cache = _prepared_cache(tmp_path, model)
+    capsys.readouterr()
+    assert cli_main(["cache", "list", "--cache", str(cache)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert len(rows) == 1 and "  prepared  " in rows[0] and str(model) in rows[0]
+
+
 def test_a_changed_source_is_never_served_stale(tmp_path, any_size):
     model = mlp(tmp_path / "m.onnx", layers=2, dim=256)
     cache = _prepared_cache(tmp_path, model)
