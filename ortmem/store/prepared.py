@@ -61,8 +61,10 @@ from .prepacked import prepacked_key_parts
 
 log = logging.getLogger(__name__)
 
-#: Bumped whenever what :func:`prepare_model` writes changes.
-PREPARED_FORMAT = 1
+#: Bumped whenever what :func:`prepare_model` writes, or the rule deciding whether it is published,
+#: changes. 2: published only where :func:`worth_mapping` measured a gain (a format-1 entry may be one
+#: that holds more private memory than plain ORT; its key no longer matches, so it is never served).
+PREPARED_FORMAT = 2
 _WORK_PREFIX = ".prepare-"
 
 
