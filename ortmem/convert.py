@@ -17,7 +17,7 @@ from typing import Optional
 from .store.cache import Cache, Entry
 from .store.verdict import publish, start
 from .store.writer import write_converted
-from .errors import ConversionError
+from .errors import CacheError, ConversionError
 from .model import Model
 from .passes.conversion import plan_conversion
 from .passes.conversion_plan import ConversionReport
@@ -31,7 +31,8 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
                    fp16_in_fp32: Optional[bool] = None) -> tuple[Optional[Entry], bool, Optional[ConversionReport]]:
     """(entry, hit, report): the cached conversion of ``model``, built if missing (``ortmem prepare``).
 
-    Returns ``(None, False, None)`` when nothing in the model is convertible. Concurrent creators of
+    Returns ``(None, False, None)`` when nothing in the model is convertible; raises :class:`CacheError`
+    when the store cannot hold an entry for it (found damaged again after a rebuild). Concurrent creators of
     one entry meet at its creator lock (:func:`ortmem.store.verdict.publish`); a holder that takes
     longer than :func:`ortmem.store.cache.lock_timeout` raises :class:`ortmem.store.cache.LockBusyError`.
     """
@@ -42,6 +43,8 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
     if not plan.has_work:
         return None, False, None
     published = publish(cache, model, plan, settings=settings, progress=progress, fp16_in_fp32=fp16_in_fp32)
+    if published.path is None:  # the entry was found damaged twice: not "nothing to convert"
+        raise CacheError(f"the cache entry for {model.path} was damaged again after a rebuild", file=str(cache.root))
     return published.entry, published.cache_hit, published.report
 
 

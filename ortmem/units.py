@@ -9,10 +9,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-#: Binary byte units, defined once: every module that prints or computes in them imports them from here.
-KiB = 1 << 10
+#: The mebibyte, defined once for the modules that name it (others still write ``2**20`` inline).
 MiB = 1 << 20
-GiB = 1 << 30
 
 _UNITS = {
     "": 1, "b": 1,

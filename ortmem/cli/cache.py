@@ -1,14 +1,14 @@
-"""``ortmem cache``: list, prune, clear or verify (in full) the converted models in the cache."""
+"""``ortmem cache``: list, prune, clear or verify (in full) the entries in the cache (converted and prepared)."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 import sys
+from pathlib import Path
 
 from ..units import bytes_arg
 
 NAME = "cache"
-HELP = "list, prune, clear or verify (in full) converted models in the cache ($ORTMEM_CACHE_DIR)"
+HELP = "list, prune, clear or verify (in full) the cache's entries, converted and prepared ($ORTMEM_CACHE_DIR)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -159,13 +159,14 @@ class RayPipeline(StagedModelIO):
         try:
             self._memory = self._gather([a.load.remote() for a in self._actors], "session creation")
             ins, outs = zip(*self._gather([a.io.remote() for a in self._actors], "metadata"))
+            # a name no stage declares raises PlanError: the actors started above must not outlive it
+            self.declare_io(plan.inputs, plan.outputs, [IOArg(*a) for rows in ins for a in rows],
+                            [IOArg(*a) for rows in outs for a in rows])
         except BaseException:
             self.shutdown()
             raise
         self.start_s = time.perf_counter() - t0
         self._last_read = plan.last_readers()
-        self.declare_io(plan.inputs, plan.outputs, [IOArg(*a) for rows in ins for a in rows],
-                        [IOArg(*a) for rows in outs for a in rows])
 
     # ---------------------------------------------------------------------------------- start-up
     def _gather(self, refs: list[Any], what: str, check_missing: bool = False) -> list[Any]:

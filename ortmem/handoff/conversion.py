@@ -95,10 +95,7 @@ def _into_cache(model: Model, request: Request, own_folder: bool) -> Optional[Ha
     if start.path is None:
         return None
     _consume(model)
-    return Handoff(model=str(start.path), action=start.kind, cache_hit=start.cache_hit, start=start,
-                   report=start.report,
-                   fallback=str(start.fallback) if start.fallback is not None else None,
-                   prepack_later=start.later)
+    return Handoff.from_start(start)
 
 
 def _converted_in_tempdir(model: Model, plan: ConversionPlan, request: Request, own_folder: bool) -> Handoff:

@@ -43,9 +43,9 @@ class Handoff:
     decided: :attr:`action`, :attr:`report`, :attr:`cache_hit`."""
 
     model: Union[str, bytes]
-    #: Session config entries ORT needs for ``model`` (set only for the creation call; read-only: a
-    #: ``MappingProxyType`` wherever a step or a conversion sets any).
-    config: Mapping[str, str] = field(default_factory=dict)
+    #: Session config entries ORT needs for ``model`` (set only for the creation call; read-only, a
+    #: ``MappingProxyType``).
+    config: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     #: What ortmem did, in a word or two, for reports: "as-is", "mapped", "converted", "cache-hit",
     #: "pre-packed" (mapped ORT's packed weights, saved earlier or by this start), "prepared" (a model
     #: ortmem does not convert, loaded from its prepared cache entry: ORT maps its packed weights,
@@ -71,7 +71,15 @@ class Handoff:
     #: session has run (:mod:`ortmem.store.packer`); None when nothing is left for the background.
     prepack_later: Optional[PrepackLater] = None
     #: Session changes of a recompute rewrite (``execution_order``, ``session_config``; :meth:`with_recompute`).
-    recompute: Mapping[str, Any] = field(default_factory=dict)
+    recompute: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def from_start(cls, start: Start) -> "Handoff":
+        """The handoff of a store verdict that names something ORT loads (a hit, or an entry just built)."""
+        assert start.path is not None
+        return cls(model=str(start.path), action=start.kind, cache_hit=start.cache_hit, start=start,
+                   report=start.report, fallback=str(start.fallback) if start.fallback is not None else None,
+                   prepack_later=start.later)
 
     def refused(self) -> "Handoff":
         """ORT refused ``model``: discard it (no later start tries it again) and load ``fallback``."""

@@ -53,8 +53,7 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
     verdict = start(request.cache, Path(model), settings=request.settings, fp16_in_fp32=request.fp16_in_fp32,
                     converting=request.converting, prepacked=request.prepacked, sess_options=request.sess_options)
     if verdict.path is not None:  # a warm start: nothing to parse but the entry, which ORT reads itself
-        return Handoff(model=str(verdict.path), action=verdict.kind, cache_hit=verdict.cache_hit, start=verdict,
-                       fallback=str(verdict.fallback) if verdict.fallback is not None else None)
+        return Handoff.from_start(verdict)
     from .conversion import converted_or_as_is
 
     handoff = converted_or_as_is(load(model), request)

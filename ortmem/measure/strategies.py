@@ -387,4 +387,4 @@ register("genai", "ortmem.measure.genai_session:create_genai_plain",
 register("genai-prepared", "ortmem.measure.genai_session:create_genai_prepared",
          prepare="ortmem.measure.genai_session:prepare_genai",
          description="ortmem.reach.genai.genai_model(FOLDER) after `ortmem prepare FOLDER`",
-         code="import ortmem.reach.genai\nortmem.genai.genai_model({model})")
+         code="import ortmem.reach.genai\nortmem.reach.genai.genai_model({model})")

@@ -415,9 +415,6 @@ class OrtGraph:
     outputs: list[str] = field(default_factory=list)
 
     # ---------------------------------------------------------------------------------- scoping
-    def local_names(self) -> set[str]:
-        return set(self.inputs) | set(self.initializers) | set(self.producer)
-
     def find_initializer(self, name: str) -> tuple["OrtGraph", TensorProto] | None:
         """The initializer ``name`` resolves to from this graph, looking outward like ORT's
         ``Graph::GetInitializer(name, check_outer_scope=true)``; a local input or node output

@@ -373,13 +373,6 @@ class Cache:
         finally:
             release_creator_lock(path, fd)
 
-    def get_or_build(self, key: str, builder: Callable[[Path], dict[str, Any]]) -> tuple[Entry, bool]:
-        """(entry, hit): a verified existing entry, or a freshly built one."""
-        e = self.lookup(key)
-        if e is not None:
-            return e, True
-        return self.build(key, builder), False
-
     def entries(self) -> Iterator[Entry]:
         for p in sorted(self.root.iterdir()):
             if not p.is_symlink() and p.is_dir() and not p.name.startswith(".") and (p / MANIFEST).exists():

@@ -19,7 +19,6 @@ sharing one cache folder each keep their own.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,7 +27,7 @@ import onnxruntime as ort
 
 from .. import __version__
 from .cache import Cache, Entry, entry_key
-from .layout import MANIFEST, MODEL_FILE
+from .layout import MODEL_FILE
 from .sources import private_mode, source_record
 from ..ortmodel.settings import OrtSettings
 from .prepacked import prepacked_key_parts
@@ -47,6 +46,8 @@ log = logging.getLogger(__name__)
 #: The stem :func:`ortmem.store.prepared.prepare_model` writes an entry's files under: ``model.onnx`` is the
 #: cache's ``MODEL_FILE``.
 STEM = Path(MODEL_FILE).stem
+
+
 def prepared_key(model_path: Path, settings: OrtSettings, packing: dict[str, str], converting: bool) -> str:
     """The key of a model's prepared entry (see the module docstring)."""
     return entry_key(Path(model_path), {
@@ -142,9 +143,3 @@ def describe(entry: Entry) -> str:
     report = m.get("report") or {}
     return (f"{report.get('prepacked', '?')} pre-packed initializers, "
             f"{(report.get('data_bytes') or 0) / 2**20:.1f} MiB mapped from {STEM}.data")
-
-
-def entry_done(cache_root: Path, key: str) -> bool:
-    """Whether the entry ``key`` is published (a background builder then has nothing to do)."""
-    return (Path(cache_root) / key / MANIFEST).exists()
-

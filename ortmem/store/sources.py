@@ -23,6 +23,7 @@ from . import digest
 from .layout import SOURCE_LINK_PREFIX
 from .trust import PRIVATE_FILE_MODE
 
+
 def make_key(parts: dict[str, Any]) -> str:
     """A stable hex key over everything the cached bytes depend on (sources, options, versions)."""
     blob = json.dumps(parts, sort_keys=True, default=str).encode()

@@ -105,13 +105,13 @@ def infer_shapes(skeleton: onnx.ModelProto, root: og.OrtGraph, dims: Mapping[str
     shapes = Shapes(unresolved_symbols=symbols)
     by_path = {g.path: g for g in og.walk(root)}
     _collect(_infer_with_contrib(m).graph, root, shapes, by_path)
-    sym = _symbolic(m)
+    sym = symbolic_shapes(m)
     if sym is not None:  # ORT's own inference follows Shape->Gather->Concat chains much further
         _collect(sym.graph, root, shapes, by_path)
     return shapes
 
 
-def _symbolic(m: onnx.ModelProto) -> onnx.ModelProto | None:
+def symbolic_shapes(m: onnx.ModelProto) -> onnx.ModelProto | None:
     """``onnxruntime.tools.symbolic_shape_infer`` (shipped with onnxruntime; knows com.microsoft ops and
     evaluates shape arithmetic), on a copy whose external initializers are declared as graph inputs of
     their shape: the tool would otherwise try to read their bytes."""

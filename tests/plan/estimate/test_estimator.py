@@ -387,14 +387,14 @@ def test_embedded_subgraph_initializer_held_in_node_attributes(tmp_path, rng):
 def test_incomplete_symbolic_inference_writes_nothing_to_the_working_directory(tmp_path, monkeypatch):
     """ORT's ``symbolic_shape_infer`` saves ``sym_shape_infer_temp.onnx`` into the current directory
     whenever it cannot finish; ortmem must give up silently instead (no write the user did not ask for)."""
-    from ortmem.plan.estimate.shapes import _symbolic
+    from ortmem.plan.estimate.shapes import symbolic_shapes
 
     m = graph_model([helper.make_node("Mystery", ["x"], ["y"], domain="example.unknown")],
                     [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
                     [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [])
     m.opset_import.append(helper.make_opsetid("example.unknown", 1))
     monkeypatch.chdir(tmp_path)
-    assert _symbolic(m) is None
+    assert symbolic_shapes(m) is None
     assert list(tmp_path.iterdir()) == []
 
 
