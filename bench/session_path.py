@@ -20,7 +20,9 @@ What is counted (Python frames only; ORT's C++ is one call):
   they are built inside is theirs, and the review that asked for this count found them reading well); a module's **entries** are the
   distinct moves into it;
 - what runs under an import (module and class bodies of modules imported on the way) does not count:
-  importing is not a step of the path;
+  importing is not a step of the path; nor does what the loading core calls (:data:`LOADING_CORE`:
+  ``load(path)`` reads ORT's external-data rules from ``ortmodel``): a call into the core is a use of
+  the model, counted as a stay in the core, which is left out like a leaf;
 - a **climb** is a stay in a module of a higher layer than the stay before it, where a module's layer
   is its height in ortmem's import graph (every ``import`` statement, function-level ones included:
   a module is one above the highest module it imports). A return from a lower layer to its caller is
@@ -78,13 +80,21 @@ def prof(frame, event, arg):
         if m == 0:
             m = cache[code.co_filename] = module_of(code.co_filename)
         if m is not None:
+            g = f.f_back
+            while g is not None:  # what the loading core calls is part of that use, not a step of the path
+                up = cache.get(g.f_code.co_filename, 0)
+                if up == 0:
+                    up = cache[g.f_code.co_filename] = module_of(g.f_code.co_filename)
+                if up in core and up != m:
+                    m, code = up, g.f_code
+                g = g.f_back
             here = (m, code.co_name)
             if last[0] is not None and last[0][0] != m:
                 seq.append([*last[0], *here])
             last[0] = here
             return
         f = f.f_back
-model, cache_arg = sys.argv[1], sys.argv[2] == "1"
+model, cache_arg, core = sys.argv[1], sys.argv[2] == "1", set(json.loads(sys.argv[3]))
 sys.setprofile(prof)
 s = ortmem.InferenceSession(model, providers=["CPUExecutionProvider"], cache=cache_arg)
 sys.setprofile(None)
@@ -193,19 +203,19 @@ def _collapse(moves: list[list[str]]) -> list[str]:
 
 
 def trace(model: Path, cache: bool, env: dict) -> dict:
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(model), "1" if cache else "0"], env=env,
+    core = sorted(m for m in import_layers() if LAYERS[layer_of(m)][0] in LOADING_CORE)
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(model), "1" if cache else "0", json.dumps(core)], env=env,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="print the raw counts as JSON")
-    args = ap.parse_args(argv)
+def measure() -> dict[str, dict]:
+    """Trace the four starts (cold, second, warm, ``cache=False``) of a small QDQ model in a fresh cache;
+    the counts per start and over every branch together (:func:`summarize`)."""
     from ortmem.synth import SynthConfig, write_model
 
     layers = import_layers()
-    results = {}
+    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = write_model(SynthConfig(storage="external"), Path(tmp) / "model.onnx")
         env = {**os.environ, "ORTMEM_CACHE_DIR": str(Path(tmp) / "cache")}
@@ -216,6 +226,14 @@ def main(argv: list[str] | None = None) -> int:
             every += moves
             results[label] = {"action": r["action"], **summarize(moves, layers)}
         results["every branch"] = {"action": "(all four)", **summarize(list(dict.fromkeys(every)), layers)}
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print the raw counts as JSON")
+    args = ap.parse_args(argv)
+    results = measure()
     if args.json:
         print(json.dumps(results, indent=1))
         return 0

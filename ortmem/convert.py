@@ -3,7 +3,7 @@
 ``ortmem convert`` writes the folder into a folder of the user's (:func:`convert_to`), ``ortmem
 prepare`` into the cache (:func:`convert_cached`). The folder itself (``model.onnx`` + ``weights.bin``)
 is written by the store's writer (:mod:`ortmem.store.writer`); keys, lookups, source records and
-publishing are the store's (:mod:`ortmem.store.verdict`). A session start reaches the same writer
+publishing are the store's (:mod:`ortmem.store.verdict`, :mod:`ortmem.store.publish`). A session start reaches the same writer
 through the store alone.
 """
 from __future__ import annotations
@@ -14,8 +14,11 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from .store.cache import Cache, Entry
-from .store.verdict import publish, start
+from .store.cache import Cache
+from .store.layout import Entry
+from .store.publish import publish
+from .store.start import HIT_KINDS
+from .store.verdict import start
 from .store.writer import write_converted
 from .errors import CacheError, ConversionError
 from .model import Model
@@ -33,11 +36,11 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
 
     Returns ``(None, False, None)`` when nothing in the model is convertible; raises :class:`CacheError`
     when the store cannot hold an entry for it (found damaged again after a rebuild). Concurrent creators of
-    one entry meet at its creator lock (:func:`ortmem.store.verdict.publish`); a holder that takes
+    one entry meet at its creator lock (:func:`ortmem.store.publish.publish`); a holder that takes
     longer than :func:`ortmem.store.cache.lock_timeout` raises :class:`ortmem.store.cache.LockBusyError`.
     """
     found = start(cache, model.path, settings=settings, fp16_in_fp32=fp16_in_fp32)
-    if found.cache_hit:
+    if found.kind in HIT_KINDS:
         return found.entry, True, None
     plan = plan_conversion(model, settings, fp16_in_fp32=fp16_in_fp32)
     if not plan.has_work:
@@ -45,7 +48,7 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
     published = publish(cache, model, plan, settings=settings, progress=progress, fp16_in_fp32=fp16_in_fp32)
     if published.path is None:  # the entry was found damaged twice: not "nothing to convert"
         raise CacheError(f"the cache entry for {model.path} was damaged again after a rebuild", file=str(cache.root))
-    return published.entry, published.cache_hit, published.report
+    return published.entry, published.kind in HIT_KINDS, published.report
 
 
 def convert_to(model: Model, out_dir: Path, settings: OrtSettings, *, progress: Optional[Progress] = None) -> ConversionReport:

@@ -8,7 +8,7 @@ unchanged tensors are registered as read-only mappings too, and ORT borrows thos
 
 No file is written, which makes this the fastest start. The price is that every converted tensor is
 resident until the session exists: ORT pre-packs from our buffer, and only then can the pages of the
-inputs ORT no longer reads (:mod:`ortmem.borrowing` asks ORT which) be given back. A native model
+inputs ORT no longer reads (:mod:`ortmem.passes.borrowing` asks ORT which) be given back. A native model
 on disk (or a cache entry) peaks lower, because ORT unmaps each file-backed tensor right after
 packing it.
 """
@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .borrowing import BORROW_KEY, B, SCALES, ZERO_POINTS, matmulnbits_unread_inputs
+from .passes.borrowing import BORROW_KEY, B, SCALES, ZERO_POINTS, matmulnbits_unread_inputs
 from .errors import WeightStateError
 from .model import Model
 from .weights import page_align

@@ -191,7 +191,7 @@ def probe_borrowing(ort: Any) -> bool:
     """Does ORT borrow in-memory external data in place under ``session.use_external_initializer_file_buffers_directly``
     (new in 1.31), instead of copying it at creation? A buffer changed after creation shows in the
     output only when it was borrowed (``ortmem.inmemory``'s zero-copy path depends on it)."""
-    from .borrowing import BORROW_KEY
+    from .passes.borrowing import BORROW_KEY
 
     n = 1024
     buffer = np.ones(n, np.float32)

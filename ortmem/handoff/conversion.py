@@ -1,6 +1,6 @@
 """A start that converts: what ORT would fuse, rewritten ahead of time, then handed over by path or memory.
 
-With a cache, the converted model is published as a new entry (:func:`ortmem.store.verdict.publish`)
+With a cache, the converted model is published as a new entry (:func:`ortmem.store.publish.publish`)
 and loaded by path, so ORT maps each converted tensor from the page cache and drops it after
 pre-packing, exactly as it does for a native MatMulNBits model. Without one (``cache=False``, or a
 cache that cannot be used), the converted tensors go into anonymous memory ORT borrows
@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 from ..errors import CacheError, OrtmemError
 from ..inmemory import convert_in_memory
@@ -27,7 +27,8 @@ from ..passes.conversion import plan_conversion
 from ..passes.conversion_plan import ConversionPlan, ConversionReport
 from ..passes.validity import validity_fault
 from ..store.layout import MODEL_FILE
-from ..store.verdict import publish
+from ..store.publish import publish
+from ..store.start import Start
 from ..store.writer import write_converted
 from .handoff import Handoff
 from .unconverted import from_model
@@ -38,9 +39,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def converted_or_as_is(model: Model, request: Request, own_folder: bool = False) -> Handoff:
+def converted_or_as_is(model: Model, request: Request, own_folder: bool = False) -> Union[Handoff, Start]:
     """The handoff of a loaded model: converted where ORT would fuse and nothing forbids it, else as
-    given. ``own_folder``: the model lives in a private folder ortmem made (a spilled bytes model)."""
+    given; or, when the conversion went into the store, the store's verdict on the entry it published
+    (the caller, :func:`ortmem.handoff.prepare.prepare`, makes the handoff of every verdict).
+    ``own_folder``: the model lives in a private folder ortmem made (a spilled bytes model)."""
     link_root = request.cache.root if request.cache is not None else None
     if not request.converting or not _has_dequantize(model):
         return from_model(model, own_folder=own_folder, link_root=link_root)
@@ -60,7 +63,7 @@ def converted_or_as_is(model: Model, request: Request, own_folder: bool = False)
         return replace(from_model(model, own_folder=own_folder, link_root=link_root), declined=True)
 
 
-def _convert(model: Model, request: Request, own_folder: bool) -> Handoff:
+def _convert(model: Model, request: Request, own_folder: bool) -> Union[Handoff, Start]:
     """The conversion itself (:func:`converted_or_as_is` decides whether to try it)."""
     settings = request.settings
     if request.cache is not None:
@@ -82,20 +85,21 @@ def _convert(model: Model, request: Request, own_folder: bool) -> Handoff:
                    action="in-memory", report=report)
 
 
-def _into_cache(model: Model, request: Request, own_folder: bool) -> Optional[Handoff]:
-    """The model's cache entry, built now (or by another process while this one waited): loaded by
-    path. None when the store answers a miss even so (an entry found damaged twice): the caller
-    converts in memory."""
+def _into_cache(model: Model, request: Request, own_folder: bool) -> Union[Handoff, Start, None]:
+    """The store's verdict on the model's cache entry, built now (or by another process while this one
+    waited), which ORT loads by path; the model as given when nothing is convertible. None when the
+    store answers a miss even so (an entry found damaged twice): the caller converts in memory."""
     assert request.cache is not None
     plan = plan_conversion(model, request.settings, fp16_in_fp32=request.fp16_in_fp32)
     if not plan.has_work:
         return from_model(model, own_folder=own_folder, link_root=request.cache.root)
     start = publish(request.cache, model, plan, settings=request.settings, progress=request.progress,
-                    fp16_in_fp32=request.fp16_in_fp32, prepacked=request.prepacked, sess_options=request.sess_options)
+                    fp16_in_fp32=request.fp16_in_fp32, prepacked=request.prepacked, packing=request.packing,
+                    sess_options=request.sess_options)
     if start.path is None:
         return None
     _consume(model)
-    return Handoff.from_start(start)
+    return start
 
 
 def _converted_in_tempdir(model: Model, plan: ConversionPlan, request: Request, own_folder: bool) -> Handoff:

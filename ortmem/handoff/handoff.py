@@ -13,6 +13,7 @@ folders) is given back by :meth:`Handoff.after_create`, which may be called more
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -29,11 +30,15 @@ from ..model import Model
 from ..model_facts import FOLDER_KEY, RECOMPUTE_METADATA
 from ..options import get_config, scoped_config
 from ..store.packer import PrepackLater
-from ..store.verdict import Start
+from ..store.start import Start
 
 if TYPE_CHECKING:  # the conversion is imported only by a start that converts
     from ..inmemory import InMemoryConversion
     from ..passes.conversion_plan import ConversionReport
+
+#: The default of the handoff's read-only mappings: an empty read-only view (of one shared empty dict
+#: nothing else holds, so nothing can fill it).
+_NOTHING = functools.partial(MappingProxyType, {})
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class Handoff:
     model: Union[str, bytes]
     #: Session config entries ORT needs for ``model`` (set only for the creation call; read-only, a
     #: ``MappingProxyType``).
-    config: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    config: Mapping[str, str] = field(default_factory=_NOTHING)
     #: What ortmem did, in a word or two, for reports: "as-is", "mapped", "converted", "cache-hit",
     #: "pre-packed" (mapped ORT's packed weights, saved earlier or by this start), "prepared" (a model
     #: ortmem does not convert, loaded from its prepared cache entry: ORT maps its packed weights,
@@ -71,15 +76,7 @@ class Handoff:
     #: session has run (:mod:`ortmem.store.packer`); None when nothing is left for the background.
     prepack_later: Optional[PrepackLater] = None
     #: Session changes of a recompute rewrite (``execution_order``, ``session_config``; :meth:`with_recompute`).
-    recompute: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-
-    @classmethod
-    def from_start(cls, start: Start) -> "Handoff":
-        """The handoff of a store verdict that names something ORT loads (a hit, or an entry just built)."""
-        assert start.path is not None
-        return cls(model=str(start.path), action=start.kind, cache_hit=start.cache_hit, start=start,
-                   report=start.report, fallback=str(start.fallback) if start.fallback is not None else None,
-                   prepack_later=start.later)
+    recompute: Mapping[str, Any] = field(default_factory=_NOTHING)
 
     def refused(self) -> "Handoff":
         """ORT refused ``model``: discard it (no later start tries it again) and load ``fallback``."""

@@ -6,6 +6,9 @@ parsing the model): a converted entry (pre-packed or not) or a prepared one is l
 nothing else is imported. On a miss the model is loaded and converted or handed over as given
 (:mod:`.conversion`, imported only then); bytes and ``onnx.ModelProto`` are written once to a private
 temporary file first, so their weights can be mapped instead of copied.
+
+Every store verdict that names something ORT loads (a hit, or the entry a conversion just published)
+becomes a handoff here, in :func:`_from_verdict`, and nowhere else.
 """
 from __future__ import annotations
 
@@ -20,8 +23,9 @@ import onnx
 
 from ..loader import load
 from ..model import Model
-from ..model_facts import FOLDER_KEY
+from ..model_facts import FOLDER_KEY, min_prepared_bytes
 from ..options import get_config
+from ..store.start import HIT_KINDS, MISS, Start
 from ..store.verdict import start
 from .handoff import Handoff
 from .request import AS_GIVEN, Request
@@ -35,7 +39,7 @@ def prepare(model: ModelInput, request: Optional[Request] = None) -> Handoff:
     if isinstance(model, Model):
         from .conversion import converted_or_as_is
 
-        return converted_or_as_is(model, request)
+        return _from_verdict(converted_or_as_is(model, request))
     if isinstance(model, (str, os.PathLike)):
         return _from_path(model, request)
     if isinstance(model, (bytes, bytearray, memoryview)):
@@ -50,13 +54,16 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
     if request.sess_options is not None and get_config(request.sess_options, FOLDER_KEY):
         # ORT would look for every external file in the caller's folder, not beside what we give it
         return Handoff(model=str(model), action=f"untouched: the caller's SessionOptions set {FOLDER_KEY}")
-    verdict = start(request.cache, Path(model), settings=request.settings, fp16_in_fp32=request.fp16_in_fp32,
-                    converting=request.converting, prepacked=request.prepacked, sess_options=request.sess_options)
+    verdict = Start(MISS)
+    if request.cache is not None:
+        verdict = start(request.cache, Path(model), settings=request.settings, fp16_in_fp32=request.fp16_in_fp32,
+                        converting=request.converting, prepacked=request.prepacked, packing=request.packing,
+                        sess_options=request.sess_options)
     if verdict.path is not None:  # a warm start: nothing to parse but the entry, which ORT reads itself
-        return Handoff.from_start(verdict)
+        return _from_verdict(verdict)
     from .conversion import converted_or_as_is
 
-    handoff = converted_or_as_is(load(model), request)
+    handoff = _from_verdict(converted_or_as_is(load(model), request))
     if FOLDER_KEY in handoff.config and handoff.memory is None and request.sess_options is not None:
         # Only the caller's options could carry the folder entry, and ortmem leaves them alone.
         handoff.after_create()
@@ -64,9 +71,9 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
     if (handoff.action in ("as-is", "mapped") and handoff.memory is None and handoff.report is None
             and not handoff.declined and handoff.source is not None):
         # ORT gets the model unconverted: its prepared entry is built after the first run (if worth it)
-        later = verdict.later_for_unconverted(handoff.source.weight_bytes)
-        if later is not None:
-            return replace(handoff, prepack_later=later)
+        # (small models stay at zero cost)
+        if verdict.later is not None and handoff.source.weight_bytes >= min_prepared_bytes():
+            return replace(handoff, prepack_later=verdict.later)
     return handoff
 
 
@@ -81,8 +88,19 @@ def _spill(write: Callable, request: Request) -> Handoff:
             write(f)
         # a temporary file has no identity worth caching under (and is gone before a background
         # cache write could read it)
-        handoff = converted_or_as_is(load(path), replace(request, cache=None), own_folder=True)
+        handoff = _from_verdict(converted_or_as_is(load(path), replace(request, cache=None), own_folder=True))
     except BaseException:
         shutil.rmtree(tempdir, ignore_errors=True)
         raise
     return replace(handoff, tempdirs=(*handoff.tempdirs, tempdir))
+
+
+def _from_verdict(outcome: Union[Handoff, Start]) -> Handoff:
+    """The handoff of a store verdict that names something ORT loads (a hit, or the entry a conversion
+    just published); a handoff made without the store is returned as it is."""
+    if isinstance(outcome, Handoff):
+        return outcome
+    assert outcome.path is not None
+    return Handoff(model=str(outcome.path), action=outcome.kind, cache_hit=outcome.kind in HIT_KINDS,
+                   start=outcome, report=outcome.report, prepack_later=outcome.later,
+                   fallback=str(outcome.fallback) if outcome.fallback is not None else None)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 from ..ortmodel.providers import cpu_only, fusing_only, runs_fp16_on_gpu, session_provider_names
 from ..ortmodel.release import capabilities
-from ..ortmodel.settings import OrtSettings, session_settings
+from ..ortmodel.settings import OrtSettings, packing_settings, session_settings
 from ..store.cache import Cache, open_cache
 
 if TYPE_CHECKING:  # the passes are imported only by a start that converts
@@ -39,6 +40,10 @@ class Request:
     #: weights (``capabilities().prepacked_save``, asked by :meth:`for_session`; the store takes this
     #: answer and never asks the release). See ortmem.store.prepacked.
     prepacked: bool = False
+    #: What the packing sessions take of the caller's options (config entries, intra-op threads;
+    #: :func:`ortmem.ortmodel.settings.packing_settings`), for the packing of ORT's weights the store
+    #: leaves to the background after the first run.
+    packing: tuple[Mapping[str, str], int] = (MappingProxyType({}), 0)
     #: The caller's ``SessionOptions`` (never changed; the packing sessions copy its MLAS settings).
     sess_options: Optional[Any] = None
 
@@ -56,6 +61,7 @@ class Request:
             progress=progress,
             fp16_in_fp32=False if providers and runs_fp16_on_gpu(names) else None,
             prepacked=prepacked and settings.prepacking and cpu_only(names) and capabilities().prepacked_save,
+            packing=packing_settings(sess_options),
             sess_options=sess_options,
         )
 

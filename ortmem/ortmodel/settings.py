@@ -17,6 +17,10 @@ from .graph_index import ExecutionOrder
 FUSION_CONFIG_KEYS = ("session.qdq_matmulnbits_accuracy_level", "session.qdq_matmulnbits_block_size",
                       "session.disable_quant_qdq")
 
+#: Config entries that may change how a kernel packs its weights: the sessions that pack ortmem's
+#: cache entries (:mod:`ortmem.store.prepacked`) copy them from the caller's options.
+PACKING_CONFIG_KEYS = ("mlas.enable_gemm_fastmath_arm64_bfloat16", "mlas.use_kleidiai")
+
 
 @dataclass(frozen=True)
 class OrtSettings:
@@ -92,3 +96,13 @@ def session_settings(sess_options: Optional[Any] = None, *, accuracy_level: Opti
     if accuracy_level is not None:
         config["session.qdq_matmulnbits_accuracy_level"] = str(accuracy_level)
     return OrtSettings(level, config, frozenset(disabled_optimizers or ()), order, prepacking)
+
+
+def packing_settings(user: Optional[Any]) -> tuple[dict[str, str], int]:
+    """What of the caller's options the packing sessions take: the config entries that may change
+    how a kernel packs, and the intra-op thread count (0: ORT's default). Read once, with the rest of
+    the caller's settings, by whoever builds a start's request (:class:`ortmem.handoff.request.Request`)."""
+    if user is None:
+        return {}, 0
+    config = {k: v for k in PACKING_CONFIG_KEYS if (v := get_config(user, k))}
+    return config, int(user.intra_op_num_threads or 0)

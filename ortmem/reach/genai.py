@@ -57,7 +57,7 @@ import onnxruntime as ort
 from ..errors import OrtmemError
 from ..hygiene import allocator_hygiene
 from ..ortmodel.settings import OrtSettings
-from ..store.prepacked import packing_settings as ort_packing_settings
+from ..ortmodel.settings import packing_settings as ort_packing_settings
 from ..store.prepared import PreparedReport, prepare_model, prepared_problem
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ def model_files(config: dict[str, Any]) -> list[GenaiModelFile]:
 def packing_settings(config: dict[str, Any], item: GenaiModelFile) -> tuple[OrtSettings, int]:
     """What of the session options genai gives ``item`` may change how ORT packs it, for the
     preparing session: genai passes every key it does not read itself to ORT as a session config
-    entry, and of those :func:`ortmem.store.prepacked.packing_settings` keeps the ones packing depends on
+    entry, and of those :func:`ortmem.ortmodel.settings.packing_settings` keeps the ones packing depends on
     (the same choice as for an ``ortmem.InferenceSession``), with ``intra_op_num_threads``."""
     obj: Any = config
     for step in item.where:

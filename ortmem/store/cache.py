@@ -46,8 +46,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 from . import digest
 from ..errors import CacheError
 from ..helper_env import cache_folder
-from .layout import MANIFEST, MODEL_FILE, SOURCE_LINK_PREFIX, TMP_PREFIX, TRASH_PREFIX, WEIGHTS_FILE
-from .sources import key_identity, linked_digests, make_key, private_mode, source_record, sources_problem
+from .layout import MANIFEST, MODEL_FILE, SOURCE_LINK_PREFIX, TMP_PREFIX, TRASH_PREFIX, WEIGHTS_FILE, Entry, reclaimable_bytes
+from .sources import linked_digests, private_mode, source_record, sources_problem
 from .trust import (
     PRIVATE_FILE_MODE,
     cache_file_problem,
@@ -75,13 +75,6 @@ class UntrustedCacheError(CacheError):
     """The cache folder could be written by someone else: it is not used at all."""
 
 
-def entry_key(source: Path, parts: Mapping[str, Any]) -> str:
-    """The key of an entry made from the model file ``source``: its identity
-    (:func:`ortmem.store.sources.key_identity`) and ``parts``, everything else the entry's bytes depend
-    on (what it is, the options, the versions). A lookup needs no parsing of the model at all."""
-    return make_key({**parts, "model": key_identity(Path(source))})
-
-
 def cache_root() -> Path:
     """``$ORTMEM_CACHE_DIR``, else the platform's user cache dir; created private on first use."""
     path = cache_folder()
@@ -89,58 +82,9 @@ def cache_root() -> Path:
     return path
 
 
-@dataclass
-class Entry:
-    key: str
-    path: Path
-
-    @property
-    def model_path(self) -> Path:
-        return self.path / MODEL_FILE
-
-    @property
-    def weights_path(self) -> Path:
-        return self.path / WEIGHTS_FILE
-
-    def manifest(self) -> dict[str, Any]:
-        return json.loads(read_nofollow(self.path / MANIFEST))
-
-    def size_bytes(self) -> int:
-        return sum(f.lstat().st_size for f in self.path.iterdir() if f.is_file() and not f.is_symlink())
-
-    def owned_bytes(self) -> int:
-        """Disk this entry alone holds (:func:`reclaimable_bytes`)."""
-        return reclaimable_bytes(self.path)
-
-    def last_used(self) -> float:
-        """When a lookup last returned this entry (its manifest's mtime, touched on every hit)."""
-        return (self.path / MANIFEST).lstat().st_mtime
-
-    def rewrite_manifest(self, manifest: dict[str, Any]) -> None:
-        """Replace the manifest atomically (a private temporary file renamed over it)."""
-        replace_private(self.path / MANIFEST, json.dumps(manifest, indent=1).encode())
-
-
 def spot_digest(path: Path, spans: list[tuple[int, int]]) -> str:
     """Sampled digest of ``spans`` (:func:`ortmem.store.digest.sampled_digest`)."""
     return digest.sampled_digest(path, spans)
-
-
-def reclaimable_bytes(path: Path) -> int:
-    """Disk that removing ``path`` (a file, or a folder and all in it) gives back: the allocated
-    blocks of files with no other hard link. Not apparent sizes (a preallocated or sparse file
-    differs) and not hard-linked sources, which stay on disk after the entry goes."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return 0
-    if stat.S_ISDIR(st.st_mode):
-        try:
-            children = [Path(c.path) for c in os.scandir(path)]
-        except OSError:
-            return 0
-        return sum(reclaimable_bytes(c) for c in children)
-    return st.st_blocks * 512 if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
 
 
 class Cache:

@@ -11,6 +11,15 @@ which no reader opens.
 """
 from __future__ import annotations
 
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .trust import read_nofollow, replace_private
+
 #: What an entry claims (format, key, files, digests, sources), written last when it is published.
 MANIFEST = "manifest.json"
 #: The model ORT loads by path.
@@ -29,3 +38,52 @@ PREPACKED_MODEL = "model.prepacked.onnx"
 PREPACKED_DATA = "prepacked.bin"
 #: What the pre-packed files are valid for and their digests; written last, so it vouches for the rest.
 PREPACKED_MANIFEST = "prepacked.json"
+
+
+@dataclass
+class Entry:
+    key: str
+    path: Path
+
+    @property
+    def model_path(self) -> Path:
+        return self.path / MODEL_FILE
+
+    @property
+    def weights_path(self) -> Path:
+        return self.path / WEIGHTS_FILE
+
+    def manifest(self) -> dict[str, Any]:
+        return json.loads(read_nofollow(self.path / MANIFEST))
+
+    def size_bytes(self) -> int:
+        return sum(f.lstat().st_size for f in self.path.iterdir() if f.is_file() and not f.is_symlink())
+
+    def owned_bytes(self) -> int:
+        """Disk this entry alone holds (:func:`reclaimable_bytes`)."""
+        return reclaimable_bytes(self.path)
+
+    def last_used(self) -> float:
+        """When a lookup last returned this entry (its manifest's mtime, touched on every hit)."""
+        return (self.path / MANIFEST).lstat().st_mtime
+
+    def rewrite_manifest(self, manifest: dict[str, Any]) -> None:
+        """Replace the manifest atomically (a private temporary file renamed over it)."""
+        replace_private(self.path / MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+def reclaimable_bytes(path: Path) -> int:
+    """Disk that removing ``path`` (a file, or a folder and all in it) gives back: the allocated
+    blocks of files with no other hard link. Not apparent sizes (a preallocated or sparse file
+    differs) and not hard-linked sources, which stay on disk after the entry goes."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    if stat.S_ISDIR(st.st_mode):
+        try:
+            children = [Path(c.path) for c in os.scandir(path)]
+        except OSError:
+            return 0
+        return sum(reclaimable_bytes(c) for c in children)
+    return st.st_blocks * 512 if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0

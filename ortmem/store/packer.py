@@ -62,7 +62,6 @@ import onnxruntime as ort
 
 from .cache import (
     Cache,
-    Entry,
     LockBusyError,
     acquire_creator_lock,
     creator_lock_path,
@@ -70,7 +69,7 @@ from .cache import (
 )
 from ..ortmodel.settings import OrtSettings
 from ..helper_env import helper_environment
-from .layout import MANIFEST, PREPACKED_MANIFEST, WEIGHTS_FILE
+from .layout import MANIFEST, PREPACKED_MANIFEST
 from .prepacked import prepacked_model, save_prepacked
 from .prepared_entries import build_prepared, lookup_prepared, prepared_key
 
@@ -164,19 +163,6 @@ class PrepackLater:
             return None
 
 
-def prepack_later_for(entry: Entry, cache: Cache, packing: tuple[dict[str, str], int]) -> Optional[PrepackLater]:
-    """The background packing of a freshly built ``entry`` with the caller's ``packing`` settings
-    (:func:`ortmem.store.prepacked.packing_settings`), or None when the first hit should pack (small
-    weights) or the entry cannot be sized."""
-    try:
-        if (entry.path / WEIGHTS_FILE).stat().st_size < MIN_WEIGHT_BYTES:
-            return None
-    except OSError:
-        return None
-    config, threads = packing
-    return PrepackLater(str(cache.root), entry.key, cache.verify_mode, config, threads)
-
-
 def started_packers() -> list[int]:
     """The process ids of the packers this process has started."""
     with _lock:
@@ -231,19 +217,6 @@ def _pack(cache: Cache, job: PrepackLater) -> Optional[Path]:
     if job.intra_op_num_threads:
         so.intra_op_num_threads = job.intra_op_num_threads
     return save_prepacked(entry.path, sess_options=so)
-
-
-def prepare_later_for(source: Path, key: str, cache: Cache, packing: tuple[dict[str, str], int],
-                      settings: OrtSettings, converting: bool) -> PrepackLater:
-    """The background building of ``source``'s prepared entry ``key`` after the first run, with the
-    caller's ``packing`` settings (:func:`ortmem.store.prepacked.packing_settings`). Only for a cache
-    that can be written (a read-only deployment leaves nothing to do: the caller asks
-    :attr:`ortmem.store.cache.Cache.writable` first)."""
-    config, threads = packing
-    parts = {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
-             "disabled": sorted(settings.disabled_optimizers), "converting": converting}
-    return PrepackLater(str(cache.root), key, cache.verify_mode, config, threads, kind="prepared",
-                        source=str(source), settings=parts)
 
 
 def _prepare(cache: Cache, job: PrepackLater) -> Optional[Path]:

@@ -86,7 +86,7 @@ from .trust import (PRIVATE_FILE_MODE, cache_file_problem, fsync_dir, make_priva
 from ..errors import CacheError
 from ..options import get_config
 from ..ortmodel.release import cpu_flags
-from ..ortmodel.settings import session_settings
+from ..ortmodel.settings import packing_settings, session_settings
 from ..weights import PAGE, page_align
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,6 @@ _SUB_DIR_PREFIX = ".prepack-"
 # ``session.prepack.enable_parallel`` is deliberately not copied: it does not change the bytes, and
 # it packs every tensor of a session at once (on the demo model's reload it lifts the creation peak
 # from 200 to 459 MiB), so a warm start should not set it either.
-_COPIED_CONFIG = ("mlas.enable_gemm_fastmath_arm64_bfloat16", "mlas.use_kleidiai")
 #: Free bytes below which a failed packing session is put down to a full disk. A write that runs out
 #: of space fills the filesystem to its last block first (a partial write, then ENOSPC), and ORT's
 #: partial file is still there when this is checked; a filesystem with a MiB free did not fill.
@@ -364,15 +363,6 @@ def _sub_options(entry_dir: Path, out_dir: Path, user: Optional[ort.SessionOptio
     if threads:
         so.intra_op_num_threads = threads
     return so
-
-
-def packing_settings(user: Optional[ort.SessionOptions]) -> tuple[dict[str, str], int]:
-    """What of the caller's options the packing sessions take: the config entries that may change
-    how a kernel packs, and the intra-op thread count (0: ORT's default)."""
-    if user is None:
-        return {}, 0
-    config = {k: v for k in _COPIED_CONFIG if (v := get_config(user, k))}
-    return config, int(user.intra_op_num_threads or 0)
 
 
 def _blobs_of(saved: onnx.ModelProto) -> dict[str, list[tuple[str, list[tuple[int, int]]]]]:

@@ -99,7 +99,7 @@ def prepare_model(source: Path, folder: Path, stem: str = "prepared", *, setting
     """Write ``folder/<stem>.onnx``, ``folder/<stem>.data`` and, last and atomically,
     ``folder/<stem>.json`` (see the module docstring). ``settings``: its ``session_config`` entries go
     to the throw-away session (pass those ORT's packing depends on,
-    :func:`ortmem.store.prepacked.packing_settings`); ``prepacking`` False writes nothing (``useful`` False).
+    :func:`ortmem.ortmodel.settings.packing_settings`); ``prepacking`` False writes nothing (``useful`` False).
     ``threads``: intra-op threads of the throw-away session (0: ORT's default).
 
     Raises :class:`PrepareError` when ORT fails to load or save the model; nothing is published then.

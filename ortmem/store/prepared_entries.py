@@ -26,9 +26,10 @@ import onnx
 import onnxruntime as ort
 
 from .. import __version__
-from .cache import Cache, Entry, entry_key
+from .cache import Cache
+from .layout import Entry
 from .layout import MODEL_FILE
-from .sources import private_mode, source_record
+from .sources import entry_key, private_mode, source_record
 from ..ortmodel.settings import OrtSettings
 from .prepacked import prepacked_key_parts
 from .prepared import (
@@ -72,11 +73,17 @@ def is_marker(entry: Entry) -> bool:
 
 
 def lookup_prepared(cache: Cache, key: str) -> Optional[Entry]:
-    """The verified prepared entry (or marker) under ``key`` whose sources are unchanged, or None.
-    Every file passed the cache's check (:meth:`ortmem.store.cache.Cache.lookup`); the prepared model's own
-    manifest must also be for this ORT and CPU, else the entry is discarded."""
+    """The verified prepared entry (or marker) under ``key`` whose sources are unchanged, or None
+    (:func:`usable_prepared` of what the cache's lookup found)."""
     entry = cache.lookup_sourced(key)
-    if entry is None or is_marker(entry):
+    return usable_prepared(cache, entry) if entry is not None else None
+
+
+def usable_prepared(cache: Cache, entry: Entry) -> Optional[Entry]:
+    """``entry`` (found by :meth:`ortmem.store.cache.Cache.lookup_sourced`: every file passed the cache's
+    check) if it is a marker or its prepared model's own manifest is for this ORT and CPU; else it is
+    discarded and None."""
+    if is_marker(entry):
         return entry
     problem = prepared_problem(entry.path, STEM, mode="off")  # the bytes were just checked by the lookup
     if problem is None:

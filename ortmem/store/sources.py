@@ -17,11 +17,19 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
+from .. import __version__
 from . import digest
 from .layout import SOURCE_LINK_PREFIX
 from .trust import PRIVATE_FILE_MODE
+
+if TYPE_CHECKING:
+    from ..ortmodel.settings import OrtSettings
+
+#: Bumped whenever the converted graph for the same input changes (new rewrites, different layouts),
+#: so entries written by an older conversion are never taken for hits.
+CONVERSION_FORMAT = 3
 
 
 def make_key(parts: dict[str, Any]) -> str:
@@ -45,6 +53,32 @@ def key_identity(path: Path) -> dict[str, Any]:
     entries' hard links move; those are checked against the entry's manifest instead)."""
     ident = file_identity(path)
     return {k: ident[k] for k in ("path", "size", "mtime_ns", "inode", "dev")}
+
+
+def entry_key(source: Path, parts: Mapping[str, Any]) -> str:
+    """The key of an entry made from the model file ``source``: its identity (:func:`key_identity`) and
+    ``parts``, everything else the entry's bytes depend on (what it is, the options, the versions). A
+    lookup needs no parsing of the model at all."""
+    return make_key({**parts, "model": key_identity(Path(source))})
+
+
+def converted_key(model_path: Path, settings: "OrtSettings", extra: Optional[Mapping[str, Any]] = None) -> str:
+    """The key of a model's conversion: the .onnx file's identity, the options the result depends
+    on, and the versions that shape it. External data files are checked at lookup (their identities
+    are in the manifest), so a warm start finds its entry without parsing the model at all."""
+    import onnx  # the version that shapes the converted skeleton; loaded by every start that gets here
+    import onnxruntime as ort
+
+    return entry_key(Path(model_path), {
+        "what": "dq-matmulnbits",
+        "format": CONVERSION_FORMAT,
+        "settings": {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
+                     "disabled": sorted(settings.disabled_optimizers)},
+        "ortmem": __version__,
+        "onnxruntime": ort.__version__,
+        "onnx": onnx.__version__,
+        **(extra or {}),
+    })
 
 
 def same_source(recorded: dict[str, Any], current: dict[str, Any]) -> Optional[bool]:

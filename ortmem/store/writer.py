@@ -2,7 +2,7 @@
 
 The folder holds ``model.onnx`` (the rewritten skeleton) and ``weights.bin`` (every weight,
 page-aligned; the names are the store's folder format, :mod:`ortmem.store.layout`). It is what a cache
-entry holds (:func:`ortmem.store.verdict.publish` writes it through :func:`entry_writer`), what
+entry holds (:func:`ortmem.store.publish.publish` writes it through :func:`entry_writer`), what
 ``ortmem convert`` writes into a folder of the user's (:func:`ortmem.convert.convert_to`) and what a
 converting start writes into a private temporary folder; ORT loads it by path and memory-maps each
 tensor, so nothing is copied again. Keys, lookups, source records and publishing are the rest of the

@@ -24,7 +24,7 @@ from ortmem.store import packer as prepack_later
 from ortmem.store import layout
 from ortmem.store import prepacked as pp
 from ortmem.store.cache import creator_lock_path
-from ortmem.store.verdict import converted_key
+from ortmem.store.sources import converted_key
 from ortmem.ortmodel.release import capabilities
 from ortmem.ortmodel.settings import session_settings
 from ortmem.synth import SynthConfig, write_model

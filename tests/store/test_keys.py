@@ -1,5 +1,5 @@
 """One test per cache-key field (finding 11): changing the field is a miss, and the session's outputs
-equal plain ORT's under the new settings. Removing any field from ``ortmem.store.verdict.converted_key`` makes
+equal plain ORT's under the new settings. Removing any field from ``ortmem.store.sources.converted_key`` makes
 its test fail (the entry built under the old settings would be served)."""
 from __future__ import annotations
 
@@ -70,18 +70,18 @@ def test_disabled_optimizers(tmp_path):
 @pytest.mark.parametrize("module", ["onnxruntime", "onnx", "ortmem"])
 def test_library_versions(tmp_path, monkeypatch, module):
     path, cache = _built(tmp_path)
-    import ortmem.store.verdict as verdict
+    import ortmem.store.sources as sources
 
-    target = {"onnxruntime": ort, "onnx": onnx, "ortmem": verdict}[module]
+    target = {"onnxruntime": ort, "onnx": onnx, "ortmem": sources}[module]
     monkeypatch.setattr(target, "__version__", "0.0.0-other")
     _miss_and_equal(path, cache, _options)
 
 
 def test_conversion_format(tmp_path, monkeypatch):
     path, cache = _built(tmp_path)
-    import ortmem.store.verdict as verdict
+    import ortmem.store.sources as sources
 
-    monkeypatch.setattr(verdict, "CONVERSION_FORMAT", verdict.CONVERSION_FORMAT + 1)
+    monkeypatch.setattr(sources, "CONVERSION_FORMAT", sources.CONVERSION_FORMAT + 1)
     _miss_and_equal(path, cache, _options)
 
 

@@ -390,7 +390,7 @@ def test_damaged_prepacked_files_are_packed_again(qdq, tmp_path):
 @needs_saving
 def test_a_prepacked_model_ort_refuses_falls_back_to_the_entry(qdq, tmp_path, monkeypatch, caplog):
     import ortmem
-    from ortmem.store import verdict
+    from ortmem.store import hit
 
     cache = tmp_path / "cache"
     expected = run_plain(qdq, QDQ_FEEDS)[0]
@@ -404,7 +404,7 @@ def test_a_prepacked_model_ort_refuses_falls_back_to_the_entry(qdq, tmp_path, mo
                 key, rest = e.value.split("|", 1)
                 e.value = f"{key}|{1 << 40};{rest.split(';', 1)[1]}"
     onnx.save_model(m, str(entry / layout.PREPACKED_MODEL))  # verification is bypassed below
-    monkeypatch.setattr(verdict, "prepacked_model", lambda d, mode="full": Path(d) / layout.PREPACKED_MODEL)
+    monkeypatch.setattr(hit, "prepacked_model", lambda d, mode="full": Path(d) / layout.PREPACKED_MODEL)
     s = ortmem.InferenceSession(qdq, cache=cache)
     assert "could not load the pre-packed model" in caplog.text
     assert Path(s.ortmem_handoff.model).name == layout.MODEL_FILE and not (entry / layout.PREPACKED_MANIFEST).exists()

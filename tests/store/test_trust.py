@@ -209,7 +209,7 @@ from pathlib import Path
 os.umask(0)
 from ortmem.store.cache import Cache
 from ortmem.convert import convert_cached
-from ortmem.store.verdict import converted_key
+from ortmem.store.sources import converted_key
 from ortmem.ortmodel.settings import session_settings
 from ortmem.loader import load
 shared, victim, attacker = map(Path, sys.argv[1:4])

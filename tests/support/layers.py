@@ -16,11 +16,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ortmodel", ("ortmem.ortmodel",)),
     # the loader follows ORT's external-data rules (ortmodel.external_data), so it sits just above them;
     # ``store.digest`` hashes page-aligned spans (weights.PAGE) and the passes' writers digest what they
-    # write, so it sits here though the store's folder holds it
-    ("load", ("ortmem.loader", "ortmem.weights", "ortmem.model", "ortmem.store.digest")),
+    # write, so it sits here though the store's folder holds it; ``store.sources`` (keys, and what an
+    # entry records of its source files: stat identities and digests) is built on digest alone
+    ("load", ("ortmem.loader", "ortmem.weights", "ortmem.model", "ortmem.store.digest", "ortmem.store.sources")),
     ("passes", ("ortmem.passes",)),
     ("store", ("ortmem.store",)),
-    ("session", ("ortmem.borrowing", "ortmem.inmemory", "ortmem.convert", "ortmem.handoff",
+    ("session", ("ortmem.inmemory", "ortmem.convert", "ortmem.handoff",
                  "ortmem.session")),
     ("reach", ("ortmem.reach",)),
     # planners, measurement, commands and programs; PipelineSession runs a partition plan, so it sits

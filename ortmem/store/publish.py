@@ -1,0 +1,77 @@
+"""A miss's converted entry: written, published atomically, and handed back as a verdict.
+
+Why apart from the lookup (:mod:`ortmem.store.verdict`): only a start that converts publishes, and it
+comes here with the model loaded and its conversion planned; a warm start never imports this. The
+folder is the writer's (:mod:`ortmem.store.writer`), keys and source records are
+:mod:`ortmem.store.sources`', publishing and the creator lock the cache's (:mod:`ortmem.store.cache`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from ..model import Model
+from ..ortmodel.settings import OrtSettings
+from .cache import Cache
+from .hit import entry_start
+from .packer import MIN_WEIGHT_BYTES, PrepackLater
+from .sources import converted_key
+from .start import CONVERTED, MISS, Start
+from .writer import Written, entry_writer, source_paths
+
+if TYPE_CHECKING:
+    from ..passes.conversion_plan import ConversionPlan, ConversionReport
+    from ..passes.writers import Progress
+
+#: What the packing sessions take of the caller's options (:func:`ortmem.ortmodel.settings.packing_settings`).
+Packing = tuple[dict[str, str], int]
+
+
+def publish(cache: Cache, model: Model, plan: "ConversionPlan", *, settings: OrtSettings,
+            progress: Optional["Progress"] = None, fp16_in_fp32: Optional[bool] = None, prepacked: bool = False,
+            packing: Packing = ({}, 0), sess_options: Optional[object] = None) -> Start:
+    """A miss's converted entry: the converted folder of ``model`` under ``plan``
+    (:func:`ortmem.store.writer.entry_writer`) is written into a private folder that is published
+    atomically as the entry of ``model.path``, recording the files it is made from. Under the entry's
+    creator lock: concurrent creators meet there, one builds and the others wait at most
+    :func:`ortmem.store.cache.lock_timeout` and take its entry (a hit, :func:`ortmem.store.hit.entry_start`).
+    A holder that takes longer raises :class:`ortmem.store.cache.LockBusyError` (a ``CacheError``).
+
+    A new entry answers ``"converted"`` with the conversion's report and, when ``prepacked``, the
+    packing of ORT's weights after the first run (with ``packing``, the caller's settings packing
+    depends on); below :data:`ortmem.store.packer.MIN_WEIGHT_BYTES` of weights the first hit packs
+    instead. A hit found damaged is discarded and built again, once; a second damaged one answers a miss."""
+    key = converted_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32})
+    write = entry_writer(model, plan, progress=progress)
+    reports: list["ConversionReport"] = []
+
+    def build(folder: Path) -> dict[str, Any]:
+        written: Written = write(folder)
+        reports.append(written.report)
+        return {"spans": written.spans, "report": written.summary, "digests": written.digests}
+
+    for _ in range(2):
+        with cache.creating(key):
+            entry = cache.lookup_sourced(key)  # built while we waited?
+            built = entry is None
+            if built:
+                entry = cache.build_sourced(key, model.path, source_paths(model), build)
+        if built:
+            later = None
+            if prepacked and _weight_bytes(entry.weights_path) >= MIN_WEIGHT_BYTES:
+                config, threads = packing
+                later = PrepackLater(str(cache.root), entry.key, cache.verify_mode, dict(config), threads)
+            return Start(CONVERTED, path=entry.model_path, entry=entry, later=later, cache=cache,
+                         report=reports[0] if reports else None)
+        hit = entry_start(cache, entry, prepacked, sess_options)
+        if hit is not None:
+            return hit
+    return Start(MISS)
+
+
+def _weight_bytes(path: Path) -> int:
+    """The size of a new entry's ``weights.bin`` (0 when it cannot be read: the first hit packs)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
