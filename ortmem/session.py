@@ -48,8 +48,10 @@ class InferenceSession(ORT_SESSION):
       and optimizer settings it records;
     - ``progress``: ``callable(done_bytes, total_bytes, name)`` called while converting;
     - ``verify``: how a cache entry is checked on every warm start: ``"full"`` (default: every byte
-      digested, about 0.05 s/GB, see docs/cache-security.md), ``"sampled"`` (a few pages per tensor)
-      or ``"off"`` (sizes only). Anything derived from an entry (pre-packing) is checked in full first.
+      digested, about 0.05 s/GB, once per boot and again whenever a file changes: a file already found
+      whole this boot with the same identity is not read again, :mod:`ortmem.store.stamps`; see
+      docs/cache-security.md), ``"always"`` (every byte on every start), ``"sampled"`` (a few pages per
+      tensor) or ``"off"`` (sizes only). Anything derived from an entry (pre-packing) is checked in full first.
       A cache folder that cannot be used (read-only, someone else's) gives one warning and an
       in-memory conversion.
 

@@ -60,3 +60,22 @@ def test_lazy_names_resolve_to_their_owners():
     assert ortmem.InferenceSession.__module__ == "ortmem.session" and ortmem.estimate.__module__.startswith("ortmem.plan.estimate.")
     with pytest.raises(AttributeError):
         ortmem.not_a_name  # noqa: B018
+
+
+def test_a_warm_start_loads_no_passes(tmp_path):
+    """A start that finds its converted entry loads it by path: nothing of the conversion (the passes,
+    the writer, the publisher) is imported, so a warm start pays none of it. The cold start runs in its
+    own process first, as a user's first start would."""
+    import os
+
+    from ortmem.synth import SynthConfig, write_model
+
+    model = write_model(SynthConfig(storage="external"), tmp_path / "model.onnx")
+    env = {**os.environ, "ORTMEM_CACHE_DIR": str(tmp_path / "cache")}
+    start = (f"import sys, json, ortmem\ns = ortmem.InferenceSession({str(model)!r}, providers=['CPUExecutionProvider'])\n"
+             "print(json.dumps([s.ortmem_action, sorted(m for m in sys.modules if m.startswith(('ortmem.passes', "
+             "'ortmem.store.writer', 'ortmem.store.publish', 'ortmem.handoff.conversion')))]))")
+    runs = [json.loads(subprocess.run([sys.executable, "-c", start], env=env, capture_output=True, text=True, check=True,
+                                      timeout=300).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    assert runs[0][0] == "converted" and "ortmem.store.publish" in runs[0][1]
+    assert runs[1][0] in ("pre-packed", "cache-hit") and runs[1][1] == []

@@ -67,11 +67,11 @@ def _verify_cache(cache) -> int:
     rows = list(cache.entries())
     damaged = 0
     for e in rows:
-        problem = cache.verify(e, mode="full")
+        problem = cache.verify(e, mode="always")
         if problem is not None:
             cache.discard(e)
         elif (e.path / PREPACKED_MANIFEST).exists():
-            packed = verify_prepacked(e.path, "full")
+            packed = verify_prepacked(e.path, "always")
             if packed is not None:
                 problem = f"pre-packed weights: {packed}"
                 discard_prepacked(e.path)

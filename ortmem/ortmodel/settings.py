@@ -98,7 +98,11 @@ def session_settings(sess_options: Optional[Any] = None, *, accuracy_level: Opti
     return OrtSettings(level, config, frozenset(disabled_optimizers or ()), order, prepacking)
 
 
-def packing_settings(user: Optional[Any]) -> tuple[dict[str, str], int]:
+#: What the packing sessions take of the caller's options: (config entries, intra-op threads).
+Packing = tuple[dict[str, str], int]
+
+
+def packing_settings(user: Optional[Any]) -> Packing:
     """What of the caller's options the packing sessions take: the config entries that may change
     how a kernel packs, and the intra-op thread count (0: ORT's default). Read once, with the rest of
     the caller's settings, by whoever builds a start's request (:class:`ortmem.handoff.request.Request`)."""

@@ -171,7 +171,8 @@ class Cache:
     def verify(self, e: Entry, *, mode: Optional[str] = None) -> Optional[str]:
         """None when the entry is whole, private and what its manifest says; else what is wrong.
 
-        ``mode`` (default: the cache's ``verify``): "full" digests every byte of every file,
+        ``mode`` (default: the cache's ``verify``): "always" digests every byte of every file, "full" too
+        unless this boot already did with the file unchanged (:mod:`ortmem.store.stamps`),
         "sampled" the first and last page of every weight span, "off" checks sizes and the skeleton.
         Every file in the entry's folder, listed in its manifest or not (pre-packed weights, and any
         file a later kind of entry adds), passes :func:`ortmem.store.trust.cache_file_problem`: one symbolic link, file of
@@ -207,10 +208,10 @@ class Cache:
             if name not in present:
                 return f"{name} missing"
         for name in present:
-            full = name in files and (mode == "full" or name == MODEL_FILE)
+            full = name in files and (mode in digest.FULL_MODES or name == MODEL_FILE)
             problem = cache_file_problem(e.path / name, size=files.get(name),
                                          recorded=digests.get(name, "") if full else None,
-                                         owner_only=not name.startswith(SOURCE_LINK_PREFIX), matches=digest.matches)
+                                         owner_only=not name.startswith(SOURCE_LINK_PREFIX), matches=digest.matcher(mode))
             if problem:
                 return problem
         spans = [tuple(s) for s in m.get("spans", [])]

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Iterable, Optional, Union
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Union
 
 from ..weights import PAGE
+from . import stamps
 
 try:  # pragma: no cover - exercised whichever way the environment is
     import xxhash as _xxhash
@@ -26,9 +28,12 @@ except ImportError:  # pragma: no cover
 
 PathLike = Union[str, os.PathLike]
 
-#: ``verify=`` values: every byte of every file on each warm start; the first/last page of each span
+#: ``verify=`` values: every byte of every file on every start; every byte of every file once per boot
+#: and again whenever the file changes (:mod:`ortmem.store.stamps`); the first/last page of each span
 #: (plus sizes and the skeleton in full); sizes and the skeleton only.
-VERIFY_MODES = ("full", "sampled", "off")
+VERIFY_MODES = ("always", "full", "sampled", "off")
+#: The modes that check every byte (the others check samples or sizes).
+FULL_MODES = ("always", "full")
 #: Default chosen by measurement: a full check costs 0.05 s/GB of hashing plus the read from the
 #: page cache (docs/cache-security.md), small beside ORT's own session creation on the same bytes.
 DEFAULT_VERIFY = "full"
@@ -89,17 +94,39 @@ def file_digest(path: PathLike, algorithm: Optional[str] = None) -> str:
     return running.hexdigest()
 
 
-def matches(path: PathLike, recorded: object) -> bool:
-    """True when ``path``'s full digest equals ``recorded`` (False when unreadable/unverifiable)."""
+def matches(path: PathLike, recorded: object, *, stamped: bool = True) -> bool:
+    """True when ``path``'s full digest equals ``recorded`` (False when unreadable/unverifiable).
+
+    ``stamped``: a file this process or another already found whole this boot, with the same identity,
+    is not read again (:mod:`ortmem.store.stamps`); a match is stamped for the next check."""
     if not isinstance(recorded, str) or ":" not in recorded:
         return False
     algorithm = recorded.split(":", 1)[0]
     if _hasher(algorithm) is None:
         return False
+    where = stamps.folder() if stamped else None
+    before = stamps.identity(Path(path)) if where is not None else None
+    if before is not None and stamps.is_stamped(where, Path(path), before, recorded):
+        return True
     try:
-        return file_digest(path, algorithm) == recorded
+        ok = file_digest(path, algorithm) == recorded
     except OSError:
         return False
+    if ok and before is not None:
+        stamps.stamp(where, Path(path), before, recorded)
+    return ok
+
+
+def matches_every_byte(path: PathLike, recorded: object) -> bool:
+    """:func:`matches` reading every byte now, whatever was checked before (``verify="always"``,
+    ``ortmem cache verify``)."""
+    return matches(path, recorded, stamped=False)
+
+
+def matcher(mode: str) -> Callable[[PathLike, object], bool]:
+    """The full check a ``verify=`` mode asks for: :func:`matches_every_byte` for ``"always"``, else
+    :func:`matches` (stamped)."""
+    return matches_every_byte if mode == "always" else matches
 
 
 def sampled_digest(path: PathLike, spans: Iterable[tuple[int, int]]) -> str:

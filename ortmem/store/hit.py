@@ -13,6 +13,7 @@ from typing import Optional
 
 from ..errors import CacheError
 from .cache import Cache, LockBusyError
+from .digest import FULL_MODES
 from .layout import Entry
 from .prepacked import prepacked_model, save_prepacked
 from .start import CACHE_HIT, PRE_PACKED, Start
@@ -56,7 +57,7 @@ def entry_start(cache: Cache, entry: Entry, prepacked: bool, sess_options: Optio
 def _damaged_for_packing(cache: Cache, entry: Entry, mode: str) -> bool:
     """Check an entry looked up with ``verify="sampled"``/``"off"`` in full before packing from it;
     a damaged one is discarded (True: the caller converts again)."""
-    if mode == "full":
+    if mode in FULL_MODES:
         return False
     problem = cache.verify(entry, mode="full")
     if problem is None:

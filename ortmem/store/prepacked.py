@@ -187,8 +187,8 @@ def verify_prepacked(entry_dir: Path, mode: str = content_digest.DEFAULT_VERIFY)
     """None when ``entry_dir``'s pre-packed model may be used on this machine and ORT; otherwise why
     not. Every file (manifest, model, data, the base model it was packed from) passes the cache's one
     check (:func:`ortmem.store.trust.cache_file_problem`: owner, mode, no symbolic link, size). ``mode`` as
-    the cache's ``verify``: "full" digests every byte of every file (xxh3, about 0.05 s/GB, see
-    ortmem.store.digest), "sampled" checks sampled pages of the data (:func:`_digest`), "off" its size; the
+    the cache's ``verify``: "always"/"full" digest every byte of every file (xxh3, about 0.05 s/GB, see
+    ortmem.store.digest; "full" once per boot and file version, :mod:`ortmem.store.stamps`), "sampled" checks sampled pages of the data (:func:`_digest`), "off" its size; the
     models are small and always digested in full."""
     entry_dir = Path(entry_dir)
     manifest = entry_dir / PREPACKED_MANIFEST
@@ -210,9 +210,9 @@ def verify_prepacked(entry_dir: Path, mode: str = content_digest.DEFAULT_VERIFY)
     data = entry_dir / PREPACKED_DATA
     checks = ((entry_dir / PREPACKED_MODEL, None, digests.get(PREPACKED_MODEL, "")),
               (entry_dir / base, None, digests.get(base, "")),
-              (data, m.get("data_size", -1), digests.get(PREPACKED_DATA, "") if mode == "full" else None))
+              (data, m.get("data_size", -1), digests.get(PREPACKED_DATA, "") if mode in content_digest.FULL_MODES else None))
     for path, size, recorded in checks:
-        problem = cache_file_problem(path, size=size, recorded=recorded, matches=content_digest.matches)
+        problem = cache_file_problem(path, size=size, recorded=recorded, matches=content_digest.matcher(mode))
         if problem:
             return problem
     try:

@@ -269,9 +269,9 @@ def prepared_problem(folder: Path, stem: str = "prepared", *, source: Optional[P
     for name, size in files.items():
         if name not in (f"{stem}.onnx", f"{stem}.data"):
             return f"{stem}.json names {name!r}"
-        full = mode == "full" or name.endswith(".onnx")  # the graph is small: always digested
+        full = mode in digest.FULL_MODES or name.endswith(".onnx")  # the graph is small: always digested
         problem = cache_file_problem(folder / name, size=size, recorded=digests.get(name, "") if full else None,
-                                     matches=digest.matches)
+                                     matches=digest.matcher(mode))
         if problem:
             return problem
     if source is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..model import Model
-from ..ortmodel.settings import OrtSettings
+from ..ortmodel.settings import OrtSettings, Packing
 from .cache import Cache
 from .hit import entry_start
 from .packer import MIN_WEIGHT_BYTES, PrepackLater
@@ -22,10 +22,6 @@ from .writer import Written, entry_writer, source_paths
 if TYPE_CHECKING:
     from ..passes.conversion_plan import ConversionPlan, ConversionReport
     from ..passes.writers import Progress
-
-#: What the packing sessions take of the caller's options (:func:`ortmem.ortmodel.settings.packing_settings`).
-Packing = tuple[dict[str, str], int]
-
 
 def publish(cache: Cache, model: Model, plan: "ConversionPlan", *, settings: OrtSettings,
             progress: Optional["Progress"] = None, fp16_in_fp32: Optional[bool] = None, prepacked: bool = False,

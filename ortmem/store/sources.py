@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 from .. import __version__
 from . import digest
 from .layout import SOURCE_LINK_PREFIX
+from .stamps import RACY_SECONDS
 from .trust import PRIVATE_FILE_MODE
 
 if TYPE_CHECKING:
@@ -94,10 +95,9 @@ def same_source(recorded: dict[str, Any], current: dict[str, Any]) -> Optional[b
     return False
 
 
-#: A source modified this recently may be rewritten again within the same filesystem timestamp tick
-#: with the same size, which ``stat`` cannot see (git's "racy" files). Such an entry records a full
-#: digest of its sources, checked on lookups until the source is older than this.
-RACY_SECONDS = 2.0
+# A source modified within RACY_SECONDS (ortmem.store.stamps) may be rewritten again within the same
+# filesystem timestamp tick with the same size, which ``stat`` cannot see (git's "racy" files). Such an
+# entry records a full digest of its sources, checked on lookups until the source is older than that.
 
 
 def private_mode(source: Path) -> int:

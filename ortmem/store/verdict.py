@@ -19,12 +19,11 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from ..ortmodel.settings import OrtSettings
+from ..ortmodel.settings import OrtSettings, Packing
 from .cache import Cache
 from .hit import entry_start
 from .packer import PrepackLater
 from .prepared_entries import is_marker, prepared_key, usable_prepared
-from .publish import Packing
 from .sources import converted_key
 from .start import MISS, PREPARED, Start
 

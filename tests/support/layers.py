@@ -8,10 +8,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # stdlib/numpy-level primitives and what the hook reads before it imports anything heavy. The package
     # root holds only __version__, the exceptions and lazy names. ``store.trust`` and ``store.layout``
     # import nothing of ortmem: the store is built on them, the release model keeps its probe answers
-    # private with trust, and the converter and the partitioner name their files from layout.
+    # private with trust, and the converter and the partitioner name their files from layout;
+    # ``store.stamps`` (files checked in full this boot) is built on trust alone, below the digests.
     ("bottom", ("ortmem", "ortmem.errors", "ortmem.lazy", "ortmem.units", "ortmem.dtypes", "ortmem.protowire",
                 "ortmem.onnx_walk", "ortmem.progress", "ortmem.helper_env", "ortmem.ort_original", "ortmem.options",
-                "ortmem.hygiene", "ortmem.model_facts", "ortmem.store.trust", "ortmem.store.layout")),
+                "ortmem.hygiene", "ortmem.model_facts", "ortmem.store.trust", "ortmem.store.layout",
+                "ortmem.store.stamps")),
     # one model of ORT: what it fuses, its settings, graph indexes, external-data rules, providers
     ("ortmodel", ("ortmem.ortmodel",)),
     # the loader follows ORT's external-data rules (ortmodel.external_data), so it sits just above them;
