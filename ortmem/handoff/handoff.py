@@ -30,12 +30,14 @@ from ..model import Model
 from ..model_facts import FOLDER_KEY, RECOMPUTE_METADATA
 from ..options import get_config, scoped_config
 from ..store.packer import PrepackLater
-from ..store.start import Start
+from ..store.start import HIT_KINDS, PREPARED, Start
 
 if TYPE_CHECKING:  # the conversion is imported only by a start that converts
     from ..inmemory import InMemoryConversion
     from ..passes.conversion_plan import ConversionReport
 
+#: The actions that load a cache entry as it is (nothing converted on the way).
+FROM_CACHE = HIT_KINDS | {PREPARED}
 #: The default of the handoff's read-only mappings: an empty read-only view (of one shared empty dict
 #: nothing else holds, so nothing can fill it).
 _NOTHING = functools.partial(MappingProxyType, {})
