@@ -38,7 +38,8 @@ class InferenceSession(ORT_SESSION):
       ``sess_options`` are given, into a private temporary folder removed after creation (ORT borrows
       memory only through buffers registered on the options object, which ortmem never changes);
     - ``trim``: keep glibc from hoarding what conversion and ORT free during creation, and give it
-      back afterwards (:func:`ortmem.hygiene.allocator_hygiene`; default True; a no-op off glibc);
+      back afterwards (:func:`ortmem.hygiene.allocator_hygiene`; default True; a no-op off glibc). A
+      start that loads a cache entry as it is only gives back afterwards (docs/hygiene.md);
     - ``prepacked``: on a cache hit with the CPU EP, load ORT's pre-packed weights saved beside the
       entry (the first hit saves them), so packed weights are mapped from the page cache instead of
       copied to the heap (default True; :mod:`ortmem.store.prepacked`);
