@@ -33,10 +33,11 @@ class InferenceSession(ORT_SESSION):
     - ``convert``: rewrite DequantizeLinear+MatMul into MatMulNBits ahead of time (default True),
       exactly where ORT's own rule would for these options, so outputs equal ORT's on the QDQ model;
     - ``cache``: True (default) keeps the converted model in the cache (``$ORTMEM_CACHE_DIR``) so the
-      next start converts nothing; a path picks the cache folder; False converts into memory that
-      ORT borrows (no file written; a higher peak, see ``ortmem.inmemory``), or, when
-      ``sess_options`` are given, into a private temporary folder removed after creation (ORT borrows
-      memory only through buffers registered on the options object, which ortmem never changes);
+      next start converts nothing; a path picks the cache folder; False converts into a private
+      temporary folder removed once the session exists (ORT maps it as it would an entry, so the peak
+      is the cold start's), or, where no temporary folder can be written, into memory that ORT borrows
+      (a higher peak, see ``ortmem.inmemory``; never with ``sess_options``: ORT borrows memory only
+      through buffers registered on the options object, which ortmem never changes);
     - ``trim``: keep glibc from hoarding what conversion and ORT free during creation, and give it
       back afterwards (:func:`ortmem.hygiene.allocator_hygiene`; default True; a no-op off glibc). A
       start that loads a cache entry as it is only gives back afterwards (docs/hygiene.md);

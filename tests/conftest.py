@@ -20,3 +20,10 @@ def _private_cache(tmp_path_factory, monkeypatch):
     """Every test gets its own conversion cache: no test reads another's entries or the user's."""
     monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path_factory.mktemp("ortmem-cache")))
 
+
+
+@pytest.fixture
+def no_temp_folder(monkeypatch, tmp_path_factory):
+    """No temporary folder can be created (``$TMPDIR`` missing or read-only): ``cache=False`` then
+    converts into memory ORT borrows (ortmem.inmemory), the path these tests are about."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("no-temp") / "missing"))

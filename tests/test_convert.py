@@ -293,6 +293,7 @@ def test_cache_cli_lists_and_clears(tmp_path, capsys, monkeypatch):
 
 # ---- cache=False: buffers borrowed by ORT, released after creation ----
 
+@pytest.mark.usefixtures("no_temp_folder")
 def test_in_memory_releases_what_ort_no_longer_reads(tmp_path):
     path = tiny_decoder(tmp_path / "m", storage="external")
     sess = ortmem.InferenceSession(path, cache=False)
@@ -331,6 +332,7 @@ def _gbq_nodes(model_path: Path) -> list[onnx.NodeProto]:
     return [n for n in m.graph.node if n.op_type == "GatherBlockQuantized"]
 
 
+@pytest.mark.usefixtures("no_temp_folder")
 @pytest.mark.parametrize("variant", sorted(GATHER_VARIANTS))
 @pytest.mark.parametrize("cache", [True, False])
 def test_gbq_hook_equals_ort_on_the_qdq_model(tmp_path, variant, cache):
@@ -442,6 +444,7 @@ def test_gbq_table_is_copied_only_by_convert(tmp_path):
     assert np.array_equal(ort.InferenceSession(str(out / "model.onnx")).run(None, FEEDS)[0], _ort(path)[0])
 
 
+@pytest.mark.usefixtures("no_temp_folder")
 def test_in_memory_never_releases_gbq_inputs(tmp_path):
     """ORT's GatherBlockQuantized has no PrePack: it reads its inputs from our buffers on every run.
     Nothing of them may be released, and scribbling on them changes the output (proof that ORT
@@ -513,6 +516,7 @@ def test_fp16_kept_where_the_caller_says_the_ep_runs_fp16(tmp_path):
     assert len(casts) >= 2 * len(cpu_mm)
 
 
+@pytest.mark.usefixtures("no_temp_folder")
 def test_level2_bias_fold_is_left_to_ort(tmp_path):
     """A bias Add after a 3-D MatMul is folded by ORT's Level-2 MatMulNBitsFusion, *after*
     BiasGeluFusion has taken the Add when a Gelu follows. ortmem leaves that Add in place, so ORT makes

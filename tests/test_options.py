@@ -98,6 +98,7 @@ def test_unusable_cache_with_caller_options_converts_without_touching_them(tmp_p
     assert [r.levelname for r in caplog.records if r.name.startswith("ortmem")].count("WARNING") == 1
 
 
+@pytest.mark.usefixtures("no_temp_folder")
 def test_without_caller_options_the_conversion_stays_in_memory(tmp_path):
     """Options ortmem made itself may carry the in-memory files: the fast path is kept there."""
     first, _ = _two_models(tmp_path)
@@ -130,6 +131,7 @@ def test_hooked_program_with_unusable_cache_keeps_its_options_clean(tmp_path):
     assert_same_outputs([np.load(tmp_path / "b.npy")], run_plain(second, FEEDS)[:1])
 
 
+@pytest.mark.usefixtures("no_temp_folder")
 def test_in_memory_release_frees_the_pages_and_forbids_a_second_creation(tmp_path):
     """The released pages are really gone (they read back as zeros: MADV_REMOVE punched them out of
     the shared mapping; MADV_DONTNEED had left the memory allocated), so re-creating the session from

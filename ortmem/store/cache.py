@@ -579,7 +579,7 @@ def open_cache(root: Optional[Path] = None, *, verify: str = digest.DEFAULT_VERI
     try:
         return Cache(root, verify=verify)
     except CacheError as exc:
-        log.warning("ortmem: not using the cache (%s); converting in memory instead", exc)
+        log.warning("ortmem: not using the cache (%s); converting without it", exc)
         return None
 
 

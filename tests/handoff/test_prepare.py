@@ -92,6 +92,7 @@ def test_a_model_as_given_is_handed_over_without_converting(tmp_path, qdq):
     handoff.cleanup()
 
 
+@pytest.mark.usefixtures("no_temp_folder")
 def test_without_a_cache_the_conversion_is_borrowed_from_memory(tmp_path, qdq):
     handoff = prepare(str(qdq), Request.for_session(None, CPU, cache=False))
     assert handoff.action == "in-memory" and handoff.memory is not None and handoff.report is not None

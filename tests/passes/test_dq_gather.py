@@ -61,6 +61,7 @@ def gbq_count(sessions: dict[str, ort.InferenceSession], cache: Path) -> dict[st
     return {k: sum(n.op_type == "GatherBlockQuantized" for n in g.graph.node) for k, g in graphs.items()}
 
 
+@pytest.mark.usefixtures("no_temp_folder")
 @pytest.mark.parametrize("variant", sorted(GATHER_VARIANTS))
 def test_gbq_out_of_range_ids_fail_as_in_plain_ort(tmp_path: Path, variant: str) -> None:
     kw = GATHER_VARIANTS[variant]
@@ -95,6 +96,7 @@ def dq_gather_model(idx_type: int, gather_axis: int, rows: int = 12, cols: int =
     return H.make_model(graph, ir_version=10, opset_imports=[H.make_opsetid("", 21)])
 
 
+@pytest.mark.usefixtures("no_temp_folder")
 @pytest.mark.parametrize("idx_type", [T.INT32, T.INT64], ids=["int32", "int64"])
 @pytest.mark.parametrize("gather_axis", [0, 1], ids=["rows", "columns"])
 def test_gbq_bounds_follow_index_type_and_axis(tmp_path: Path, idx_type: int, gather_axis: int) -> None:

@@ -99,7 +99,7 @@ def test_a_stopped_builder_delays_a_cold_start_by_the_limit_only(model, tmp_path
         s = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     waited = time.monotonic() - t0
     assert 1.0 <= waited < WATCHDOG_SECONDS / 2, waited
-    assert s.ortmem_action == "in-memory" and not s.ortmem_cache_hit
+    assert s.ortmem_action == "converted-temporary" and not s.ortmem_cache_hit
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, warnings
     assert f"pid {holder.pid}" in warnings[0] and str(creator_lock_path(cache, key)) in warnings[0]
