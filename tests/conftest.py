@@ -8,6 +8,9 @@ import pytest
 # The release probe's answers (ortmem.ortmodel.release) depend on the ORT build and CPU only: one folder
 # for the whole run, inherited by fresh-process children, so no test pays or measures a probe.
 os.environ.setdefault("ORTMEM_PROBE_DIR", str(Path(tempfile.gettempdir()) / f"ortmem-test-probes-{os.getuid()}"))
+# Stamps of files checked in full (ortmem.store.stamps) go to a folder of the test run's, not the user's
+# per-boot one; inherited by children too.
+os.environ.setdefault("ORTMEM_VERIFIED_DIR", str(Path(tempfile.mkdtemp(prefix="ortmem-test-verified-"))))
 
 
 @pytest.fixture
