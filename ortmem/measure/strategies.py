@@ -254,7 +254,7 @@ def prepare_warm(model_path: str, options: dict, workdir: str) -> str:
 
     from ..store.stamps import RACY_SECONDS
 
-    copy = _private_copy(model_path, Path(workdir) / "warm-source")
+    copy = _private_copy(model_path, _bench_cache("warm-sources") / _path_tag(model_path))
     create_ortmem_warm(copy, options)
     create_ortmem_warm(copy, options)
     time.sleep(RACY_SECONDS)
@@ -262,14 +262,24 @@ def prepare_warm(model_path: str, options: dict, workdir: str) -> str:
     return copy
 
 
+def _path_tag(model_path: str) -> str:
+    """A short stable name for a model path (one private copy and one warm entry per model, reused by
+    every bench run, rather than one left behind per run)."""
+    import hashlib
+
+    return hashlib.sha1(os.path.abspath(model_path).encode()).hexdigest()[:12]
+
+
 def _private_copy(model_path: str, folder: Path) -> str:
-    """The model file and every file its weights live in, copied (once) into ``folder``: the same
-    bytes under other inodes."""
+    """The model file and every file its weights live in, copied (once, and again when the model
+    changed) into ``folder``: the same bytes under other inodes."""
     import shutil
 
     import ortmem
 
     target = folder / Path(model_path).name
+    if target.exists() and target.stat().st_mtime_ns < Path(model_path).stat().st_mtime_ns:
+        shutil.rmtree(folder)  # the model was written again since: copy it again
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
         with ortmem.load(model_path) as model:
@@ -346,14 +356,11 @@ def create_ortmem_nocache(model_path: str, options: dict) -> Any:
 
 def prepare_twin(model_path: str, options: dict, workdir: str) -> str:
     """Convert the model to its native MatMulNBits form ahead of time; plain ORT then loads that."""
-    import hashlib
-    from pathlib import Path
-
     import ortmem
     from ..convert import convert_to
     from ..ortmodel.settings import session_settings
 
-    out = Path(workdir) / ("twin-" + hashlib.sha1(os.path.abspath(model_path).encode()).hexdigest()[:12])
+    out = Path(workdir) / ("twin-" + _path_tag(model_path))
     if not (out / "model.onnx").exists():
         with ortmem.load(model_path) as model:
             convert_to(model, out, session_settings(_session_options(options)))
