@@ -135,6 +135,10 @@ def _converted_in_tempdir(model: Model, plan: ConversionPlan, request: Request, 
             shutil.rmtree(workdir, ignore_errors=True)
         log.warning("ortmem: could not write the converted model into %s (%s)", workdir or tempfile.gettempdir(), exc)
         return None
+    except BaseException:  # a failed rewrite: nothing half written stays behind (the caller decides what next)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
     _consume(model)
     return Handoff(model=str(workdir / MODEL_FILE), tempdirs=(workdir,), action="converted-temporary", report=report)
 

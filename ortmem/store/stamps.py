@@ -51,13 +51,13 @@ def folder() -> Optional[Path]:
         if hasattr(os, "geteuid"):
             candidates.append(Path("/dev/shm") / f"ortmem-verified-{os.geteuid()}")
     for path in candidates:
-        try:
+        try:  # a folder this process may not even examine (another user's runtime folder) is skipped too
             if not path.is_dir() and path.parent.is_dir() and parent_untrusted_reason(path) is None:
                 make_private_dir(path)
+            if path.is_dir() and untrusted_reason(path) is None and parent_untrusted_reason(path) is None:
+                return path
         except OSError:
             continue
-        if path.is_dir() and untrusted_reason(path) is None and parent_untrusted_reason(path) is None:
-            return path
     return None
 
 
