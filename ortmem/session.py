@@ -55,8 +55,8 @@ class InferenceSession(ORT_SESSION):
       whole this boot with the same identity is not read again, :mod:`ortmem.store.stamps`; see
       docs/cache-security.md), ``"always"`` (every byte on every start), ``"sampled"`` (a few pages per
       tensor) or ``"off"`` (sizes only). Anything derived from an entry (pre-packing) is checked in full first.
-      A cache folder that cannot be used (read-only, someone else's) gives one warning and an
-      in-memory conversion.
+      A cache folder that cannot be used (read-only, someone else's) gives one warning and a
+      conversion without it (as ``cache=False``).
 
     ``self.ortmem_handoff`` is what ORT was given and what ortmem decided (read-only,
     :class:`ortmem.handoff.handoff.Handoff`); from it, ``self.ortmem_report`` tells what was converted

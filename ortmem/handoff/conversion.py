@@ -94,7 +94,7 @@ def _convert(model: Model, request: Request, own_folder: bool) -> Union[Handoff,
 def _into_cache(model: Model, request: Request, own_folder: bool) -> Union[Handoff, Start, None]:
     """The store's verdict on the model's cache entry, built now (or by another process while this one
     waited), which ORT loads by path; the model as given when nothing is convertible. None when the
-    store answers a miss even so (an entry found damaged twice): the caller converts in memory."""
+    store answers a miss even so (an entry found damaged twice): the caller converts without the cache."""
     assert request.cache is not None
     plan = plan_conversion(model, request.settings, fp16_in_fp32=request.fp16_in_fp32)
     if not plan.has_work:

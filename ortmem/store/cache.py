@@ -302,7 +302,7 @@ class Cache:
 
         Raises :class:`LockBusyError` (naming the lock and its holder's pid) when another process still
         holds it after ``timeout``: a stopped or starved holder must never stall later starts, so the
-        caller goes on without the entry's new work (loads the entry as it is, converts in memory).
+        caller goes on without the entry's new work (loads the entry as it is, or converts without the cache).
         ``timeout=0`` never waits. ``inherited_fd``: a descriptor of the lock file already locked by
         the process that started this one (:mod:`ortmem.store.packer`), adopted instead of locking anew.
 
@@ -575,7 +575,7 @@ def _write_holder(fd: int) -> None:
 
 def open_cache(root: Optional[Path] = None, *, verify: str = digest.DEFAULT_VERIFY) -> Optional[Cache]:
     """The cache at ``root`` (default: the user's), or None with one warning when it cannot be
-    used (read-only, uncreatable, or writable by someone else): the caller converts in memory."""
+    used (read-only, uncreatable, or writable by someone else): the caller converts without a cache."""
     try:
         return Cache(root, verify=verify)
     except CacheError as exc:
