@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 from ..ortmodel.providers import cpu_only, fusing_only, runs_fp16_on_gpu, session_provider_names
 from ..ortmodel.release import capabilities
-from ..ortmodel.settings import OrtSettings, packing_settings, session_settings
+from ..ortmodel.settings import OrtSettings, Packing, packing_settings, session_settings
 from ..store.cache import Cache, open_cache
 
 if TYPE_CHECKING:  # the passes are imported only by a start that converts
@@ -43,7 +43,7 @@ class Request:
     #: What the packing sessions take of the caller's options (config entries, intra-op threads;
     #: :func:`ortmem.ortmodel.settings.packing_settings`), for the packing of ORT's weights the store
     #: leaves to the background after the first run.
-    packing: tuple[Mapping[str, str], int] = (MappingProxyType({}), 0)
+    packing: Packing = (MappingProxyType({}), 0)
     #: The caller's ``SessionOptions`` (never changed; the packing sessions copy its MLAS settings).
     sess_options: Optional[Any] = None
 

@@ -276,6 +276,7 @@ def _private_copy(model_path: str, folder: Path) -> str:
     import shutil
 
     import ortmem
+    from ..store.writer import source_paths
 
     target = folder / Path(model_path).name
     if target.exists() and target.stat().st_mtime_ns < Path(model_path).stat().st_mtime_ns:
@@ -283,7 +284,7 @@ def _private_copy(model_path: str, folder: Path) -> str:
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
         with ortmem.load(model_path) as model:
-            files = {Path(w.file) for w in model.weights} - {Path(model_path).resolve()}
+            files = set(source_paths(model)) - {Path(model_path).resolve()}
         for f in files:
             relative = f.resolve().relative_to(Path(model_path).resolve().parent)
             (folder / relative).parent.mkdir(parents=True, exist_ok=True)

@@ -99,7 +99,7 @@ def session_settings(sess_options: Optional[Any] = None, *, accuracy_level: Opti
 
 
 #: What the packing sessions take of the caller's options: (config entries, intra-op threads).
-Packing = tuple[dict[str, str], int]
+Packing = tuple[Mapping[str, str], int]
 
 
 def packing_settings(user: Optional[Any]) -> Packing:

@@ -68,12 +68,11 @@ from .cache import (
     creator_lock_path,
     release_creator_lock,
 )
-from ..ortmodel.settings import OrtSettings
 from ..helper_env import helper_environment
 from .layout import MANIFEST, PREPACKED_MANIFEST
 from .prepacked import prepacked_model, save_prepacked, verify_prepacked
 from .stamps import RACY_SECONDS
-from .prepared_entries import build_prepared, lookup_prepared, prepared_key
+from .prepared_entries import build_prepared, lookup_prepared, prepared_key, settings_of_record
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +210,8 @@ def _check_for_next_start(cache: Cache, job: PrepackLater) -> None:
     of the 0.6 GB synthetic Llama's entry, 1-1.5 s, more than half of ORT's own creation. Niced and
     after the session's first run, like the packing itself; a check that fails changes nothing (the
     next start finds the same damage and rebuilds)."""
+    if job.verify != "full":  # only "full" starts use stamps ("sampled"/"off" read less, "always" reads anyway)
+        return
     entry = cache.entry(job.key)
     try:
         newest = max(f.stat(follow_symlinks=False).st_ctime_ns for f in entry.path.iterdir())
@@ -246,11 +247,9 @@ def _prepare(cache: Cache, job: PrepackLater) -> Optional[Path]:
     source changed since the starter computed the key (a later start computes the new one)."""
     if lookup_prepared(cache, job.key) is not None:
         return None
-    parts = job.settings
-    settings = OrtSettings(int(parts.get("level", 99)), dict(parts.get("config", {})),
-                        frozenset(parts.get("disabled", ())))
+    settings, converting = settings_of_record(job.settings)
     source = Path(job.source)
-    if prepared_key(source, settings, job.config, bool(parts.get("converting", True))) != job.key:
+    if prepared_key(source, settings, job.config, converting) != job.key:
         log.info("ortmem: %s changed since its start; not preparing it under the old key", source)
         return None
     entry, _ = build_prepared(cache, source, job.key, packing=job.config, threads=job.intra_op_num_threads)

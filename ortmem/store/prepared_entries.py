@@ -64,6 +64,19 @@ def prepared_key(model_path: Path, settings: OrtSettings, packing: dict[str, str
     })
 
 
+def settings_record(settings: OrtSettings, converting: bool) -> dict[str, Any]:
+    """The key parts of :func:`prepared_key` a starter hands the background packer (as JSON), so the
+    packer can compute the key again from the source as it is then (:func:`settings_of_record`)."""
+    return {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
+            "disabled": sorted(settings.disabled_optimizers), "converting": converting}
+
+
+def settings_of_record(record: dict[str, Any]) -> tuple[OrtSettings, bool]:
+    """(settings, converting) back from :func:`settings_record`."""
+    return (OrtSettings(int(record.get("level", 99)), dict(record.get("config", {})),
+                        frozenset(record.get("disabled", ()))), bool(record.get("converting", True)))
+
+
 def is_marker(entry: Entry) -> bool:
     """Whether ``entry`` records only that nothing is worth preparing (no model to load)."""
     try:

@@ -23,7 +23,7 @@ from ..ortmodel.settings import OrtSettings, Packing
 from .cache import Cache
 from .hit import entry_start
 from .packer import PrepackLater
-from .prepared_entries import is_marker, prepared_key, usable_prepared
+from .prepared_entries import is_marker, prepared_key, settings_record, usable_prepared
 from .sources import converted_key
 from .start import MISS, PREPARED, Start
 
@@ -60,10 +60,9 @@ def start(cache: Optional[Cache], path: Path, *, settings: OrtSettings, fp16_in_
     if entry is None:  # built after the first run, if ORT gets the model unconverted and the cache can be written
         if not cache.writable:
             return Start(MISS)
-        parts = {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
-                 "disabled": sorted(settings.disabled_optimizers), "converting": converting}
         return Start(MISS, later=PrepackLater(str(cache.root), key, cache.verify_mode, dict(config), threads,
-                                              kind="prepared", source=str(path), settings=parts))
+                                              kind="prepared", source=str(path),
+                                              settings=settings_record(settings, converting)))
     if is_marker(entry):  # ORT packs nothing in this model: the start is ORT's
         return Start(MISS)
     return Start(PREPARED, path=entry.model_path, fallback=path, entry=entry, cache=cache)
