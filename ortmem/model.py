@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
-
-import onnx
+from typing import TYPE_CHECKING, Iterator
 
 from .weights import WeightRef, WeightStore
+
+if TYPE_CHECKING:  # a Model comes from the loader, which imports onnx; naming the class needs none
+    import onnx
 
 
 @dataclass(eq=False)

@@ -126,6 +126,34 @@ def read_facts(path: Path) -> FileFacts:
     )
 
 
+def needs_session_path(facts: FileFacts, converting: bool) -> bool:
+    """Whether a model file needs ortmem's loader or conversion: DequantizeLinear to convert, recompute
+    metadata, or external data (or inline tensors) the loader must check. A model that needs neither is
+    handed to ORT by :func:`plain_handover`, with no onnx import."""
+    return facts.needs_loader or facts.recompute or (facts.dequantize and converting)
+
+
+def plain_handover(path: Path, facts: FileFacts) -> Optional[tuple[Path, Optional[Path]]]:
+    """What ORT is given for a model file that needs nothing of the session path (see
+    :func:`needs_session_path`): (the file itself, None) when nothing is embedded above
+    :data:`INLINE_MAX_BYTES`; (its skeleton beside a hard link, the private folder the caller removes
+    once ORT has mapped what it needs) when every embedded weight sits in the main graph; None when
+    the session path must decide: weights inside subgraphs, or no hard link possible."""
+    if facts.skeleton is None:
+        return path, None
+    if not facts.main_graph_only:
+        return None
+    return link_skeleton(path, facts.skeleton)
+
+
+def mentions_recompute(path: Path) -> bool:
+    """Whether ``path``'s bytes contain the recompute metadata prefix: False means no recompute settings
+    are recorded (a warm start's check, with no onnx import); True may be a name that contains it, so the
+    caller parses the model to know."""
+    with open(path, "rb") as f:
+        return bool(_found_in_file(f.fileno(), os.fstat(f.fileno()).st_size, (RECOMPUTE_METADATA.encode(),)))
+
+
 def _found_in(data: bytes, needles: tuple[bytes, ...]) -> set[bytes]:
     return {n for n in needles if n in data}
 

@@ -62,10 +62,12 @@ def test_lazy_names_resolve_to_their_owners():
         ortmem.not_a_name  # noqa: B018
 
 
-def test_a_warm_start_loads_no_passes(tmp_path):
+def test_a_warm_start_loads_no_passes_and_no_onnx(tmp_path):
     """A start that finds its converted entry loads it by path: nothing of the conversion (the passes,
-    the writer, the publisher) is imported, so a warm start pays none of it. The cold start runs in its
-    own process first, as a user's first start would."""
+    the writer, the publisher) is imported, and not onnx either (its key reads onnx's version from the
+    install, recompute metadata is searched in the entry's bytes), so a warm start pays none of it.
+    The cold start runs in its own process first, as a user's first start would; the second packs
+    ORT's weights on its first hit (which parses the entry); the third only maps."""
     import os
 
     from ortmem.synth import SynthConfig, write_model
@@ -73,9 +75,41 @@ def test_a_warm_start_loads_no_passes(tmp_path):
     model = write_model(SynthConfig(storage="external"), tmp_path / "model.onnx")
     env = {**os.environ, "ORTMEM_CACHE_DIR": str(tmp_path / "cache")}
     start = (f"import sys, json, ortmem\ns = ortmem.InferenceSession({str(model)!r}, providers=['CPUExecutionProvider'])\n"
-             "print(json.dumps([s.ortmem_action, sorted(m for m in sys.modules if m.startswith(('ortmem.passes', "
-             "'ortmem.store.writer', 'ortmem.store.publish', 'ortmem.handoff.conversion')))]))")
+             "print(json.dumps([s.ortmem_action, sorted(m for m in sys.modules if m == 'onnx' or m.startswith(("
+             "'ortmem.passes', 'ortmem.store.writer', 'ortmem.store.publish', 'ortmem.handoff.conversion')))]))")
     runs = [json.loads(subprocess.run([sys.executable, "-c", start], env=env, capture_output=True, text=True, check=True,
-                                      timeout=300).stdout.strip().splitlines()[-1]) for _ in range(2)]
+                                      timeout=300).stdout.strip().splitlines()[-1]) for _ in range(3)]
     assert runs[0][0] == "converted" and "ortmem.store.publish" in runs[0][1]
-    assert runs[1][0] in ("pre-packed", "cache-hit") and runs[1][1] == []
+    assert runs[1][0] in ("pre-packed", "cache-hit") and [m for m in runs[1][1] if m != "onnx"] == []
+    assert runs[2][0] in ("pre-packed", "cache-hit") and runs[2][1] == []
+
+
+def test_a_prepared_start_loads_no_onnx(tmp_path):
+    """A model ortmem does not convert, prepared at deploy time (``ortmem prepare``), starts by mapping
+    its prepared entry with no onnx import (on a release that saves no pre-packed weights the entry is
+    a marker and ORT gets the model as given)."""
+    import os
+
+    from onnx import TensorProto, helper, numpy_helper
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((256, 256)).astype(np.float32), f"w{i}") for i in range(4)]
+    nodes = [helper.make_node("MatMul", ["x" if i == 0 else f"h{i}", f"w{i}"], [f"h{i + 1}" if i < 3 else "y"]) for i in range(4)]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 256])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 256])], inits)
+    path = tmp_path / "mlp.onnx"
+    import onnx
+
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    env = {**os.environ, "ORTMEM_CACHE_DIR": str(tmp_path / "cache"), "ORTMEM_PREPARE_MIN_BYTES": "0"}
+    subprocess.run([sys.executable, "-m", "ortmem", "prepare", str(path)], env=env, capture_output=True, check=True,
+                   timeout=300)
+    start = (f"import sys, json, ortmem\ns = ortmem.InferenceSession({str(path)!r}, providers=['CPUExecutionProvider'])\n"
+             "print(json.dumps([s.ortmem_action, 'onnx' in sys.modules]))")
+    action, onnx_loaded = json.loads(subprocess.run([sys.executable, "-c", start], env=env, capture_output=True, text=True,
+                                                    check=True, timeout=300).stdout.strip().splitlines()[-1])
+    from ortmem.ortmodel.release import capabilities
+
+    if capabilities().prepacked_save:
+        assert action == "prepared" and not onnx_loaded

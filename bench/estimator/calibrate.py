@@ -13,6 +13,7 @@ those models and repeats of (measured - predicted with the constant at 0):
   first reads of mapped weights);
 * ``ortmem_import_bytes``: what ``import ortmem.session`` adds in a fresh interpreter
   (``fixed_costs.py``): a first ``ortmem.InferenceSession`` pays it, plain ORT does not;
+* ``ortmem_convert_import_bytes``: what a converting start imports beyond it (``fixed_costs.py``);
 * ``ortmem_fixed_bytes``: ``ortmem-warm`` after creation minus ortmem's modelled figure, the session
   constant and the imports: the skeleton, the cache lookup, modules imported lazily;
 * ``ortmem_cold_peak_bytes`` / ``ortmem_cold_retained_bytes``: ``ortmem-cold`` (empty cache) against
@@ -38,14 +39,14 @@ def load_rows(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def fit_cold_start(rows: list[dict], pred: dict, import_bytes: int) -> tuple[int, int]:
+def fit_cold_start(rows: list[dict], pred: dict, import_bytes: int, convert_import_bytes: int) -> tuple[int, int]:
     """(``ortmem_cold_peak_bytes``, ``ortmem_cold_retained_bytes``) from ``ortmem-cold`` probes of the
     models ortmem converts, against their ``ortmem-warm`` (cache hit, no pre-packed weights) probes.
 
-    The floor: the smallest median of (cold creation peak - baseline - imports) over those models: on
-    the smallest of them the cold start's own temporaries (source digest, type resolution, writers)
-    decide the peak, on larger ones ORT's session does and the figure is higher. Retained: the
-    median of (cold - warm) after creation."""
+    The floor: the smallest median of (cold creation peak - baseline - both imports) over those
+    models: on the smallest of them the cold start's own temporaries (source digest, type resolution,
+    writers) decide the peak, on larger ones ORT's session does and the figure is higher. Retained:
+    the median of (cold - warm) after creation, less the conversion's imports (modelled apart)."""
     by: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
         by.setdefault((r["model"], r["strategy"]), []).append(r)
@@ -54,9 +55,10 @@ def fit_cold_start(rows: list[dict], pred: dict, import_bytes: int) -> tuple[int
         warm = by.get((model, "ortmem-warm"))
         if strategy != "ortmem-cold" or not warm or pred[model].ortmem_cold is pred[model].ortmem:
             continue
-        floors.append(statistics.median(r["peak_create"] - r["baseline"] for r in cold) - import_bytes)
+        floors.append(statistics.median(r["peak_create"] - r["baseline"] for r in cold) - import_bytes
+                      - convert_import_bytes)
         kept.append(statistics.median(r["after_create"] - r["baseline"] for r in cold)
-                    - statistics.median(r["after_create"] - r["baseline"] for r in warm))
+                    - statistics.median(r["after_create"] - r["baseline"] for r in warm) - convert_import_bytes)
     if not floors:
         return 0, 0
     return int(min(floors)), max(0, int(statistics.median(kept)))
@@ -75,10 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows = [r for r in load_rows(args.measurements) if r["model"] in args.names]
     zero = Calibration(baseline_bytes=0, session_fixed_bytes=0, ortmem_fixed_bytes=0, run_fixed_bytes=0,
-                       ortmem_import_bytes=0, ortmem_cold_peak_bytes=0, ortmem_cold_retained_bytes=0, source="zero")
+                       ortmem_import_bytes=0, ortmem_convert_import_bytes=0, ortmem_cold_peak_bytes=0, ortmem_cold_retained_bytes=0, source="zero")
     pred = {n: estimate(Path(args.models) / n / "model.onnx", dims=DIMS, calibration=zero) for n in args.names}
     imports = measure_imports(args.import_repeat)
     import_bytes = imports["session_path"]["VmRSS"]
+    convert_import_bytes = imports["conversion"]["VmRSS"]
     base = [r["baseline"] for r in rows]
     fixed, run, om = [], [], []
     for r in rows:
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         elif r["strategy"] == "ortmem-warm":
             om.append(r["after_create"] - r["baseline"] - e.ortmem.after_create_bytes_without_hygiene - import_bytes)
     session_fixed = int(statistics.median(fixed))
-    cold_peak, cold_kept = fit_cold_start(rows, pred, import_bytes)
+    cold_peak, cold_kept = fit_cold_start(rows, pred, import_bytes, convert_import_bytes)
     # retention: least squares through the origin of (measured ort - modelled without the term) on the basis
     num = den = 0.0
     for r in rows:
@@ -108,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         "session_fixed_bytes": session_fixed,
         "run_fixed_bytes": int(statistics.median(run)),
         "ortmem_import_bytes": import_bytes,
+        "ortmem_convert_import_bytes": convert_import_bytes,
         "ortmem_fixed_bytes": int(statistics.median(om)) - session_fixed,
         "ortmem_cold_peak_bytes": cold_peak,
         "ortmem_cold_retained_bytes": cold_kept,

@@ -22,17 +22,18 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
-import onnx
 import onnxruntime as ort
 
 from ..errors import OrtmemError
 from ..model import Model
-from ..model_facts import FOLDER_KEY, RECOMPUTE_METADATA
+from ..model_facts import FOLDER_KEY, RECOMPUTE_METADATA, mentions_recompute
 from ..options import get_config, scoped_config
 from ..store.packer import PrepackLater
 from ..store.start import HIT_KINDS, PREPARED, Start
 
-if TYPE_CHECKING:  # the conversion is imported only by a start that converts
+if TYPE_CHECKING:  # the conversion (and onnx) is imported only by a start that converts
+    import onnx
+
     from ..inmemory import InMemoryConversion
     from ..passes.conversion_plan import ConversionReport
 
@@ -98,6 +99,8 @@ class Handoff:
             if recompute not in (None, False):
                 raise OrtmemError("recompute= needs the converted model on disk: use cache=True (the default)")
             return self
+        if recompute in (None, False) and not self._may_record_recompute():
+            return self  # a warm start: decided from the entry's bytes, nothing parsed, no onnx imported
         skeleton = self.skeleton()
         if recompute in (None, False) and not any(p.key.startswith(RECOMPUTE_METADATA) for p in skeleton.metadata_props):
             return self  # the common case: nothing to plan, nothing recorded (and no planner imported)
@@ -156,10 +159,24 @@ class Handoff:
         for d in self.tempdirs:
             shutil.rmtree(d, ignore_errors=True)
 
+    def _may_record_recompute(self) -> bool:
+        """False when what ORT gets records no recompute settings; True when it may (parse to know)."""
+        if self._parsed_source():
+            return any(p.key.startswith(RECOMPUTE_METADATA) for p in self.source.skeleton.metadata_props)
+        if isinstance(self.model, str):
+            return mentions_recompute(Path(self.model))  # an entry's or a skeleton's file: small
+        return RECOMPUTE_METADATA.encode() in self.model
+
+    def _parsed_source(self) -> bool:
+        """Whether ORT gets the loader's own model file, whose skeleton is already parsed."""
+        return self.source is not None and self.source.pristine and self.model == str(self.source.path)
+
     def skeleton(self) -> onnx.ModelProto:
         """The weightless ModelProto ORT is about to be given (parsed from the path or the bytes)."""
-        if self.source is not None and self.source.pristine and self.model == str(self.source.path):
+        if self._parsed_source():
             return self.source.skeleton  # already parsed by the loader
+        import onnx
+
         if isinstance(self.model, str):
             return onnx.load(self.model, load_external_data=False)
         return onnx.ModelProto.FromString(self.model)

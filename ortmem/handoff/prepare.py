@@ -14,23 +14,24 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
-import onnx
-
-from ..loader import load
 from ..model import Model
-from ..model_facts import FOLDER_KEY, min_prepared_bytes
+from ..model_facts import FOLDER_KEY, min_prepared_bytes, needs_session_path, plain_handover, read_facts
 from ..options import get_config
 from ..store.start import HIT_KINDS, MISS, Start
 from ..store.verdict import start
 from .handoff import Handoff
 from .request import AS_GIVEN, Request
 
-ModelInput = Union[str, os.PathLike, bytes, onnx.ModelProto, Model]
+if TYPE_CHECKING:  # onnx is imported by a start that parses a model, never by a warm start
+    import onnx
+
+ModelInput = Union[str, os.PathLike, bytes, "onnx.ModelProto", Model]
 
 
 def prepare(model: ModelInput, request: Optional[Request] = None) -> Handoff:
@@ -44,9 +45,16 @@ def prepare(model: ModelInput, request: Optional[Request] = None) -> Handoff:
         return _from_path(model, request)
     if isinstance(model, (bytes, bytearray, memoryview)):
         return _spill(lambda f: f.write(model), request)
-    if isinstance(model, onnx.ModelProto):
+    if _is_model_proto(model):
         return _spill(lambda f: f.write(model.SerializeToString()), request)
     raise TypeError(f"ortmem cannot load a model from {type(model).__name__}; pass a path, bytes, ModelProto or ortmem.Model")
+
+
+def _is_model_proto(model: object) -> bool:
+    """Whether ``model`` is an ``onnx.ModelProto``, asked without importing onnx: a caller holding one
+    has imported it already."""
+    onnx = sys.modules.get("onnx")
+    return onnx is not None and isinstance(model, onnx.ModelProto)
 
 
 def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
@@ -61,6 +69,10 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
                         sess_options=request.sess_options)
     if verdict.path is not None:  # a warm start: nothing to parse but the entry, which ORT reads itself
         return _from_verdict(verdict)
+    plain = _plain(Path(model), request, verdict)
+    if plain is not None:
+        return plain
+    from ..loader import load
     from .conversion import converted_or_as_is
 
     handoff = _from_verdict(converted_or_as_is(load(model), request))
@@ -77,8 +89,29 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
     return handoff
 
 
+def _plain(path: Path, request: Request, verdict: Start) -> Optional[Handoff]:
+    """The handoff of a model file that needs nothing of the loader or the conversion, decided from its
+    bytes (:mod:`ortmem.model_facts`, as the hook's light route decides): ORT gets the file, or its
+    skeleton beside a hard link (``mapped``), and no onnx, loader or pass is imported, so ortmem costs
+    nothing where it does nothing. None sends the model the loader's way: it needs the loader, or its
+    prepared entry is to be built after the first run (that start records what the loader found)."""
+    if not path.is_file() or verdict.later is not None and path.stat().st_size >= min_prepared_bytes():
+        return None
+    facts = read_facts(path)
+    if needs_session_path(facts, request.converting):
+        return None
+    handover = plain_handover(path, facts)
+    if handover is None:
+        return None
+    given, workdir = handover
+    if workdir is None:
+        return Handoff(model=str(given), action="as-is")
+    return Handoff(model=str(given), action="mapped", tempdirs=(workdir,))
+
+
 def _spill(write: Callable, request: Request) -> Handoff:
     """Write an in-memory model to a private file so its weights can be mapped instead of copied."""
+    from ..loader import load
     from .conversion import converted_or_as_is
 
     tempdir = Path(tempfile.mkdtemp(prefix="ortmem-"))

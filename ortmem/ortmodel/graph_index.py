@@ -52,8 +52,7 @@ from onnx import GraphProto, ModelProto, NodeProto, TensorProto
 
 from ..errors import PlanError
 from ..onnx_walk import node_subgraphs, subgraph_path
-
-ExecutionOrder = Literal["DEFAULT", "PRIORITY_BASED"]
+from .settings import ExecutionOrder
 
 _M32 = 0xFFFFFFFF
 

@@ -8,10 +8,12 @@ the user asked for.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Literal, Mapping, Optional
 
 from ..options import get_config
-from .graph_index import ExecutionOrder
+
+#: ORT's two node orders (``SessionOptions.execution_order``), simulated by :mod:`.graph_index`.
+ExecutionOrder = Literal["DEFAULT", "PRIORITY_BASED"]
 
 #: Session config entries the fusion decision reads (ORT's parse of each is in :class:`OrtSettings`).
 FUSION_CONFIG_KEYS = ("session.qdq_matmulnbits_accuracy_level", "session.qdq_matmulnbits_block_size",

@@ -2,20 +2,25 @@
 
 Pure (numpy + onnx only), so that the release layer (:mod:`ortmem.ortmodel.release`) and the passes
 can name variants without importing the probe program (:mod:`ortmem.release_probe`), which sits above
-the session path it exercises.
+the session path it exercises. The names are plain data (``TensorProto.DataType`` numbers, fixed by
+onnx.proto, as in :mod:`ortmem.dtypes`) and onnx is imported only by the model builders, which only
+the probe runs: a warm start reads the release's answers by these names and never imports onnx.
 """
 from __future__ import annotations
 
-import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
+from typing import TYPE_CHECKING
 
-INT2, UINT2 = 26, 25
+import numpy as np
+
+if TYPE_CHECKING:
+    import onnx
+    from onnx import TensorProto
+
+FLOAT, UINT8, INT8, INT64, FLOAT16, UINT4, INT4, UINT2, INT2 = 1, 2, 3, 7, 10, 21, 22, 25, 26
 #: (ONNX type, bits, signed) of every DQ weight type ortmem's rewrite knows.
-WEIGHT_TYPES = {"int2": (INT2, 2, True), "uint2": (UINT2, 2, False), "int4": (TensorProto.INT4, 4, True),
-                "uint4": (TensorProto.UINT4, 4, False), "int8": (TensorProto.INT8, 8, True),
-                "uint8": (TensorProto.UINT8, 8, False)}
-SCALE_TYPES = {"float": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+WEIGHT_TYPES = {"int2": (INT2, 2, True), "uint2": (UINT2, 2, False), "int4": (INT4, 4, True),
+                "uint4": (UINT4, 4, False), "int8": (INT8, 8, True), "uint8": (UINT8, 8, False)}
+SCALE_TYPES = {"float": FLOAT, "float16": FLOAT16}
 #: Block sizes swept for the fusion bound (int4, float scales, accuracy 4). ORT's rule takes powers of two.
 BLOCK_SWEEP = (16, 32, 64, 128, 256, 512, 1024, 2048)
 ACCURACY_LEVELS = (0, 4)
@@ -43,6 +48,8 @@ def variant_key(kind: str, wtype: str, has_zp: bool, stype: str, accuracy: int =
 
 
 def _codes(rng: np.random.Generator, wtype: str, shape: list[int]) -> TensorProto:
+    from onnx import helper, numpy_helper
+
     onnx_type, bits, signed = WEIGHT_TYPES[wtype]
     lo, hi = (-(1 << (bits - 1)), 1 << (bits - 1)) if signed else (0, 1 << bits)
     values = rng.integers(lo, hi, shape)
@@ -66,6 +73,8 @@ def _zero_points(rng: np.random.Generator, wtype: str, shape: list[int]) -> Tens
 
 def dq_matmul_model(wtype: str, stype: str, block: int, has_zp: bool, seed: int = 0, n: int = N_COLS) -> onnx.ModelProto:
     """``Y = A @ DequantizeLinear(W, S[, Z], axis=0, block_size)``, K = 2 blocks, N = 8 by default."""
+    from onnx import helper, numpy_helper
+
     rng = np.random.default_rng(seed)
     k = 2 * block
     f = SCALE_TYPES[stype]
@@ -85,12 +94,16 @@ def dq_matmul_model(wtype: str, stype: str, block: int, has_zp: bool, seed: int 
 
 def _model(g: onnx.GraphProto, wtype: str) -> onnx.ModelProto:
     """Opset 21 (blocked DequantizeLinear), 25 for 2-bit weights (int2/uint2 arrived in opset 25); IR 10."""
+    from onnx import helper
+
     opset = 25 if WEIGHT_TYPES[wtype][1] == 2 else 21
     return helper.make_model(g, ir_version=10, opset_imports=[helper.make_opsetid("", opset)])
 
 
 def dq_gather_model(wtype: str, stype: str, has_zp: bool, seed: int = 0) -> onnx.ModelProto:
     """``Y = Gather(DequantizeLinear(W, S[, Z], axis=1, block_size=16), ids)``, a [16, 32] table."""
+    from onnx import helper, numpy_helper
+
     rng = np.random.default_rng(seed)
     v, d, block = 16, 32, 16
     f = SCALE_TYPES[stype]
@@ -103,7 +116,7 @@ def dq_gather_model(wtype: str, stype: str, has_zp: bool, seed: int = 0) -> onnx
         inputs.append("Z")
     nodes = [helper.make_node("DequantizeLinear", inputs, ["Wd"], axis=1, block_size=block, name="dq"),
              helper.make_node("Gather", ["Wd", "ids"], ["Y"], axis=0, name="ga")]
-    g = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
+    g = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info("ids", INT64, [3])],
                           [helper.make_tensor_value_info("Y", f, [3, d])], inits)
     return _model(g, wtype)
 
@@ -112,6 +125,8 @@ def dq_shared_weight_model(seed: int = 0) -> onnx.ModelProto:
     """Two DequantizeLinear nodes reading one int4 weight, each feeding a MatMul: the structural
     question of the shared-initializer guard (``DQMatMulToMatMulNBits`` rejects a DQ whose weight has
     other consumers from ORT PR #28326 on). Block 32, float scales, K = 64, N = 8."""
+    from onnx import helper, numpy_helper
+
     rng = np.random.default_rng(seed)
     block, k, n = 32, 64, N_COLS
     inits = [_codes(rng, "int4", [k, n]),
@@ -121,7 +136,7 @@ def dq_shared_weight_model(seed: int = 0) -> onnx.ModelProto:
              helper.make_node("DequantizeLinear", ["W", "S2"], ["Wd2"], axis=0, block_size=block, name="dq2"),
              helper.make_node("MatMul", ["A", "Wd1"], ["Y1"], name="mm1"),
              helper.make_node("MatMul", ["A", "Wd2"], ["Y2"], name="mm2")]
-    g = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [2, k])],
-                          [helper.make_tensor_value_info("Y1", TensorProto.FLOAT, [2, n]),
-                           helper.make_tensor_value_info("Y2", TensorProto.FLOAT, [2, n])], inits)
+    g = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info("A", FLOAT, [2, k])],
+                          [helper.make_tensor_value_info("Y1", FLOAT, [2, n]),
+                           helper.make_tensor_value_info("Y2", FLOAT, [2, n])], inits)
     return _model(g, "int4")

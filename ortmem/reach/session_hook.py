@@ -45,7 +45,7 @@ from onnxruntime.capi import onnxruntime_inference_collection as _collection
 
 from ..helper_env import ENV_OPTIONS, ENV_SWITCH
 from ..hygiene import trim as trim_heap
-from ..model_facts import FOLDER_KEY, min_prepared_bytes, link_skeleton, read_facts
+from ..model_facts import FOLDER_KEY, min_prepared_bytes, needs_session_path, plain_handover, read_facts
 from ..options import get_config
 from ..ort_original import ORT_SESSION
 from ..ortmodel.providers import FUSING_PROVIDERS, not_fusing, provider_names
@@ -284,19 +284,19 @@ def _light_route(model: Any, args: tuple, kwargs: dict, opts: HookOptions) -> Op
     if sess_options is not None and any(get_config(sess_options, k) is not None for k in (FOLDER_KEY, *_QDQ_CONFIG_KEYS)):
         return None
     facts = read_facts(path)
-    if facts.needs_loader or facts.recompute or (facts.dequantize and opts.convert):
+    if needs_session_path(facts, opts.convert):
         return None
-    if facts.skeleton is None:
-        return _record(model, _trimmed(lambda: ORIGINAL(*args, **kwargs), opts), _tagged("as-is"))
-    if not facts.main_graph_only:
+    if facts.skeleton is not None and not facts.main_graph_only:
         if sess_options is None:
             return None  # the session path hands the skeleton over as bytes with the folder entry
         return _record(model, _trimmed(lambda: ORIGINAL(*args, **kwargs), opts),
                        lambda s: "untouched: weights inside subgraphs, with the caller's SessionOptions")
-    linked = link_skeleton(path, facts.skeleton)
-    if linked is None:
+    handover = plain_handover(path, facts)
+    if handover is None:
         return None  # the session path tries the cache's file system too
-    skeleton, workdir = linked
+    skeleton, workdir = handover
+    if workdir is None:
+        return _record(model, _trimmed(lambda: ORIGINAL(*args, **kwargs), opts), _tagged("as-is"))
     try:
         session = _record(model, _trimmed(lambda: _quiet_attempt(
             lambda: ORIGINAL(str(skeleton), *args[1:], **{**kwargs, "enable_fallback": 0}), kwargs), opts),

@@ -73,11 +73,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper
 
 from . import digest as content_digest
 from .layout import MANIFEST, MODEL_FILE, PREPACKED_DATA, PREPACKED_MANIFEST, PREPACKED_MODEL, WEIGHTS_FILE
@@ -87,7 +85,12 @@ from ..errors import CacheError
 from ..options import get_config
 from ..ortmodel.release import cpu_flags
 from ..ortmodel.settings import packing_settings, session_settings
+from ..protowire import DATA_LOCATION_EXTERNAL
 from ..weights import PAGE, page_align
+
+if TYPE_CHECKING:  # only packing (save_prepacked) parses models; a warm start reads files and imports no onnx
+    import onnx
+    from onnx import TensorProto
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +281,7 @@ def _packables(model: onnx.ModelProto, entry_dir: Path,
         if t is None or b in graph_inputs:
             skipped.append(f"{node.name or b}: B is not a constant initializer")
             continue
-        location = _ext(t).get("location", "") if t.data_location == TensorProto.EXTERNAL else ""
+        location = _ext(t).get("location", "") if t.data_location == DATA_LOCATION_EXTERNAL else ""
         if not _inside(entry_dir, location) or (weights_name is not None and location != weights_name):
             skipped.append(f"{node.name or b}: B is not external data in the folder")
             continue
@@ -320,6 +323,8 @@ def _value_types(model: onnx.ModelProto) -> dict[str, int]:
 def _sub_model(model: onnx.ModelProto, group: list[_Packable], types: dict[str, int]) -> onnx.ModelProto:
     """The group's MatMulNBits nodes alone: activations become graph inputs, outputs graph outputs,
     constant inputs the entry's own initializer protos (external data into ``weights.bin``)."""
+    from onnx import TensorProto, helper
+
     inits = {t.name: t for t in model.graph.initializer}
     nodes, sub_inits, inputs, outputs = [], {}, {}, []
     for p in group:
@@ -501,6 +506,8 @@ def _no_space(entry_dir: Path, what: str, exc: BaseException) -> NoSpaceError:
 def _pack_and_save(entry_dir: Path, *, sess_options: Optional[ort.SessionOptions], model_name: str,
                    weights_name: Optional[str], group_bytes: int, report: Optional[PrepackReport]) -> Optional[Path]:
     """:func:`save_prepacked`'s packing and publishing, every temporary file removed on return."""
+    import onnx
+
     start = time.perf_counter()
     rep = report if report is not None else PrepackReport(None)
     base_path = entry_dir / model_name

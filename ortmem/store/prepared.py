@@ -48,14 +48,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 
 from . import digest
 from .sources import source_record, sources_problem
 from ..errors import CacheError
 from .trust import PRIVATE_FILE_MODE, cache_file_problem, fsync_dir, make_private_dir, read_nofollow, write_new
-from ..onnx_walk import external_data_dict, is_external, iter_tensor_sites
 from ..ortmodel.settings import OrtSettings
 from .prepacked import prepacked_key_parts
 
@@ -87,6 +85,10 @@ class PreparedReport:
 def source_files(source: Path) -> list[Path]:
     """The .onnx file and every external data file its tensors point into (what a prepared model is
     made from, so what must stay unchanged for it to be used)."""
+    import onnx  # the writing half parses models; a warm start only reads this module's manifest checks
+
+    from ..onnx_walk import external_data_dict, is_external, iter_tensor_sites
+
     model = onnx.load(str(source), load_external_data=False)
     folder = Path(source).resolve().parent
     locations = {external_data_dict(s.tensor).get("location", "") for s in iter_tensor_sites(model)
@@ -104,6 +106,10 @@ def prepare_model(source: Path, folder: Path, stem: str = "prepared", *, setting
 
     Raises :class:`PrepareError` when ORT fails to load or save the model; nothing is published then.
     """
+    import onnx
+
+    from ..onnx_walk import external_data_dict
+
     start = time.perf_counter()
     source, folder = Path(source), Path(folder)
     settings = settings or OrtSettings()

@@ -22,14 +22,13 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
-import onnx
 import onnxruntime as ort
 
 from .. import __version__
 from .cache import Cache
 from .layout import Entry
 from .layout import MODEL_FILE
-from .sources import entry_key, private_mode, source_record
+from .sources import entry_key, onnx_version, private_mode, source_record
 from ..ortmodel.settings import OrtSettings
 from .prepacked import prepacked_key_parts
 from .prepared import (
@@ -59,7 +58,7 @@ def prepared_key(model_path: Path, settings: OrtSettings, packing: dict[str, str
         "converting": bool(converting),
         "ortmem": __version__,
         "onnxruntime": ort.__version__,
-        "onnx": onnx.__version__,
+        "onnx": onnx_version(),
         "blobs": prepacked_key_parts(),
     })
 

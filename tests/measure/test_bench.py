@@ -172,9 +172,10 @@ def test_whole_process_peak_is_the_process_own_not_the_benchs(tmp_path: Path) ->
 
 @slow
 def test_nothing_of_the_session_path_is_imported_before_the_clock(tiny: str) -> None:
-    """A real first ortmem.InferenceSession imports ortmem.session and onnx: inside its creation."""
+    """A real first ortmem.InferenceSession imports ortmem.session (and onnx where the model needs the
+    loader; this fp32 model goes to ORT from its bytes, without): inside its creation."""
     ortmem_run = probe("ortmem-nocache", tiny, options={"run": False})
-    assert {"onnx", "ortmem.session"} <= set(ortmem_run.create_imports), ortmem_run.create_imports
+    assert "ortmem.session" in ortmem_run.create_imports, ortmem_run.create_imports
     ort_run = probe("ort", tiny, options={"run": False})
     assert not [m for m in ort_run.create_imports if m.startswith("ortmem") or m == "onnx"], ort_run.create_imports
 

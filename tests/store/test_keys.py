@@ -100,3 +100,15 @@ def test_fp16_in_fp32(tmp_path):
         assert not h.cache_hit and h.report is not None
         h.cleanup()
     assert len(list(cache.entries())) == 2
+
+
+def test_the_onnx_version_read_without_onnx_is_onnx_own():
+    """A warm start keys its entry by onnx's version without importing onnx (the dist-info folder
+    beside the package): it must be the ``onnx.__version__`` a cold start keyed it by."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom ortmem.store.sources import onnx_version\nv = onnx_version()\n"
+             "assert 'onnx' not in sys.modules, 'onnx was imported'\nprint(v)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == onnx.__version__

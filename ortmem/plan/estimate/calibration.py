@@ -24,9 +24,13 @@ class Calibration:
     #: types only): where plain ORT starts, and ortmem too before its first session
     baseline_bytes: int = 47 * MiB
     session_fixed_bytes: int = int(7.4 * MiB)
-    #: what a first ``ortmem.InferenceSession`` imports beyond ``import ortmem`` (its session path, onnx
-    #: included): resident from then on, in every process that creates a session through ortmem
-    ortmem_import_bytes: int = int(19.5 * MiB)
+    #: what a first ``ortmem.InferenceSession`` imports beyond ``import ortmem`` (its session path: the
+    #: handoff and the store's lookup, no onnx): resident from then on, in every process that creates a
+    #: session through ortmem; all a warm start imports
+    ortmem_import_bytes: int = int(8.7 * MiB)
+    #: what a start that converts imports beyond that (onnx, the loader, the passes, the publisher):
+    #: resident from then on, in the cold start's side only
+    ortmem_convert_import_bytes: int = int(10.5 * MiB)
     #: what the hook holds beyond its imports and ORT's own figure on a cache hit (skeleton, lookup)
     ortmem_fixed_bytes: int = 0
     #: a cold start's creation floor above the baseline and imports: the source digest's read buffer,
@@ -57,14 +61,16 @@ class Calibration:
         """These constants with the import baseline the release probe measured on this machine and
         release (``ortmodel.release``), when it did: the one constant every estimate adds whole.
 
-        The probe measures a process with ortmem's session path imported (onnx included), i.e. where
-        ortmem's side stands before its session; plain ORT's side starts ``ortmem_import_bytes``
-        lower (measured by ``bench/estimator/fixed_costs.py``: what ortmem's imports add does not
-        depend on the ORT release, what ``import onnxruntime`` costs does)."""
+        The probe measures a process with ortmem's session path and its conversion imported (onnx
+        included, :data:`ortmem.release_probe.CONVERSION_MODULES`); plain ORT's side starts
+        ``ortmem_import_bytes + ortmem_convert_import_bytes`` lower (measured by
+        ``bench/estimator/fixed_costs.py``: what ortmem's imports add does not depend on the ORT
+        release, what ``import onnxruntime`` costs does)."""
         measured = capabilities().import_baseline_bytes
-        if not measured or measured <= self.ortmem_import_bytes:
+        imports = self.ortmem_import_bytes + self.ortmem_convert_import_bytes
+        if not measured or measured <= imports:
             return self
-        return dataclasses.replace(self, baseline_bytes=measured - self.ortmem_import_bytes)
+        return dataclasses.replace(self, baseline_bytes=measured - imports)
 
     def release_note(self) -> str | None:
         """A warning when the installed ORT is another (major, minor) than the one the constants were fitted on."""

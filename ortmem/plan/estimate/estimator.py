@@ -29,9 +29,9 @@ How (each term measured on ORT 1.31.1 and cited in ``docs/estimator.md``):
 3. **Constants** that no graph determines (the interpreter and imports, pages of ORT's own code faulted
    in during creation, run-time thread and arena overhead) come from ``calibration.json``, measured by
    ``bench/estimator/calibrate.py``; so do **ortmem's own fixed costs**, which its sides add to ORT's
-   work on the graph it hands over: the session path a first ``ortmem.InferenceSession`` imports (onnx
-   included, ~21 MiB: on small models most of what ortmem's side costs above plain ORT), and on a cold
-   start the source digest, the weightless copy's type resolution and the entry's writers
+   work on the graph it hands over: the session path a first ``ortmem.InferenceSession`` imports (no
+   onnx, ~9 MiB), and on a cold start the conversion's imports (onnx, the loader, the passes, ~10 MiB),
+   the source digest, the weightless copy's type resolution and the entry's writers
    (:func:`cold_start`). The background packer a cold start leaves is a process of its own and in no
    side. ortmem's DQ -> Gather rewrite (GatherBlockQuantized) is applied on its sides: that DQ never
    runs and its table is read row by row (:func:`~ortmem.plan.estimate.recipe.ortmem_gathers`).
@@ -159,12 +159,15 @@ def _node_rows(root: og.OrtGraph, shapes: shp.Shapes, order: og.ExecutionOrder, 
 # ------------------------------------------------------------------------------ ortmem's cold start
 def cold_start(warm: Side, cal: Calibration) -> Side:
     """ortmem's cold start on a model it converts, from its cache-hit side: ORT loads the same
-    entry, but the start first digests the source file (an 8 MiB read buffer, ``ortmem.store.digest``),
-    resolves the weightless copy's value types (``ortmodel.value_types``) and writes the entry. Those
-    temporaries set a floor under the creation peak (measured: they decide it on models below
-    ~20 MiB of weights), and what they leave behind (``ortmem_cold_retained_bytes``) stays."""
-    floor = cal.baseline_bytes + cal.ortmem_import_bytes + cal.ortmem_cold_peak_bytes
-    kept = cal.ortmem_cold_retained_bytes
+    entry, but the start first imports the conversion (onnx, the loader, the passes: resident from
+    then on, ``ortmem_convert_import_bytes``, which a warm start never imports), digests the source
+    file (an 8 MiB read buffer, ``ortmem.store.digest``), resolves the weightless copy's value types
+    (``ortmodel.value_types``) and writes the entry. Those temporaries set a floor under the creation
+    peak (measured: they decide it on models below ~20 MiB of weights), and what they leave behind
+    (``ortmem_cold_retained_bytes``) stays."""
+    imports = cal.ortmem_import_bytes + cal.ortmem_convert_import_bytes
+    floor = cal.baseline_bytes + imports + cal.ortmem_cold_peak_bytes
+    kept = cal.ortmem_convert_import_bytes + cal.ortmem_cold_retained_bytes
     return dataclasses.replace(
         warm,
         session_peak_bytes=max(warm.session_peak_bytes + kept, floor),
@@ -264,8 +267,9 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
         )
 
     ort_side = side(False, 0)
-    # ortmem's own fixed costs: the session path a first ortmem.InferenceSession imports (onnx
-    # included), and what the hook holds beyond it on a cache hit (calibration.json)
+    # ortmem's own fixed costs: the session path a first ortmem.InferenceSession imports (no onnx: a
+    # cold start's conversion imports are in cold_start), and what the hook holds beyond it on a
+    # cache hit (calibration.json)
     hook_fixed = cal.ortmem_import_bytes + cal.ortmem_fixed_bytes
     ortmem_side = side(True, hook_fixed)
     converts = bool(plan.qdq or gathers.tables)
