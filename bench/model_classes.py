@@ -39,6 +39,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ortmem.bytecode import ensure_bytecode
 from ortmem.store.cache import cache_root
 from ortmem.measure.bench import run_bench, write_json
 from ortmem.measure.report import BenchReport
@@ -306,6 +307,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="measure only the classes whose name contains WORD (repeatable)")
     p.add_argument("--out", type=Path, default=None, help="folder for the JSON and PNG (default: cache/model-classes)")
     args = p.parse_args(argv)
+    print(ensure_bytecode(), flush=True)  # what an installed ortmem has (ortmem.bytecode)
     out = args.out or cache_root() / "model-classes"
     work = cache_root() / "model-classes" / "models"
     out.mkdir(parents=True, exist_ok=True)

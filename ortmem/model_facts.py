@@ -146,12 +146,14 @@ def plain_handover(path: Path, facts: FileFacts) -> Optional[tuple[Path, Optiona
     return link_skeleton(path, facts.skeleton)
 
 
-def mentions_recompute(path: Path) -> bool:
-    """Whether ``path``'s bytes contain the recompute metadata prefix: False means no recompute settings
-    are recorded (a warm start's check, with no onnx import); True may be a name that contains it, so the
-    caller parses the model to know."""
+def file_mentions(path: Path, needle: bytes) -> bool:
+    """Whether ``path``'s bytes contain ``needle`` (read in :data:`SEARCH_CHUNK` pieces, at C speed):
+    False is certain; True may be a name that contains it, so the caller looks closer. Cheaper than
+    :func:`read_facts`'s walk on a small file with many tensors (a skeleton whose weights are
+    external), so a start asks it first: for the recompute metadata prefix (a warm start's entry) or
+    :data:`DEQUANTIZE` (a model to convert)."""
     with open(path, "rb") as f:
-        return bool(_found_in_file(f.fileno(), os.fstat(f.fileno()).st_size, (RECOMPUTE_METADATA.encode(),)))
+        return bool(_found_in_file(f.fileno(), os.fstat(f.fileno()).st_size, (needle,)))
 
 
 def _found_in(data: bytes, needles: tuple[bytes, ...]) -> set[bytes]:

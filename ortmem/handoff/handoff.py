@@ -26,7 +26,7 @@ import onnxruntime as ort
 
 from ..errors import OrtmemError
 from ..model import Model
-from ..model_facts import FOLDER_KEY, RECOMPUTE_METADATA, mentions_recompute
+from ..model_facts import FOLDER_KEY, RECOMPUTE_METADATA, file_mentions
 from ..options import get_config, scoped_config
 from ..store.packer import PrepackLater
 from ..store.start import HIT_KINDS, PREPARED, Start
@@ -164,7 +164,7 @@ class Handoff:
         if self._parsed_source():
             return any(p.key.startswith(RECOMPUTE_METADATA) for p in self.source.skeleton.metadata_props)
         if isinstance(self.model, str):
-            return mentions_recompute(Path(self.model))  # an entry's or a skeleton's file: small
+            return file_mentions(Path(self.model), RECOMPUTE_METADATA.encode())  # an entry's or a skeleton's file: small
         return RECOMPUTE_METADATA.encode() in self.model
 
     def _parsed_source(self) -> bool:

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from ..model import Model
-from ..model_facts import FOLDER_KEY, min_prepared_bytes, needs_session_path, plain_handover, read_facts
+from ..model_facts import (DEQUANTIZE, FOLDER_KEY, file_mentions, min_prepared_bytes, needs_session_path, plain_handover,
+                           read_facts)
 from ..options import get_config
-from ..store.start import HIT_KINDS, MISS, Start
+from ..store.start import HIT_KINDS, MISS, UNCONVERTED, Start
 from ..store.verdict import start
 from .handoff import Handoff
 from .request import AS_GIVEN, Request
@@ -93,12 +94,21 @@ def _plain(path: Path, request: Request, verdict: Start) -> Optional[Handoff]:
     """The handoff of a model file that needs nothing of the loader or the conversion, decided from its
     bytes (:mod:`ortmem.model_facts`, as the hook's light route decides): ORT gets the file, or its
     skeleton beside a hard link (``mapped``), and no onnx, loader or pass is imported, so ortmem costs
-    nothing where it does nothing. None sends the model the loader's way: it needs the loader, or its
-    prepared entry is to be built after the first run (that start records what the loader found)."""
-    if not path.is_file() or verdict.later is not None and path.stat().st_size >= min_prepared_bytes():
+    nothing where it does nothing. A model the store has settled (``"unconverted"``: an earlier start
+    loaded it, converted nothing, and its files are unchanged) needs neither the conversion nor the
+    loader's checks again. None sends the model the loader's way: it needs the loader, or it may be
+    converted (a byte search, cheaper than the walk), or it is large enough for a prepared entry
+    (built after the first run from what the loader found; a large model pays the imports once)."""
+    if not path.is_file():
+        return None
+    settled = verdict.kind == UNCONVERTED  # the loader accepted these files and converted nothing
+    if not settled and (path.stat().st_size >= min_prepared_bytes()  # the loader's way: its entry, its checks
+                        or request.converting and file_mentions(path, DEQUANTIZE)):  # a cold start: no walk
         return None
     facts = read_facts(path)
-    if needs_session_path(facts, request.converting):
+    if settled and facts.skeleton is None and not facts.recompute:
+        return Handoff(model=str(path), action="as-is")  # external data ORT maps itself, as plain ORT does
+    if needs_session_path(facts, request.converting and not settled):
         return None
     handover = plain_handover(path, facts)
     if handover is None:

@@ -52,6 +52,7 @@ from .report import (  # noqa: F401  (re-exported: the bench's public API)
 from .stats import schedule  # noqa: F401  (re-exported)
 from .strategies import default_strategies, get_strategy
 from .whole_process import run_whole_process
+from ..bytecode import ensure_bytecode
 from .workers import DEFAULT_STRATEGIES as WORKER_STRATEGIES
 from .workers import DEFAULT_SWEEP, run_workers
 
@@ -301,6 +302,9 @@ def main(args: argparse.Namespace) -> int:
         except KeyError as e:
             print(f"ortmem bench: {e.args[0]}", file=sys.stderr)
             return 2
+    bytecode = ensure_bytecode()
+    if not args.quiet:
+        print(bytecode, file=sys.stderr, flush=True)
     if args.repeat > 0 and not args.whole_process:
         report = run_bench(
             args.models, args.strategies, args.repeat,
@@ -310,6 +314,7 @@ def main(args: argparse.Namespace) -> int:
     else:  # -n 0: the worker table only; --whole-process: no probes
         report = BenchReport(repeat=args.repeat if args.whole_process else 0, environment=environment(),
                              created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    report.environment["ortmem_bytecode"] = bytecode
     if args.repeat > 0 and (args.whole_process or args.cross_check):
         say = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
         report.whole_process = [

@@ -20,7 +20,7 @@ JSON schema ``"ortmem.bench/2"`` (all sizes in bytes, times in seconds)::
       "schema": "ortmem.bench/2",
       "created": "2025-01-01T12:00:00+00:00",        # ISO 8601, UTC
       "environment": {"python", "onnxruntime", "numpy", "ortmem", "platform", "libc",
-                      "cpu_count", "mem_total_bytes"},
+                      "cpu_count", "mem_total_bytes", "ortmem_bytecode"},   # the last: ortmem.bytecode
       "repeat": 3,
       "memray": false,                               # whether an extra memray probe was made
       "order": [[model_path, strategy, repeat_index], ...],   # the execution order

@@ -116,6 +116,9 @@ def compare(args: argparse.Namespace, program: list[str]) -> int:
     of ortmem's helpers (no hook exported to it), and writes its memory at exit. Run under the launcher
     with the hook off instead, it carried ortmem's imports and reported 0.97x peak where a plain run
     gave 1.07x (issue 23). Its sessions are not recorded: recording them takes the hook's machinery."""
+    from ..bytecode import ensure_bytecode
+
+    print(f"ortmem run --compare: {ensure_bytecode()}", file=sys.stderr)  # as an installed ortmem has it
     on_cmd = [sys.executable, "-m", "ortmem", "run", *_option_flags(args)]
     off_cmd = [sys.executable, plain_run.__file__]
     target = ["-m", args.module, *program] if args.module else ["--", *program]

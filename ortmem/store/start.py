@@ -14,6 +14,10 @@ Kinds (:attr:`Start.kind`, also the session's ``ortmem_action`` for a hit):
 - ``"prepared"``: a model ortmem does not convert, loaded from its prepared entry
   (:mod:`ortmem.store.prepared_entries`); ``fallback`` is the source itself;
 - ``"converted"``: the entry :func:`ortmem.store.publish.publish` just built (a cold start);
+- ``"unconverted"``: nothing to load, and the store knows why: the model's prepared entry is a marker
+  (nothing of it worth mapping), recorded under these settings and versions by a start whose loader
+  accepted the files as they still are (the lookup's sources check) and converted nothing. The
+  caller gives ORT the model without loading it again;
 - ``"miss"``: nothing to load: the caller converts (then publishes), or gives ORT the model.
 """
 from __future__ import annotations
@@ -35,6 +39,7 @@ CONVERTED = "converted"
 CACHE_HIT = "cache-hit"
 PRE_PACKED = "pre-packed"
 PREPARED = "prepared"
+UNCONVERTED = "unconverted"
 #: The kinds that load a converted entry found in the cache (pre-packed or not).
 HIT_KINDS = frozenset({CACHE_HIT, PRE_PACKED})
 

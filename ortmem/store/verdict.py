@@ -25,7 +25,7 @@ from .hit import entry_start
 from .packer import PrepackLater
 from .prepared_entries import is_marker, prepared_key, settings_record, usable_prepared
 from .sources import converted_key
-from .start import MISS, PREPARED, Start
+from .start import MISS, PREPARED, UNCONVERTED, Start
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,6 @@ def start(cache: Optional[Cache], path: Path, *, settings: OrtSettings, fp16_in_
         return Start(MISS, later=PrepackLater(str(cache.root), key, cache.verify_mode, dict(config), threads,
                                               kind="prepared", source=str(path),
                                               settings=settings_record(settings, converting)))
-    if is_marker(entry):  # ORT packs nothing in this model: the start is ORT's
-        return Start(MISS)
+    if is_marker(entry):  # ORT packs nothing in this model, and nothing of it was converted: the start is ORT's
+        return Start(UNCONVERTED)
     return Start(PREPARED, path=entry.model_path, fallback=path, entry=entry, cache=cache)

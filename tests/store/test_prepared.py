@@ -364,3 +364,35 @@ def test_a_prepared_model_that_differs_or_saves_nothing_is_not_worth_mapping(tmp
     other = mlp(tmp_path / "b" / "mlp.onnx", seed=1)
     assert "other outputs" in worth_mapping(first, other, OrtSettings())
     assert "nothing ORT keeps is mapped" in worth_mapping(first, first, OrtSettings())
+
+
+def test_a_settled_model_with_external_data_goes_to_ort_unloaded(tmp_path, any_size):
+    """A model whose prepared entry is a marker (ORT packs nothing of it) was loaded once, converted
+    nothing, and its files are unchanged: later starts give ORT the file as it is, without the loader
+    or onnx (the store's ``"unconverted"`` verdict), in a fresh process, with plain ORT's outputs. An
+    edit of its external data undoes that: the loader checks the files again."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    model = conv(folder / "conv.onnx")
+    onnx.save_model(onnx.load(str(model)), str(model), save_as_external_data=True, location="conv.data",
+                    size_threshold=0)
+    feeds = {"x": np.random.default_rng(3).standard_normal((1, 32, 16, 16)).astype(np.float32)}
+    cache = tmp_path / "cache"
+    assert cli_main(["prepare", str(model), "--cache", str(cache)]) == 0
+    assert prepared_cache.is_marker(next(iter(ortmem.store.cache.Cache(cache).entries())))
+    np.save(tmp_path / "x.npy", feeds["x"])
+    start = (f"import sys, json, numpy as np, ortmem\n"
+             f"s = ortmem.InferenceSession({str(model)!r}, providers=['CPUExecutionProvider'], cache={str(cache)!r})\n"
+             f"y = s.run(None, {{'x': np.load({str(tmp_path / 'x.npy')!r})}})[0]\n"
+             f"np.save({str(tmp_path / 'y.npy')!r}, y)\n"
+             "print(json.dumps([s.ortmem_action, 'onnx' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, check=True, timeout=300)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["as-is", False]
+    assert np.array_equal(np.load(tmp_path / "y.npy"), run_plain(model, feeds)[0])
+    data = folder / "conv.data"
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 1
+    data.write_bytes(bytes(raw))  # same size, new content: the marker's sources check fails
+    edited = ortmem.InferenceSession(model, providers=CPU, cache=cache)
+    assert edited.ortmem_action == "as-is" and edited.ortmem_handoff.source is not None  # loaded again
+    assert np.array_equal(edited.run(None, feeds)[0], run_plain(model, feeds)[0])
