@@ -167,12 +167,17 @@ def lstm(work: Path, *, hidden: int = 1024, layers: int = 2) -> Path:
     return path
 
 
-def genai_folder(work: Path) -> Path:
-    """:mod:`tests.support.genai_folder`'s decoder, 16 layers (384 MiB of fp32 MatMul weights)."""
-    folder = work / "genai-16x512"
-    if not (folder / "genai_config.json").exists():
-        build_genai_folder(folder, layers=16, hidden=512, ffn=5632, heads=8, vocab=256, context=64)
-    return folder
+def genai_folder(layers: int) -> Callable[[Path], Path]:
+    """:mod:`tests.support.genai_folder`'s decoder with ``layers`` layers of 512 x 5632 (24 MiB of fp32
+    MatMul weights each: 16 layers 384 MiB, 32 layers 768 MiB, the files of an int4 model of about 1.5B
+    parameters). Two sizes, because each genai process keeps about 40 MiB of its own whatever the model:
+    4 workers stay within 1.2x one worker's PSS only where the mapped model is over 14 times that."""
+    def build(work: Path) -> Path:
+        folder = work / f"genai-{layers}x512"
+        if not (folder / "genai_config.json").exists():
+            build_genai_folder(folder, layers=layers, hidden=512, ffn=5632, heads=8, vocab=256, context=64)
+        return folder
+    return build
 
 
 def classes(preset: str) -> list[ModelClass]:
@@ -182,7 +187,8 @@ def classes(preset: str) -> list[ModelClass]:
         ModelClass("fp32 conv net (rapidocr PP-OCRv4 det)", rapidocr_det, options={"dims": {f"p2o.DynamicDimension.{i}": n for i, n in enumerate((1, 128, 128))}}),
         ModelClass("fp32 LSTM (2 x 1024, onnx.helper)", lstm),
         ModelClass("int8 QOperator (quantize_dynamic MiniLM)", minilm_int8, options={"int_high": 2}),
-        ModelClass("genai folder (16 x 512 decoder)", genai_folder, plain="genai", warm="genai-prepared"),
+        ModelClass("genai folder (16 x 512 decoder)", genai_folder(16), plain="genai", warm="genai-prepared"),
+        ModelClass("genai folder (32 x 512 decoder)", genai_folder(32), plain="genai", warm="genai-prepared"),
     ]
 
 

@@ -28,11 +28,12 @@ from ..errors import OrtmemError
 from ..model import Model
 from ..model_facts import FOLDER_KEY, RECOMPUTE_METADATA, file_mentions
 from ..options import get_config, scoped_config
-from ..store.packer import PrepackLater
 from ..store.start import HIT_KINDS, PREPARED, Start
 
 if TYPE_CHECKING:  # the conversion (and onnx) is imported only by a start that converts
     import onnx
+
+    from ..store.packer import PrepackLater  # a warm start leaves nothing for later: no packer imported
 
     from ..inmemory import InMemoryConversion
     from ..passes.conversion_plan import ConversionReport

@@ -3,8 +3,10 @@ and any model input in, a :class:`~ortmem.handoff.handoff.Handoff` out.
 
 For a path, the store answers first (:func:`ortmem.store.verdict.start`, one verdict, read without
 parsing the model): a converted entry (pre-packed or not) or a prepared one is loaded by path and
-nothing else is imported. On a miss the model is loaded and converted or handed over as given
-(:mod:`.conversion`, imported only then); bytes and ``onnx.ModelProto`` are written once to a private
+nothing else is imported (no onnx either). A model that needs nothing of the loader or the conversion
+(decided from its bytes, or settled by the store) is handed over from its bytes (:func:`_plain`).
+Otherwise the model is loaded and converted or handed over as given (:mod:`.conversion` and the
+loader, imported only then); bytes and ``onnx.ModelProto`` are written once to a private
 temporary file first, so their weights can be mapped instead of copied.
 
 Every store verdict that names something ORT loads (a hit, or the entry a conversion just published)
@@ -63,16 +65,23 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
     if request.sess_options is not None and get_config(request.sess_options, FOLDER_KEY):
         # ORT would look for every external file in the caller's folder, not beside what we give it
         return Handoff(model=str(model), action=f"untouched: the caller's SessionOptions set {FOLDER_KEY}")
+    path = Path(model)
+    if path.is_file() and path.stat().st_size < min_prepared_bytes():
+        # No entry can exist for a small file with nothing to convert: the store is not asked
+        plain = _plain(path, request, settled=False)
+        if plain is not None:
+            return plain
     verdict = Start(MISS)
     if request.cache is not None:
-        verdict = start(request.cache, Path(model), settings=request.settings, fp16_in_fp32=request.fp16_in_fp32,
+        verdict = start(request.cache, path, settings=request.settings, fp16_in_fp32=request.fp16_in_fp32,
                         converting=request.converting, prepacked=request.prepacked, packing=request.packing,
                         sess_options=request.sess_options)
     if verdict.path is not None:  # a warm start: nothing to parse but the entry, which ORT reads itself
         return _from_verdict(verdict)
-    plain = _plain(Path(model), request, verdict)
-    if plain is not None:
-        return plain
+    if verdict.kind == UNCONVERTED:
+        plain = _plain(path, request, settled=True)
+        if plain is not None:
+            return plain
     from ..loader import load
     from .conversion import converted_or_as_is
 
@@ -90,20 +99,16 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
     return handoff
 
 
-def _plain(path: Path, request: Request, verdict: Start) -> Optional[Handoff]:
+def _plain(path: Path, request: Request, *, settled: bool) -> Optional[Handoff]:
     """The handoff of a model file that needs nothing of the loader or the conversion, decided from its
     bytes (:mod:`ortmem.model_facts`, as the hook's light route decides): ORT gets the file, or its
     skeleton beside a hard link (``mapped``), and no onnx, loader or pass is imported, so ortmem costs
-    nothing where it does nothing. A model the store has settled (``"unconverted"``: an earlier start
-    loaded it, converted nothing, and its files are unchanged) needs neither the conversion nor the
-    loader's checks again. None sends the model the loader's way: it needs the loader, or it may be
-    converted (a byte search, cheaper than the walk), or it is large enough for a prepared entry
-    (built after the first run from what the loader found; a large model pays the imports once)."""
-    if not path.is_file():
-        return None
-    settled = verdict.kind == UNCONVERTED  # the loader accepted these files and converted nothing
-    if not settled and (path.stat().st_size >= min_prepared_bytes()  # the loader's way: its entry, its checks
-                        or request.converting and file_mentions(path, DEQUANTIZE)):  # a cold start: no walk
+    nothing where it does nothing. Asked of a file below the prepared-entry threshold (nothing in the
+    store can be meant for it unless it has something to convert: a byte search, cheaper than the
+    walk) and of a model the store has ``settled`` (its verdict ``"unconverted"``: an earlier start
+    loaded it, converted nothing, and its files are unchanged, so neither the conversion nor the
+    loader's checks are needed again). None sends the model the loader's way."""
+    if not path.is_file() or not settled and request.converting and file_mentions(path, DEQUANTIZE):
         return None
     facts = read_facts(path)
     if settled and facts.skeleton is None and not facts.recompute:

@@ -22,7 +22,6 @@ from typing import Optional
 from ..ortmodel.settings import OrtSettings, Packing
 from .cache import Cache
 from .hit import entry_start
-from .packer import PrepackLater
 from .prepared_entries import is_marker, prepared_key, settings_record, usable_prepared
 from .sources import converted_key
 from .start import MISS, PREPARED, UNCONVERTED, Start
@@ -60,6 +59,8 @@ def start(cache: Optional[Cache], path: Path, *, settings: OrtSettings, fp16_in_
     if entry is None:  # built after the first run, if ORT gets the model unconverted and the cache can be written
         if not cache.writable:
             return Start(MISS)
+        from .packer import PrepackLater  # only a miss leaves work for later: a warm start never imports it
+
         return Start(MISS, later=PrepackLater(str(cache.root), key, cache.verify_mode, dict(config), threads,
                                               kind="prepared", source=str(path),
                                               settings=settings_record(settings, converting)))

@@ -27,10 +27,10 @@ class Calibration:
     #: what a first ``ortmem.InferenceSession`` imports beyond ``import ortmem`` (its session path: the
     #: handoff and the store's lookup, no onnx): resident from then on, in every process that creates a
     #: session through ortmem; all a warm start imports
-    ortmem_import_bytes: int = int(8.7 * MiB)
+    ortmem_import_bytes: int = int(7.1 * MiB)
     #: what a start that converts imports beyond that (onnx, the loader, the passes, the publisher):
     #: resident from then on, in the cold start's side only
-    ortmem_convert_import_bytes: int = int(10.5 * MiB)
+    ortmem_convert_import_bytes: int = int(11.0 * MiB)
     #: what the hook holds beyond its imports and ORT's own figure on a cache hit (skeleton, lookup)
     ortmem_fixed_bytes: int = 0
     #: a cold start's creation floor above the baseline and imports: the source digest's read buffer,

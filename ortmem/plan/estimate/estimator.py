@@ -30,7 +30,7 @@ How (each term measured on ORT 1.31.1 and cited in ``docs/estimator.md``):
    in during creation, run-time thread and arena overhead) come from ``calibration.json``, measured by
    ``bench/estimator/calibrate.py``; so do **ortmem's own fixed costs**, which its sides add to ORT's
    work on the graph it hands over: the session path a first ``ortmem.InferenceSession`` imports (no
-   onnx, ~9 MiB), and on a cold start the conversion's imports (onnx, the loader, the passes, ~10 MiB),
+   onnx, ~7 MiB), and on a cold start the conversion's imports (onnx, the loader, the passes, ~11 MiB),
    the source digest, the weightless copy's type resolution and the entry's writers
    (:func:`cold_start`). The background packer a cold start leaves is a process of its own and in no
    side. ortmem's DQ -> Gather rewrite (GatherBlockQuantized) is applied on its sides: that DQ never
