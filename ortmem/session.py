@@ -160,12 +160,13 @@ class InferenceSession(ORT_SESSION):
         return result
 
     def _retry_with_fallback(self, exc: Exception, *args: Any, **kwargs: Any) -> None:
-        """ORT refused a cache entry's pre-packed model or a prepared entry: the handoff's next step
-        discards what it refused (no later start tries it again) and loads the entry itself, or the
-        model as given."""
+        """ORT refused a cache entry's pre-packed model, a prepared entry or a mapped skeleton: the
+        handoff's next step discards what it refused (no later start tries it again) and loads the
+        entry itself, or the model as given."""
         refused = self._ortmem_handoff
-        what = "prepared" if refused.action == "prepared" else "pre-packed"
-        log.warning("ortmem: onnxruntime could not load the %s model %s (%s); using %s",
+        what = {"prepared": "prepared model", "mapped": "skeleton of the mapped model"}.get(refused.action,
+                                                                                           "pre-packed model")
+        log.warning("ortmem: onnxruntime could not load the %s %s (%s); using %s",
                     what, refused.model, exc, refused.fallback)
         self._ortmem_handoff = refused.refused()
         super().__init__(self._ortmem_handoff.model, *args, **kwargs)

@@ -101,7 +101,7 @@ def test_a_prepared_start_loads_no_onnx(tmp_path):
     path = tmp_path / "mlp.onnx"
     import onnx
 
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
     env = {**os.environ, "ORTMEM_CACHE_DIR": str(tmp_path / "cache"), "ORTMEM_PREPARE_MIN_BYTES": "0"}
     subprocess.run([sys.executable, "-m", "ortmem", "prepare", str(path)], env=env, capture_output=True, check=True,
                    timeout=300)

@@ -3,7 +3,7 @@
 A :class:`Handoff` is made by :func:`ortmem.handoff.prepare.prepare` and never edited afterwards. The
 two things that change what ORT loads after it is made are steps that return a new handoff:
 :meth:`Handoff.with_recompute` (a recompute plan, or the settings a recompute-written model records)
-and :meth:`Handoff.refused` (ORT refused a pre-packed or prepared model: discard it, load the fallback).
+and :meth:`Handoff.refused` (ORT refused a pre-packed or prepared model or a mapped skeleton: discard it, load the fallback).
 The session only reads it (``ortmem.InferenceSession.ortmem_handoff``), and creates ORT's session with
 the options :meth:`Handoff.creation_options` yields.
 
@@ -72,7 +72,8 @@ class Handoff:
     memory: Optional["InMemoryConversion"] = None
     #: Private folders removed once ORT's session exists (ORT's mappings keep what it still reads).
     tempdirs: tuple[Path, ...] = ()
-    #: ``model`` is a cache entry's pre-packed or prepared model: what to load instead if ORT refuses it.
+    #: ``model`` is a cache entry's pre-packed or prepared model, or a skeleton beside a hard link to the
+    #: source (``mapped`` from its bytes): what to load instead if ORT refuses it.
     fallback: Optional[str] = None
     #: The store's verdict behind ``model`` (:meth:`refused` asks it to discard what ORT refused).
     start: Optional[Start] = None

@@ -121,7 +121,8 @@ def _plain(path: Path, request: Request, *, settled: bool) -> Optional[Handoff]:
     given, workdir = handover
     if workdir is None:
         return Handoff(model=str(given), action="as-is")
-    return Handoff(model=str(given), action="mapped", tempdirs=(workdir,))
+    # ORT refusing the skeleton gets the file itself (its own error, or the model as given, one warning)
+    return Handoff(model=str(given), action="mapped", tempdirs=(workdir,), fallback=str(path))
 
 
 def _spill(write: Callable, request: Request) -> Handoff:

@@ -394,10 +394,6 @@ def _untouched_reason(model: Any, args: tuple, kwargs: dict) -> Optional[str]:
             return f"bytes model under {MIN_BYTES >> 20} MiB"
     elif not isinstance(model, (str, os.PathLike)):
         return f"model given as {type(model).__name__}"
-    sess_options = args[1] if len(args) > 1 else kwargs.get("sess_options")
-    if _active is not None and _active.options.cache is False and sess_options:
-        # an in-memory conversion registers its buffers on the options ORT is given, for good
-        return "cache=False with the caller's SessionOptions (in-memory files would stay registered on them)"
     providers = args[2] if len(args) > 2 else kwargs.get("providers")
     others = not_fusing(provider_names(providers))
     if others:

@@ -97,3 +97,51 @@ def test_without_a_cache_the_conversion_is_borrowed_from_memory(tmp_path, qdq):
     handoff = prepare(str(qdq), Request.for_session(None, CPU, cache=False))
     assert handoff.action == "in-memory" and handoff.memory is not None and handoff.report is not None
     assert_same_outputs(_run(handoff), run_plain(qdq, FEEDS))
+
+
+def _embedded_mlp(path, *, op: str = "MatMul"):
+    """A small fp32 model with its weights inside the .onnx (above the inline limit: handed over as a
+    skeleton beside a hard link); ``op`` another op type makes a model ORT refuses."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node(op, ["x", "w"], ["y"])], "mlp",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])], [w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    return path
+
+
+def test_a_small_model_with_nothing_to_convert_is_handed_over_from_its_bytes(tmp_path):
+    """No store lookup, no loader: ``mapped`` (a skeleton beside a hard link), with the file itself as
+    the fallback; ORT's outputs on it equal ORT's own run of the file."""
+    import onnxruntime as ort_module
+
+    path = _embedded_mlp(tmp_path / "mlp.onnx")
+    handoff = prepare(path, _request(tmp_path))
+    assert handoff.action == "mapped" and handoff.source is None and handoff.fallback == str(path)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # the store was not asked
+    feeds = {"x": np.ones((2, 64), np.float32)}
+    with handoff.creation_options(None) as options:
+        sess = ort_module.InferenceSession(handoff.model, options, providers=CPU)
+    handoff.after_create()
+    assert_same_outputs(sess.run(None, feeds), run_plain(path, feeds))
+
+
+def test_a_skeleton_ort_refuses_falls_back_to_the_file_with_one_warning(tmp_path, caplog):
+    """A model ORT refuses (an unknown op) fails as it fails in plain ORT, naming the user's file, after
+    one warning: ortmem never makes a model valid or invalid, and never leaves its skeleton's path as
+    the last word."""
+    import logging
+
+    import ortmem
+
+    path = _embedded_mlp(tmp_path / "bad.onnx", op="NoSuchOperator")
+    with pytest.raises(Exception) as ortmem_error:
+        with caplog.at_level(logging.WARNING, logger="ortmem"):
+            ortmem.InferenceSession(path, providers=CPU, cache=tmp_path / "cache")
+    with pytest.raises(Exception) as ort_error:
+        ort.InferenceSession(str(path), providers=CPU)
+    assert type(ortmem_error.value) is type(ort_error.value) and str(path) in str(ortmem_error.value)
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1

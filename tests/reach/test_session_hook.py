@@ -168,12 +168,15 @@ def test_models_ortmem_cannot_help_go_to_ort_untouched(model, rng, tmp_path):
     _check(other, model)
     so = ort.SessionOptions()
     with ortmem.hook(cache=False):
-        borrowed = ort.InferenceSession(str(model[0]), so)  # in-memory files would stay on `so`
+        # with the caller's options too: nothing to convert, its weights mapped (a conversion would go
+        # into a private temporary folder); nothing (no in-memory file) is registered on `so`
+        theirs = ort.InferenceSession(str(model[0]), so)
         own = ort.InferenceSession(str(model[0]))
-    assert type(borrowed) is ORT_CLASS and sessions()[-2].action.startswith("untouched: cache=False")
+    assert _is_ortmem(theirs) and sessions()[-2].action == "mapped"
     assert _is_ortmem(own)
-    for s in (borrowed, own):
+    for s in (theirs, own):
         _check(s, model)
+    assert ort.InferenceSession(str(model[0]), so, providers=["CPUExecutionProvider"]).run(None, model[1])  # `so` still plain
 
 
 def test_big_bytes_model_is_mapped(rng):
@@ -402,3 +405,25 @@ def test_launcher_sitecustomize_runs_the_one_it_shadows_and_waits_for_onnxruntim
              "import onnxruntime; print(onnxruntime.InferenceSession.__name__)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split() == ["True", "False", "HookedInferenceSession"], out.stderr
+
+
+def test_cache_false_converts_with_the_callers_options_and_leaves_them_plain(tmp_path):
+    """``hook(cache=False)`` and the caller's own ``SessionOptions``: a QDQ model is converted into a
+    private temporary folder (ORT borrows no memory through the caller's object, so nothing is
+    registered on it), outputs equal plain ORT's on the QDQ model, the folder is gone, and the same
+    options object then creates a plain session of another model with that model's own outputs."""
+    from ortmem.synth import SynthConfig, write_model
+
+    (tmp_path / "q").mkdir()
+    (tmp_path / "o").mkdir()
+    qdq = write_model(SynthConfig.tiny(storage="external"), tmp_path / "q" / "model.onnx")
+    other = write_model(SynthConfig.tiny(storage="external", seed=5), tmp_path / "o" / "model.onnx")
+    feeds = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
+    so = ort.SessionOptions()
+    with ortmem.hook(cache=False):
+        s = ort.InferenceSession(str(qdq), so, providers=["CPUExecutionProvider"])
+    assert isinstance(s, ortmem.InferenceSession) and sessions()[-1].action == "converted-temporary"
+    expected = ORIGINAL(str(qdq), providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert_close_outputs(s.run(None, feeds), expected, atol=0, rtol=0)
+    plain_other = ORIGINAL(str(other), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert_close_outputs(plain_other, ORIGINAL(str(other), providers=["CPUExecutionProvider"]).run(None, feeds), atol=0, rtol=0)
