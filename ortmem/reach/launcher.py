@@ -21,10 +21,7 @@ import argparse
 import atexit
 import json
 import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -116,6 +113,9 @@ def compare(args: argparse.Namespace, program: list[str]) -> int:
     of ortmem's helpers (no hook exported to it), and writes its memory at exit. Run under the launcher
     with the hook off instead, it carried ortmem's imports and reported 0.97x peak where a plain run
     gave 1.07x (issue 23). Its sessions are not recorded: recording them takes the hook's machinery."""
+    import subprocess  # --compare's own modules: a hooked run imports none of them
+    import tempfile
+
     from ..bytecode import ensure_bytecode
 
     print(f"ortmem run --compare: {ensure_bytecode()}", file=sys.stderr)  # as an installed ortmem has it
@@ -147,6 +147,8 @@ def compare(args: argparse.Namespace, program: list[str]) -> int:
 
 def _median_run(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The first run's sessions with every process figure and creation time replaced by the median."""
+    import statistics
+
     merged = json.loads(json.dumps(results[0]))
     merged["spread"] = {}
     for key in merged["process"]:
