@@ -8,8 +8,8 @@ Order inside the process, and why:
 1. imports (numpy, onnxruntime, the ``ortmem`` package alone, the strategy's own module, memray if
    asked): the baseline, reported separately because it is the same for every strategy. Nothing of
    ortmem's session path is imported here: ``import ortmem`` loads only its exception types and
-   ``ortmem.InferenceSession`` imports the session path (onnx included, ~0.12 s and ~18 MiB) on first
-   use, so an ortmem strategy pays it inside its creation, as a user's first call does
+   ``ortmem.InferenceSession`` imports the session path (and onnx only for a start that loads or
+   converts the model) on first use, so an ortmem strategy pays it inside its creation, as a user's first call does
    (``create_imports`` names what creation imported). The bench's own modules needed before the clock
    (``procfs``, ``strategies``) import only the standard library;
 2. ``VmHWM`` reset, so the creation peak excludes the imports;

@@ -238,8 +238,9 @@ def _create(args: tuple, kwargs: dict) -> Any:
     refused = _options_refused(args[1] if len(args) > 1 else kwargs.get("sess_options"), kwargs)
     if refused is not None:
         return _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: f"untouched: {refused}")
-    # Imported only now, for a model that needs ortmem: the session path imports onnx, the passes and
-    # the loader (about 16 MiB private and 0.1 s; model_facts' docstring), which a model left to ORT never pays.
+    # Imported only now, for a model that needs ortmem: the session path (3.5 MiB private, about 0.05 s;
+    # onnx, the loader and the passes only for a model it loads or converts), which a model left to ORT
+    # never pays.
     from ..session import InferenceSession
 
     own = {"convert": opts.convert, "cache": opts.cache, "trim": opts.trim, "prepacked": opts.prepacked}
@@ -405,7 +406,7 @@ def _options_refused(sess_options: Any, kwargs: dict) -> Optional[str]:
     """Why ortmem cannot read the session's options, if so: a value ORT itself fails session creation
     on (an accuracy level that is no integer or out of range), or no options object at all. Left to
     ORT before anything is made, so ORT's error is printed and raised once, as without the hook."""
-    # Imported here, for a model that needs the session path: ortmem.ortmodel imports onnx.
+    # Imported here, for a model that needs the session path (the release model and its settings).
     from ..ortmodel.settings import session_settings
 
     try:
