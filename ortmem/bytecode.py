@@ -40,6 +40,7 @@ def ensure_bytecode(root: Optional[Path] = None) -> str:
     """Write the missing or stale bytecode of ortmem's modules (or of the package at ``root``) where
     Python looks for it, as pip does for a wheel it installs; one line on what was found and done."""
     import compileall
+    import py_compile
 
     if root is None:
         import ortmem
@@ -48,7 +49,8 @@ def ensure_bytecode(root: Optional[Path] = None) -> str:
     stale = _stale(root)
     if not stale:
         return "ortmem's bytecode: up to date"
-    compileall.compile_dir(str(root), quiet=2, workers=1)
+    # timestamp-checked, as Python itself writes them (and as _stale reads them), whatever SOURCE_DATE_EPOCH says
+    compileall.compile_dir(str(root), quiet=2, workers=1, invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
     left = _stale(root)
     if left:
         return (f"ortmem's bytecode: {len(left)} of {len(stale)} missing modules could not be written "

@@ -4,8 +4,8 @@ Why a module of its own: importing onnx, ortmem's passes and the loader costs a 
 of private memory and 0.1 s, and the session path itself another 3.5 MiB (onnxruntime 1.32.0, from
 bytecode, ``python -m bench.estimator.fixed_costs``; docs/hook.md), more than ortmem saves on a model it
 leaves to ORT. So the hook asks this module first and imports the session path only for a model that
-needs it, and the session path asks it before it loads a model (``handoff.prepare``). Everything here uses the standard library and
-:mod:`ortmem.protowire` (a wire-format reader that needs no onnx):
+needs it, and the session path asks it before it loads a model (``handoff.prepare``). Everything here
+uses the standard library and :mod:`ortmem.protowire` (a wire-format reader that needs no onnx):
 
 - conversion candidates: a ``DequantizeLinear`` op_type is a plain string in the file's non-weight
   bytes (a byte search: a name containing it is a false positive, which only sends the model the
