@@ -104,6 +104,9 @@ class FileFacts:
     #: Every tensor the skeleton made external sits in the main graph (initializers, Constant
     #: values): ORT's checker refuses external data in a subgraph read from a hard-linked file.
     main_graph_only: bool
+    #: The file has a graph at all (an empty file or a ModelProto without one goes the loader's way,
+    #: which names the fault: ``CorruptModelError``).
+    has_graph: bool = True
 
 
 def read_facts(path: Path) -> FileFacts:
@@ -115,6 +118,9 @@ def read_facts(path: Path) -> FileFacts:
                                       inline_max_bytes=INLINE_MAX_BYTES)
         needles = (DEQUANTIZE, RECOMPUTE_METADATA.encode())
         found = _found_in(result.skeleton, needles) if result.changed else _found_in_file(f.fileno(), size, needles)
+        top = result.skeleton if result.changed else FileBytes(f.fileno(), size)
+        has_graph = any(t.number == MODEL_GRAPH and t.wire_type == LEN  # top-level fields only: payloads skipped
+                        for t in WireReader(top, str(path)).fields(0, len(top)))
     screen = result.screen
     spans = len(result.spans)
     return FileFacts(
@@ -124,14 +130,16 @@ def read_facts(path: Path) -> FileFacts:
         dequantize=DEQUANTIZE in found,
         recompute=RECOMPUTE_METADATA.encode() in found,
         main_graph_only=not spans or _main_graph_externals(result.skeleton, str(path)) == spans,
+        has_graph=has_graph,
     )
 
 
 def needs_session_path(facts: FileFacts, converting: bool) -> bool:
     """Whether a model file needs ortmem's loader or conversion: DequantizeLinear to convert, recompute
-    metadata, or external data (or inline tensors) the loader must check. A model that needs neither is
-    handed to ORT by :func:`plain_handover`, with no onnx import."""
-    return facts.needs_loader or facts.recompute or (facts.dequantize and converting)
+    metadata, external data (or inline tensors) the loader must check, or no graph at all (the loader
+    names that fault). A model that needs none of it is handed to ORT by :func:`plain_handover`, with no
+    onnx import."""
+    return facts.needs_loader or facts.recompute or (facts.dequantize and converting) or not facts.has_graph
 
 
 def plain_handover(path: Path, facts: FileFacts) -> Optional[tuple[Path, Optional[Path]]]:

@@ -111,7 +111,7 @@ def _plain(path: Path, request: Request, *, settled: bool) -> Optional[Handoff]:
     if not path.is_file() or not settled and request.converting and file_mentions(path, DEQUANTIZE):
         return None
     facts = read_facts(path)
-    if settled and facts.skeleton is None and not facts.recompute:
+    if settled and facts.skeleton is None and not facts.recompute and facts.has_graph:
         return Handoff(model=str(path), action="as-is")  # external data ORT maps itself, as plain ORT does
     if needs_session_path(facts, request.converting and not settled):
         return None

@@ -145,3 +145,17 @@ def test_a_skeleton_ort_refuses_falls_back_to_the_file_with_one_warning(tmp_path
         ort.InferenceSession(str(path), providers=CPU)
     assert type(ortmem_error.value) is type(ort_error.value) and str(path) in str(ortmem_error.value)
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+
+
+@pytest.mark.parametrize("content", [b"", b"\x0a\x05hello"], ids=["empty", "no-graph"])
+def test_a_small_file_without_a_graph_is_named_by_the_loader_not_handed_over(tmp_path, content):
+    """The byte-level route hands over only files with a graph: an empty file or a ModelProto without
+    one goes the loader's way and fails with its CorruptModelError naming the file, as before."""
+    import ortmem
+    from ortmem.errors import CorruptModelError
+
+    path = tmp_path / "bad.onnx"
+    path.write_bytes(content)
+    with pytest.raises(CorruptModelError) as err:
+        ortmem.InferenceSession(path, providers=CPU, cache=tmp_path / "cache")
+    assert str(path) in str(err.value)
