@@ -77,7 +77,6 @@ debug level) and nothing raises.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import threading
 from collections import Counter
@@ -85,11 +84,11 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from .logs import debug
 from .units import split_pair
 
 __all__ = ["HygieneReport", "MallocThresholds", "allocator_hygiene", "set_malloc_thresholds", "trim"]
 
-log = logging.getLogger("ortmem.hygiene")
 
 # mallopt parameter numbers from <malloc.h>; stable since glibc 2.0.
 _M_TRIM_THRESHOLD = -1
@@ -172,17 +171,17 @@ def _detect_glibc() -> _Glibc | None:
         default = ctypes.CDLL(None)
         get_version = default.gnu_get_libc_version
     except (OSError, TypeError, AttributeError) as e:  # Windows: CDLL(None) raises; musl/macOS: no symbol
-        log.debug("allocator hygiene disabled: the C library is not glibc (%s)", e)
+        debug(__name__, "allocator hygiene disabled: the C library is not glibc (%s)", e)
         return None
     get_version.restype = ctypes.c_char_p
     version = get_version().decode("ascii", "replace")
     lib = _open_libc_itself(default, ctypes.cast(get_version, ctypes.c_void_p).value)
     if lib is None or not hasattr(lib, "malloc_trim") or not hasattr(lib, "mallopt"):
-        log.debug("allocator hygiene disabled: glibc %s found but its malloc controls are not", version)
+        debug(__name__, "allocator hygiene disabled: glibc %s found but its malloc controls are not", version)
         return None
     address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
     if address(default.malloc) != address(lib.malloc):
-        log.debug("allocator hygiene disabled: malloc is interposed (jemalloc/tcmalloc?), not glibc %s's",
+        debug(__name__, "allocator hygiene disabled: malloc is interposed (jemalloc/tcmalloc?), not glibc %s's",
                   version)
         return None
     return _Glibc(lib, version)
@@ -342,15 +341,15 @@ def _apply_locked(libc: _Glibc, target: MallocThresholds) -> None:
     global _applied, _told_dynamic_off
     if not _told_dynamic_off:
         _told_dynamic_off = True
-        log.debug("pinning glibc malloc thresholds: glibc's dynamic mmap-threshold adjustment is now off "
+        debug(__name__, "pinning glibc malloc thresholds: glibc's dynamic mmap-threshold adjustment is now off "
                   "for the life of this process (see ortmem.hygiene's docstring)")
     for param, name, value in ((_M_MMAP_THRESHOLD, "M_MMAP_THRESHOLD", target.mmap_threshold),
                                (_M_TRIM_THRESHOLD, "M_TRIM_THRESHOLD", target.trim_threshold)):
         if value > _INT_MAX:
-            log.debug("%s=%d does not fit mallopt's int argument; using %d", name, value, _INT_MAX)
+            debug(__name__, "%s=%d does not fit mallopt's int argument; using %d", name, value, _INT_MAX)
             value = _INT_MAX
         if libc.mallopt(param, value) != 1:
-            log.debug("glibc %s refused mallopt(%s, %d)", libc.version, name, value)
+            debug(__name__, "glibc %s refused mallopt(%s, %d)", libc.version, name, value)
     _applied = target
 
 
@@ -383,7 +382,7 @@ def allocator_hygiene(
                                _check_threshold("trim_threshold", trim_threshold))
     libc = _glibc()
     if libc is None:
-        log.debug("allocator_hygiene: no glibc malloc to tune here; nothing done")
+        debug(__name__, "allocator_hygiene: no glibc malloc to tune here; nothing done")
         yield HygieneReport(active=False)
         return
     with _lock:
@@ -421,7 +420,7 @@ def trim() -> int | None:
     """
     libc = _glibc()
     if libc is None:
-        log.debug("trim: no glibc malloc here; nothing done")
+        debug(__name__, "trim: no glibc malloc here; nothing done")
         return None
     return _trim(libc)
 
@@ -440,7 +439,7 @@ def set_malloc_thresholds(*, mmap_threshold: int, trim_threshold: int) -> bool:
                                   _check_threshold("trim_threshold", trim_threshold))
     libc = _glibc()
     if libc is None:
-        log.debug("set_malloc_thresholds: no glibc malloc here; nothing done")
+        debug(__name__, "set_malloc_thresholds: no glibc malloc here; nothing done")
         return False
     with _lock:
         _configured = configured
@@ -456,7 +455,7 @@ def _trim(libc: _Glibc) -> int:
     libc.malloc_trim(0)
     after = _statm_resident()
     released = max(0, before - after) if before is not None and after is not None else 0
-    log.debug("malloc_trim(0) released %d bytes", released)
+    debug(__name__, "malloc_trim(0) released %d bytes", released)
     return released
 
 

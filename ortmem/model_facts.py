@@ -21,14 +21,12 @@ metadata prefix, the prepared-entry threshold), so each of them points down to i
 """
 from __future__ import annotations
 
-import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from .logs import warning
 from .protowire import (
     ATTR_T,
     ATTR_TENSORS,
@@ -45,7 +43,6 @@ from .protowire import (
     externalize_embedded,
 )
 
-_log = logging.getLogger(__name__)
 
 #: Tensors up to one page stay inline in the skeleton: ORT maps every external tensor separately,
 #: and a mapping costs at least a whole resident page plus kernel bookkeeping, more than ORT's
@@ -84,7 +81,7 @@ def min_prepared_bytes() -> int:
     try:
         return int(parse_bytes(text))
     except (ValueError, TypeError):
-        _log.warning("ortmem: %s=%r is not a size; using %d bytes", MIN_BYTES_ENV, text, MIN_PREPARED_BYTES)
+        warning(__name__, "ortmem: %s=%r is not a size; using %d bytes", MIN_BYTES_ENV, text, MIN_PREPARED_BYTES)
         return MIN_PREPARED_BYTES
 
 
@@ -216,6 +213,9 @@ def link_skeleton(path: Path, skeleton: bytes, root: Optional[Path] = None) -> O
     else the system temp folder) beside a hard link to ``path``, whose bytes its tensors point into;
     None when no link can be made there. Symbolic links would not do: ORT resolves them and refuses
     data outside the model's folder. The caller removes the folder once ORT has mapped what it needs."""
+    import shutil  # here, not at the top: the hook imports this module in every hooked process
+    import tempfile
+
     if root is not None and not root.is_dir():
         return None
     workdir = Path(tempfile.mkdtemp(prefix=".tmp-link-" if root else "ortmem-", dir=root))

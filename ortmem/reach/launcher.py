@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import json
 import os
 import sys
 import time
@@ -29,7 +28,7 @@ from typing import Any, Optional
 from . import plain_run
 from ..helper_env import ENV_OPTIONS, ENV_SWITCH, SITE_DIR, helper_environment
 from .plain_run import process_memory, run_program
-from .session_hook import hook, report
+from .session_hook import HookOptions, hook, report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,7 +71,7 @@ def main(args: argparse.Namespace) -> int:
     options = options_from(args)
     hooked = os.environ.get(ENV_SWITCH, "1") != "0"
     if hooked:
-        hook(**options)
+        hook(**options, rebind=False)  # the program has imported nothing yet: no name to rebind
         if not args.no_children:
             _export_to_children(options)
     elif args.report:
@@ -83,8 +82,17 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _export_to_children(options: dict[str, Any]) -> None:
+    """Hook child interpreters with these options. Only options that differ from the defaults are
+    written (as JSON), so a default run, and each of its children, never imports json for them."""
     os.environ[ENV_SWITCH] = "1"
-    os.environ[ENV_OPTIONS] = json.dumps(options)
+    defaults = HookOptions()
+    changed = {name: value for name, value in options.items() if getattr(defaults, name) != value}
+    if changed:
+        import json
+
+        os.environ[ENV_OPTIONS] = json.dumps(changed)
+    else:
+        os.environ.pop(ENV_OPTIONS, None)  # one a parent set must not reach these children
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(SITE_DIR) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(SITE_DIR), *paths])
@@ -92,6 +100,8 @@ def _export_to_children(options: dict[str, Any]) -> None:
 
 def write_report(path: Path, hooked: bool, options: dict[str, Any], started: float) -> None:
     """The sessions this process created and its memory, as JSON (called at exit)."""
+    import json
+
     import onnxruntime as ort
 
     data = {
@@ -113,7 +123,8 @@ def compare(args: argparse.Namespace, program: list[str]) -> int:
     of ortmem's helpers (no hook exported to it), and writes its memory at exit. Run under the launcher
     with the hook off instead, it carried ortmem's imports and reported 0.97x peak where a plain run
     gave 1.07x (issue 23). Its sessions are not recorded: recording them takes the hook's machinery."""
-    import subprocess  # --compare's own modules: a hooked run imports none of them
+    import json  # --compare's own modules: a hooked run imports none of them
+    import subprocess
     import tempfile
 
     from ..bytecode import ensure_bytecode
@@ -147,9 +158,10 @@ def compare(args: argparse.Namespace, program: list[str]) -> int:
 
 def _median_run(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The first run's sessions with every process figure and creation time replaced by the median."""
+    import copy
     import statistics
 
-    merged = json.loads(json.dumps(results[0]))
+    merged = copy.deepcopy(results[0])
     merged["spread"] = {}
     for key in merged["process"]:
         values = [r["process"][key] for r in results]
@@ -184,6 +196,8 @@ def render_comparison(off: dict[str, Any], on: dict[str, Any], repeats: int = 1)
          sum(s["create_seconds"] for s in on["sessions"])),
         ("wall time, s", off["process"]["wall_seconds"], on["process"]["wall_seconds"]),
     ]
+    if repeats > 1:  # the fastest too: one run's wall is noisy, and the noise only ever adds
+        rows.append(("wall time, fastest, s", off["spread"]["wall_seconds"][0], on["spread"]["wall_seconds"][0]))
     lines = [f"onnxruntime {on['onnxruntime']}; {len(on['sessions'])} session(s); "
              f"median of {repeats} fresh process(es) each",
              f"{'':38} {'hook off':>10} {'hook on':>10} {'on/off':>7}"]

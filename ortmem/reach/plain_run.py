@@ -8,7 +8,6 @@ imports no package). :func:`run_program` is also how ``python -m ortmem run`` ru
 from __future__ import annotations
 
 import atexit
-import json
 import runpy
 import sys
 import time
@@ -56,6 +55,8 @@ def process_memory() -> dict[str, float]:
 def write_plain_report(path: Path, started: float) -> None:
     """The report ``ortmem run --report`` writes, for a plain process: no sessions recorded (recording
     them would need the hook's machinery, which is what this run leaves out)."""
+    import json
+
     ort = sys.modules.get("onnxruntime")
     data: dict[str, Any] = {
         "onnxruntime": getattr(ort, "__version__", "not imported"),

@@ -27,10 +27,7 @@ ortmem did, creation time and the process's memory; ``python -m ortmem run --rep
 """
 from __future__ import annotations
 
-import json
-import logging
 import os
-import shutil
 import sys
 import threading
 import time
@@ -45,13 +42,13 @@ from onnxruntime.capi import onnxruntime_inference_collection as _collection
 
 from ..helper_env import ENV_OPTIONS, ENV_SWITCH
 from ..hygiene import trim as trim_heap
+from ..logs import warning
 from ..model_facts import FOLDER_KEY, min_prepared_bytes, needs_session_path, plain_handover, read_facts
 from ..options import get_config
 from ..ort_original import ORT_SESSION
 from ..ortmodel.providers import FUSING_PROVIDERS, not_fusing, provider_names
 from .plain_run import process_memory  # the standard library only: the hook stays light
 
-log = logging.getLogger(__name__)
 
 #: ORT's own class, captured before any hook: what the hook falls back to and what ortmem builds on.
 ORIGINAL = ORT_SESSION
@@ -170,7 +167,8 @@ def unhook() -> None:
         for namespace, name in _active.rebound:
             if namespace.get(name) is HookedInferenceSession:
                 namespace[name] = ORIGINAL
-        for logger in logging.Logger.manager.loggerDict.values():
+        logging = sys.modules.get("logging")  # no filter was put anywhere if nothing imported it
+        for logger in logging.Logger.manager.loggerDict.values() if logging else ():
             if isinstance(logger, logging.Logger) and _HOLD in logger.filters:
                 logger.removeFilter(_HOLD)
         _active = None
@@ -181,7 +179,14 @@ def hook_from_environment() -> bool:
     (JSON of :class:`HookOptions` fields); used by the launcher's sitecustomize in child interpreters."""
     if os.environ.get(ENV_SWITCH) != "1":
         return False
-    hook(**json.loads(os.environ.get(ENV_OPTIONS) or "{}"))
+    options = os.environ.get(ENV_OPTIONS)
+    if options:  # the launcher exports only options that differ from the defaults
+        import json
+
+        given = json.loads(options)
+    else:
+        given = {}
+    hook(**given, rebind=False)  # installed as onnxruntime finishes importing: no module holds its class yet
     return True
 
 
@@ -309,6 +314,8 @@ def _light_route(model: Any, args: tuple, kwargs: dict, opts: HookOptions) -> Op
     else:
         return session
     finally:
+        import shutil  # only a mapped handover needs it: a process whose models go as-is never imports it
+
         shutil.rmtree(workdir, ignore_errors=True)  # ORT has mapped what it needs
     return _fall_back(model, args, kwargs, failure)
 
@@ -349,8 +356,11 @@ def _quiet_attempt(make: Callable[[], Any], kwargs: dict) -> Any:
         _inside.busy, _inside.held = False, None
     if int(kwargs.get("enable_fallback", 1)) == 1:
         session.enable_fallback()
-    for record in held:
-        logging.getLogger(record.name).handle(record)
+    if held:
+        import logging
+
+        for record in held:
+            logging.getLogger(record.name).handle(record)
     return session
 
 
@@ -361,15 +371,16 @@ def _fall_back(model: Any, args: tuple, kwargs: dict, failure: str) -> Any:
     nothing to fall back from."""
     reason = f"fallback: {failure}"
     session = _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: reason)
-    log.warning("ortmem hook: %s on %s; created the session with plain onnxruntime", failure, _name(model))
+    warning(__name__, "ortmem hook: %s on %s; created the session with plain onnxruntime", failure, _name(model))
     return session
 
 
-class _HoldInThisThread(logging.Filter):
+class _HoldInThisThread:
     """On ortmem's loggers: while this thread tries ortmem (``_inside.held`` is a list), its records
-    are kept there instead of emitted (see :func:`_quiet_attempt`)."""
+    are kept there instead of emitted (see :func:`_quiet_attempt`). A logging filter need only have
+    this method; not deriving from ``logging.Filter`` keeps logging out of the hook's import."""
 
-    def filter(self, record: logging.LogRecord) -> bool:
+    def filter(self, record: Any) -> bool:
         held = getattr(_inside, "held", None)
         if held is None:
             return True
@@ -381,12 +392,18 @@ _HOLD = _HoldInThisThread()
 
 
 def _hold_ortmem_logs() -> None:
-    """Put the holding filter on every ortmem logger that exists now (they are made at import, and
-    ``_create`` has imported the session path by then)."""
-    for name, logger in list(logging.Logger.manager.loggerDict.items()):
-        if (name == "ortmem" or name.startswith("ortmem.")) and isinstance(logger, logging.Logger):
-            if _HOLD not in logger.filters:
-                logger.addFilter(_HOLD)
+    """Put the holding filter on the logger of every ortmem module imported now (``_create`` has
+    imported the session path by then), made here if the module has not logged yet: the modules every
+    hooked process imports log through :mod:`ortmem.logs`, which makes their loggers on first use.
+    Where nothing has imported logging, nothing is held: the only attempt made then is ORT's own
+    creation from a skeleton (the light route), in which no ortmem code runs to log anything."""
+    logging = sys.modules.get("logging")
+    if logging is None:
+        return
+    for name in [n for n in sys.modules if n == "ortmem" or n.startswith("ortmem.")]:
+        logger = logging.getLogger(name)
+        if _HOLD not in logger.filters:
+            logger.addFilter(_HOLD)
 
 
 def _untouched_reason(model: Any, args: tuple, kwargs: dict) -> Optional[str]:

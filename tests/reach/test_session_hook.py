@@ -332,15 +332,32 @@ def test_launcher_module_form_exit_status_and_switch_off(model, tmp_path, sessio
     assert a["y"] == b["y"] and a["argv"] == ["-x"]
 
 
+def test_children_get_only_the_options_that_differ_from_the_defaults(tmp_path, monkeypatch):
+    """The launcher exports the hook's options to child interpreters as JSON only where they differ
+    from the defaults (a default run imports no json for them), and clears a value a parent set."""
+    script = tmp_path / "env.py"
+    script.write_text("import os\nprint(os.environ.get('ORTMEM_HOOK'), os.environ.get('ORTMEM_HOOK_OPTIONS'))\n")
+    monkeypatch.setenv("ORTMEM_HOOK_OPTIONS", '{"convert": false}')  # left by an outer hooked run
+
+    def exported(*flags: str) -> str:
+        done = subprocess.run(_ortmem_cmd("run", *flags, "--", str(script)), capture_output=True, text=True, check=True)
+        return done.stdout.strip()
+
+    assert exported() == "1 None"
+    switch, options = exported("--no-trim", "--no-convert").split(" ", 1)
+    assert switch == "1" and json.loads(options) == {"convert": False, "trim": False}
+
+
 def test_launcher_compare_prints_both_runs(model, tmp_path):
     script = tmp_path / "app.py"
     script.write_text(SCRIPT)
-    out = subprocess.run(_ortmem_cmd("run", "--compare", "--", str(script), str(model[0])),
+    out = subprocess.run(_ortmem_cmd("run", "--compare", "--repeat", "2", "--", str(script), str(model[0])),
                          capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "hook off" in text and "hook on" in text and f"onnxruntime {ort.__version__}" in text
     assert "peak RSS (VmHWM) at exit, MiB" in text and "private (RssAnon) at exit, MiB" in text and "mapped" in text
+    assert "median of 2 fresh process(es)" in text and "wall time, fastest, s" in text
 
 
 def test_python_dash_m_ortmem_serves_every_subcommand(tmp_path):
