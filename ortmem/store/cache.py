@@ -39,6 +39,7 @@ import shutil
 import stat
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -47,7 +48,7 @@ from . import digest
 from ..errors import CacheError
 from ..helper_env import cache_folder
 from .layout import MANIFEST, MODEL_FILE, SOURCE_LINK_PREFIX, TMP_PREFIX, TRASH_PREFIX, WEIGHTS_FILE, Entry, reclaimable_bytes
-from .sources import linked_digests, private_mode, source_record, sources_problem
+from .sources import linked_digests, private_mode, source_content, source_record, sources_problem
 from .trust import (
     PRIVATE_FILE_MODE,
     cache_file_problem,
@@ -281,11 +282,18 @@ class Cache:
         and every data file). The manifest records them (:func:`ortmem.store.sources.source_record`),
         so :meth:`lookup_sourced` discards the entry once one changes; hard-linked sources get the
         digests just taken of them (each source is read once); files are no more permissive than
-        ``source`` (:func:`ortmem.store.sources.private_mode`)."""
+        ``source`` (:func:`ortmem.store.sources.private_mode`).
+
+        The sources' digests are taken while the builder runs, in a thread: a full digest reads every
+        source byte (0.7 s for the 0.6 GB model's 1 GB of sources on the 2-core VM, most of it the
+        read), and the builder leaves a core idle while it waits on page faults and writes. Their
+        identities are taken after it, as before (its hard links move their ctime)."""
 
         def build(folder: Path) -> dict[str, Any]:
-            made = builder(folder)
-            record = source_record(list(sources))
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ortmem-source-digest") as pool:
+                digesting = pool.submit(source_content, list(sources))
+                made = builder(folder)
+                record = source_record(list(sources), digesting.result())
             extras: dict[str, Any] = {"spans": made.get("spans", []), "source": str(source),
                                       **{k: v for k, v in made.items() if k not in ("spans", "digests")}, **record}
             extras["digests"] = {**(made.get("digests") or {}),

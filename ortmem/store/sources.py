@@ -163,15 +163,22 @@ def sources_problem(manifest: dict[str, Any]) -> tuple[Optional[str], dict[str, 
     return None, update
 
 
-def source_record(paths: list[Path]) -> dict[str, Any]:
+def source_content(paths: list[Path]) -> list[str]:
+    """The full digest of each source file (:func:`ortmem.store.digest.file_digest`), in order."""
+    return [digest.file_digest(Path(p).resolve()) for p in paths]
+
+
+def source_record(paths: list[Path], content: Optional[list[str]] = None) -> dict[str, Any]:
     """What an entry records of the files it was made from, for :func:`sources_problem`: their
-    identities; a content digest of each, kept for good and checked only when a source's ctime moved
-    with everything else equal (another entry's hard link, or an edit with mtime set back; ~0.1 s/GB,
-    read from the page cache the builder just filled); and for a source written just now the same
-    digests as ``source_digests``, checked on every lookup until stat alone can vouch for it."""
+    identities, taken now (after the builder has hard-linked any of them, which moves their ctime);
+    a content digest of each (``content`` when the caller took it already, see
+    :meth:`ortmem.store.cache.Cache.build_sourced`), kept for good and checked only when a source's
+    ctime moved with everything else equal (another entry's hard link, or an edit with mtime set
+    back; ~0.1 s/GB from the page cache); and for a source written just now the same digests as
+    ``source_digests``, checked on every lookup until stat alone can vouch for it."""
     sources = [file_identity(Path(p)) for p in paths]
     record: dict[str, Any] = {"sources": sources,
-                              "source_content": [digest.file_digest(Path(s["path"])) for s in sources]}
+                              "source_content": source_content(paths) if content is None else list(content)}
     if racy(sources):
         record["source_digests"] = record["source_content"]
     return record
