@@ -7,8 +7,7 @@ low bits first. The byte length of a tensor is therefore ``ceil(numel * bits / 8
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 from .errors import UnsupportedDtypeError
@@ -32,8 +31,10 @@ ORT_NUMPY_TYPES: dict[str, Any] = {
 }
 
 
-@dataclass(frozen=True)
-class DtypeInfo:
+class DtypeInfo(NamedTuple):
+    """An ONNX element type as ortmem handles it (a named tuple: the hook imports this module into every
+    hooked process, where dataclasses cost start time)."""
+
     onnx_type: int
     name: str
     bits: int

@@ -82,7 +82,8 @@ import threading
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import NamedTuple
 
 from .logs import debug
 from .units import split_pair
@@ -102,17 +103,19 @@ GLIBC_DEFAULT_THRESHOLD = 128 * 1024
 UNCONFIGURED_RESTORE = (32 << 20, 64 << 20)
 
 
-@dataclass(frozen=True)
-class MallocThresholds:
-    """A pair of glibc malloc thresholds in bytes."""
+class MallocThresholds(NamedTuple):
+    """A pair of glibc malloc thresholds in bytes.
+
+    This module's records are a named tuple and a namespace, not dataclasses: the hook imports this
+    module into every hooked process, where dataclasses cost start time (``bench/hook_stages.py``)."""
 
     mmap_threshold: int
     trim_threshold: int
 
 
-@dataclass
-class HygieneReport:
-    """What one :func:`allocator_hygiene` block did, yielded by ``with ... as report``.
+class HygieneReport(SimpleNamespace):
+    """What one :func:`allocator_hygiene` block did, yielded by ``with ... as report`` (and filled in
+    as the block exits, hence a namespace: attributes, equality and repr by value).
 
     ``active`` is ``False`` where there is no glibc malloc to tune (nothing was done). ``applied`` is
     what was in force when the block was entered (the minimum over concurrent blocks), ``restored``
@@ -121,9 +124,13 @@ class HygieneReport:
     """
 
     active: bool
-    applied: MallocThresholds | None = None
-    restored: MallocThresholds | None = None
-    released: int | None = None
+    applied: MallocThresholds | None
+    restored: MallocThresholds | None
+    released: int | None
+
+    def __init__(self, active: bool, applied: MallocThresholds | None = None,
+                 restored: MallocThresholds | None = None, released: int | None = None) -> None:
+        super().__init__(active=active, applied=applied, restored=restored, released=released)
 
 
 # --------------------------------------------------------------------------------------- libc

@@ -25,7 +25,6 @@ own pass over the parsed tensors; the screen never decides an error, the loader'
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from typing import Callable, Container, Iterator, NamedTuple, Optional
 
 from .dtypes import byte_size
@@ -135,8 +134,7 @@ class Field(NamedTuple):
     payload_start: int = 0  # LEN fields: where the payload begins
 
 
-@dataclass
-class TensorSpan:
+class TensorSpan(NamedTuple):
     """Where a TensorProto's raw_data lies in the file, with the metadata needed to describe it."""
 
     name: str
@@ -468,14 +466,15 @@ def _plain_byte_size(data_type: int, dims: list[int]) -> int:
         return -1
 
 
-@dataclass
-class ExternalizeResult:
+class ExternalizeResult(NamedTuple):
     """The walk's result: ``skeleton`` is the rewritten ModelProto, or None when nothing was rewritten
-    (the buffer is its own skeleton: the caller parses the file as it is, without a copy made here)."""
+    (the buffer is its own skeleton: the caller parses the file as it is, without a copy made here).
+    This module's records are named tuples (as :class:`Field`), not dataclasses: the hook imports it
+    into every hooked process, where dataclasses cost start time (``bench/hook_stages.py``)."""
 
     skeleton: Optional[bytes]
-    spans: list[TensorSpan] = field(default_factory=list)
-    screen: TensorScreen = field(default_factory=TensorScreen)
+    spans: list[TensorSpan]
+    screen: TensorScreen
 
     @property
     def changed(self) -> bool:

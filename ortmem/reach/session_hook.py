@@ -33,9 +33,8 @@ import threading
 import time
 import types
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_inference_collection as _collection
@@ -62,9 +61,11 @@ _state_lock = threading.RLock()
 _inside = threading.local()  # set while ortmem creates a session: nested creations go to ORT directly
 
 
-@dataclass
-class HookOptions:
-    """What the hook passes to :class:`ortmem.InferenceSession` for every session (see its docstring)."""
+class HookOptions(NamedTuple):
+    """What the hook passes to :class:`ortmem.InferenceSession` for every session (see its docstring).
+
+    This module's records are named tuples, not dataclasses: the hook is imported into every hooked
+    process, and the dataclasses of its modules cost about 7 ms of that start (``bench/hook_stages.py``)."""
 
     convert: bool = True
     cache: Union[bool, str] = True
@@ -75,8 +76,7 @@ class HookOptions:
     observe_only: bool = False
 
 
-@dataclass
-class SessionRecord:
+class SessionRecord(NamedTuple):
     """One session created while the hook was on."""
 
     model: str
@@ -86,7 +86,7 @@ class SessionRecord:
     rss_anon_mib: float  # the process's private (anonymous) memory right after creation
     rss_file_mib: float  # its file-backed resident memory then
     peak_mib: float  # the process's VmHWM then (since start or the last reset)
-    thread: str = field(default_factory=lambda: threading.current_thread().name)
+    thread: str  # the creating thread's name
 
 
 class _HookMeta(type):
@@ -201,7 +201,7 @@ def sessions() -> list[SessionRecord]:
 
 
 def report() -> list[dict[str, Any]]:
-    return [asdict(r) for r in sessions()]
+    return [r._asdict() for r in sessions()]
 
 
 def _rebind_globals(old: type, new: type) -> list[tuple[dict, str]]:
@@ -447,6 +447,7 @@ def _record(model: Any, make, action) -> Any:
         rss_anon_mib=memory["rss_anon_mib"],
         rss_file_mib=memory["rss_file_mib"],
         peak_mib=memory["peak_mib"],
+        thread=threading.current_thread().name,
     )
     with _state_lock:
         _records.append(record)

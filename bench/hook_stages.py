@@ -1,0 +1,98 @@
+"""Where a hooked program's extra time goes, stage by stage, measured inside fresh processes.
+
+    python -m bench.hook_stages tests/hook_clients/silero_client.py [--repeat 10]
+
+``ortmem run --compare`` gives the whole-process difference, which on this 2-core VM moves by tens
+of milliseconds between sittings. This splits what the hooked side does into the stages
+``python -m ortmem run -- CLIENT`` goes through, each timed with ``perf_counter`` in the same process,
+after numpy and onnxruntime are imported (the client imports them either way):
+
+- ``cli``: ``import ortmem.cli`` (the package and argparse);
+- ``parser+launcher``: building the ``run`` subcommand's parser, which imports the launcher and the
+  hook (``session_hook``, ``model_facts``, ``protowire``, ``dtypes``, ``hygiene``), and parsing;
+- ``hook``: installing it as the launcher does (no rebinding: the program has imported nothing yet);
+- ``client``: running the client, plain in the plain process; in the hooked one it includes
+  ``read_facts`` (the walk of the model's non-weight bytes) and ``trim`` (``malloc_trim`` after each
+  creation), also shown on their own.
+
+The fastest of ``--repeat`` processes per stage is printed (noise on this VM only ever adds), with
+the client's plain and hooked times side by side. ortmem's bytecode is brought up to date first, as
+an installed ortmem has it (:func:`ortmem.bytecode.ensure_bytecode`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+_CHILD = r"""
+import json, runpy, sys, time
+hooked, client = sys.argv[1] == "hooked", sys.argv[2]
+import numpy, onnxruntime
+times, start = {}, time.perf_counter()
+def mark(name):
+    global start
+    now = time.perf_counter()
+    times[name] = times.get(name, 0.0) + now - start
+    start = now
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            times[name] = times.get(name, 0.0) + time.perf_counter() - t
+    return wrapper
+if hooked:
+    import ortmem.cli
+    mark("cli")
+    args = ortmem.cli.build_parser("run").parse_args(["run", "--", client])
+    mark("parser+launcher")
+    from ortmem.reach import session_hook
+    from ortmem.reach.launcher import options_from
+    session_hook.read_facts = timed("  read_facts", session_hook.read_facts)
+    session_hook.trim_heap = timed("  trim", session_hook.trim_heap)
+    session_hook.hook(**options_from(args), rebind=False)
+    mark("hook")
+sys.argv = [client]
+runpy.run_path(client, run_name="__main__")
+mark("client")
+print(json.dumps(times), file=sys.stderr)
+"""
+
+
+def measure(client: str, repeat: int) -> dict[str, dict[str, float]]:
+    """Per side, the fastest seconds of each stage over ``repeat`` fresh processes, sides alternated."""
+    fastest: dict[str, dict[str, float]] = {"plain": {}, "hooked": {}}
+    for _ in range(repeat):
+        for side in ("plain", "hooked"):
+            done = subprocess.run([sys.executable, "-c", _CHILD, side, client], capture_output=True, text=True,
+                                  check=True)
+            times = json.loads(done.stderr.strip().splitlines()[-1])
+            for stage, seconds in times.items():
+                fastest[side][stage] = min(seconds, fastest[side].get(stage, seconds))
+    return fastest
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("client", help="a Python program that creates ORT sessions (e.g. tests/hook_clients/*.py)")
+    p.add_argument("--repeat", type=int, default=10)
+    args = p.parse_args(argv)
+    from ortmem.bytecode import ensure_bytecode
+
+    print(ensure_bytecode(), file=sys.stderr)
+    import onnxruntime
+
+    fastest = measure(args.client, max(1, args.repeat))
+    print(f"onnxruntime {onnxruntime.__version__}; fastest of {args.repeat} fresh processes per side, ms")
+    for stage, seconds in fastest["hooked"].items():
+        plain = fastest["plain"].get(stage)
+        extra = f"  (plain {plain * 1e3:.1f}, +{(seconds - plain) * 1e3:.1f})" if plain is not None else ""
+        print(f"{stage:18} {seconds * 1e3:7.1f}{extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
