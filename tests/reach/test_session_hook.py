@@ -288,8 +288,8 @@ if __name__ == "__main__":
 
 CHILD = """
 def kind(path):
-    import onnxruntime
-    return type(onnxruntime.InferenceSession(path)).__module__
+    from onnxruntime import InferenceSession  # bound as onnxruntime finishes importing: the hook is in by then
+    return type(InferenceSession(path)).__module__
 """
 
 
