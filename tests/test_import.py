@@ -67,7 +67,8 @@ def test_a_warm_start_loads_no_passes_and_no_onnx(tmp_path):
     the writer, the publisher) is imported, and not onnx either (its key reads onnx's version from the
     install, recompute metadata is searched in the entry's bytes), so a warm start pays none of it.
     The cold start runs in its own process first, as a user's first start would; the second packs
-    ORT's weights on its first hit (which parses the entry); the third only maps."""
+    ORT's weights on its first hit (which parses the entry); the third only maps. None of them imports
+    hashlib (which loads OpenSSL, 3.6 MiB): names and sampled digests are xxhash's (ortmem.short_hash)."""
     import os
 
     from ortmem.synth import SynthConfig, write_model
@@ -75,11 +76,11 @@ def test_a_warm_start_loads_no_passes_and_no_onnx(tmp_path):
     model = write_model(SynthConfig(storage="external"), tmp_path / "model.onnx")
     env = {**os.environ, "ORTMEM_CACHE_DIR": str(tmp_path / "cache")}
     start = (f"import sys, json, ortmem\ns = ortmem.InferenceSession({str(model)!r}, providers=['CPUExecutionProvider'])\n"
-             "print(json.dumps([s.ortmem_action, sorted(m for m in sys.modules if m == 'onnx' or m.startswith(("
+             "print(json.dumps([s.ortmem_action, sorted(m for m in sys.modules if m in ('onnx', 'hashlib') or m.startswith(("
              "'ortmem.passes', 'ortmem.store.writer', 'ortmem.store.publish', 'ortmem.handoff.conversion')))]))")
     runs = [json.loads(subprocess.run([sys.executable, "-c", start], env=env, capture_output=True, text=True, check=True,
                                       timeout=300).stdout.strip().splitlines()[-1]) for _ in range(3)]
-    assert runs[0][0] == "converted" and "ortmem.store.publish" in runs[0][1]
+    assert runs[0][0] == "converted" and "ortmem.store.publish" in runs[0][1] and "hashlib" not in runs[0][1]
     assert runs[1][0] in ("pre-packed", "cache-hit") and [m for m in runs[1][1] if m != "onnx"] == []
     assert runs[2][0] in ("pre-packed", "cache-hit") and runs[2][1] == []
 

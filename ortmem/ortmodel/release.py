@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from ..short_hash import short_hash
 from ..helper_env import cache_folder, helper_environment
 from ..store.trust import make_private_dir, stat_untrusted_reason
 from .variants import (ACCURACY_LEVELS, BLOCK_SWEEP, GATHER_WEIGHT_TYPES, SCALE_TYPES, SHARED_WEIGHT_KEY, WEIGHT_TYPES,
@@ -147,7 +147,7 @@ class Release:
 
     def key(self) -> str:
         blob = json.dumps([PROBE_FORMAT, self.version, self.build, self.cpu_flags, self.machine]).encode()
-        return hashlib.sha256(blob).hexdigest()[:24]
+        return short_hash(blob, 24)
 
     def facts(self) -> Optional[ReleaseFacts]:
         """This release's row of :data:`RELEASE_TABLE` (its (major, minor)), or None for an untested one."""

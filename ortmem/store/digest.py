@@ -13,7 +13,6 @@ checked (or refused as unverifiable) by a process that has another.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
@@ -44,6 +43,8 @@ def _hasher(algorithm: str):
     if algorithm == "xxh3_128" and _xxhash is not None:
         return _xxhash.xxh3_128()
     if algorithm == "sha256":
+        import hashlib  # only where xxhash is missing: hashlib loads OpenSSL (ortmem.short_hash)
+
         return hashlib.sha256()
     return None
 
@@ -129,10 +130,21 @@ def matcher(mode: str) -> Callable[[PathLike, object], bool]:
     return matches_every_byte if mode == "always" else matches
 
 
+def sample_hasher():
+    """The hasher of sampled digests (this module's and the pre-packed files'): xxh3-128, 32 hex
+    characters; blake2b-128 where xxhash is missing (hashlib, which loads OpenSSL, is imported only
+    then: :mod:`ortmem.short_hash`). Entries record it, so a change of hasher goes with new keys."""
+    if _xxhash is not None:
+        return _xxhash.xxh3_128()
+    import hashlib
+
+    return hashlib.blake2b(digest_size=16)
+
+
 def sampled_digest(path: PathLike, spans: Iterable[tuple[int, int]]) -> str:
     """Hash the first and last page of every span: catches truncation, zeroed or swapped tensors
     without reading gigabytes (``verify="sampled"``)."""
-    h = hashlib.blake2b(digest_size=16)
+    h = sample_hasher()
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     try:
         for offset, length in spans:

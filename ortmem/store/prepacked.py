@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import copy
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -174,9 +173,10 @@ def _sample_spans(spans: Iterable[tuple[int, int]], stride: int = SAMPLE_STRIDE)
 
 
 def _digest(path: Path, spans: Iterable[tuple[int, int]]) -> str:
-    """blake2b over sampled pages of every span (first, every ``SAMPLE_STRIDE``, last): catches a
-    truncated, zeroed or swapped region without reading the whole file on a warm start."""
-    h = hashlib.blake2b(digest_size=16)
+    """A sampled digest (:func:`ortmem.store.digest.sample_hasher`) over pages of every span (first,
+    every ``SAMPLE_STRIDE``, last): catches a truncated, zeroed or swapped region without reading the
+    whole file on a warm start."""
+    h = content_digest.sample_hasher()
     fd = os.open(path, os.O_RDONLY)
     try:
         for p in _sample_spans(spans):

@@ -12,7 +12,6 @@ writes that record, :func:`sources_problem` judges it
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from .. import __version__
+from ..short_hash import short_hash
 from . import digest
 from .layout import SOURCE_LINK_PREFIX
 from .stamps import RACY_SECONDS
@@ -38,7 +38,7 @@ CONVERSION_FORMAT = 3
 def make_key(parts: dict[str, Any]) -> str:
     """A stable hex key over everything the cached bytes depend on (sources, options, versions)."""
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:32]
+    return short_hash(blob)
 
 
 def file_identity(path: Path) -> dict[str, Any]:

@@ -23,13 +23,13 @@ trust rule, :mod:`ortmem.store.trust`); otherwise there are no stamps and every 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
 from pathlib import Path
 from typing import Optional
 
+from ..short_hash import short_hash
 from .trust import make_private_dir, open_new, parent_untrusted_reason, untrusted_reason
 
 #: Where stamps go instead of the default folders (tests, or a deployment's own tmpfs).
@@ -92,7 +92,7 @@ def _key(st: os.stat_result) -> tuple[int, ...]:
 
 def _name(path: Path, st: os.stat_result, recorded: str) -> str:
     blob = json.dumps([os.path.abspath(path), *_key(st), recorded, _boot_id()]).encode()
-    return hashlib.sha256(blob).hexdigest()[:40]
+    return short_hash(blob)
 
 
 def _boot_id() -> str:
