@@ -207,6 +207,22 @@ class BenchReport:
     workers: WorkersReport | None = None
     whole_process: list[WholeProcessReport] | None = None
 
+    def extend(self, later: "BenchReport") -> None:
+        """Add the probes of ``later``, a run of further rounds on the same models and strategies."""
+        self.repeat += later.repeat
+        self.order.extend(later.order)
+        mine = {mr.model: mr for mr in self.models}
+        for mr in later.models:
+            if mr.model not in mine:
+                self.models.append(mr)
+                continue
+            for name, sr in mr.strategies.items():
+                acc = mine[mr.model].strategies.setdefault(name, StrategyResult(sr.strategy))
+                acc.runs.extend(sr.runs)
+                acc.errors.extend(sr.errors)
+                acc.prepared_model = acc.prepared_model or sr.prepared_model
+                acc.memray_run = acc.memray_run or sr.memray_run
+
 
 def _metric(run: ProbeResult, metric: str) -> float | None:
     value = getattr(run, metric)

@@ -43,9 +43,11 @@ def rotated(items: Sequence[T], r: int) -> list[T]:
     return list(items[k:]) + list(items[:k])
 
 
-def schedule(models: Sequence[str], strategies: Sequence[str], repeat: int) -> list[tuple[str, str, int]]:
-    """Execution order: per model, ``repeat`` rounds, round ``r`` every strategy once, rotated by ``r``."""
-    return [(m, s, r) for m in models for r in range(repeat) for s in rotated(strategies, r)]
+def schedule(models: Sequence[str], strategies: Sequence[str], repeat: int,
+             first: int = 0) -> list[tuple[str, str, int]]:
+    """Execution order: per model, ``repeat`` rounds numbered from ``first``, round ``r`` every strategy
+    once, rotated by ``r`` (a bench run round by round keeps the rotation of one run of them all)."""
+    return [(m, s, r) for m in models for r in range(first, first + repeat) for s in rotated(strategies, r)]
 
 
 @dataclass

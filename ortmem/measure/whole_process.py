@@ -115,6 +115,17 @@ class WholeProcessReport:
     def modes(self, strategy: str) -> tuple[list[float], list[float]] | None:
         return metric_modes((r.wall_s for r in self.runs.get(strategy, [])), "wall_s")
 
+    def extend(self, later: "WholeProcessReport") -> None:
+        """Add the runs of ``later``, further rounds on the same model."""
+        self.repeat += later.repeat
+        self.order.extend(later.order)
+        for name, runs in later.runs.items():
+            self.runs.setdefault(name, []).extend(runs)
+        for name, errors in later.errors.items():
+            self.errors.setdefault(name, []).extend(errors)
+        for name, code in later.codes.items():
+            self.codes.setdefault(name, code)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model,
@@ -238,12 +249,14 @@ def run_whole_process(
     options: dict[str, Any] | None = None,
     timeout: float = 600.0,
     say: Callable[[str], None] | None = None,
+    first_round: int = 0,
 ) -> WholeProcessReport:
-    """Time each strategy (plus ``ort`` and the bare import) as whole processes, ``repeat`` rounds."""
+    """Time each strategy (plus ``ort`` and the bare import) as whole processes, ``repeat`` rounds
+    numbered from ``first_round`` (see :func:`ortmem.measure.stats.schedule`)."""
     options = dict(options or {})
     path = os.path.abspath(os.fspath(model))
     names = list(dict.fromkeys([REFERENCE, *(strategies or ["ortmem"]), BARE]))
-    report = WholeProcessReport(path, repeat, order=[(s, r) for _, s, r in schedule([path], names, repeat)])
+    report = WholeProcessReport(path, repeat, order=[(s, r) for _, s, r in schedule([path], names, repeat, first_round)])
     report.runs = {s: [] for s in names}
     with tempfile.TemporaryDirectory(prefix="ortmem-whole-") as workdir:
         prepared: dict[str, Prepared | None] = {}

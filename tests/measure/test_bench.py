@@ -271,3 +271,34 @@ def test_cli_cross_check_and_whole_process(tiny: str, tmp_path: Path, capsys: py
     assert main(parser.parse_args([tiny, "-s", "ort", "-n", "1", "--whole-process", "-q"])) == 0
     out = capsys.readouterr().out
     assert "whole processes:" in out and "private pk" not in out
+
+
+@slow
+def test_cross_check_interleaves_probe_and_whole_process_rounds(tiny: str, capsys: pytest.CaptureFixture) -> None:
+    """Round by round, the probes then the whole processes: run as two blocks, the two modes met
+    ORT's init at different moments (3.9 against 3.3 s on the 0.6 GB model, docs/benchmarks.md).
+    Rotation continues across rounds as in one run of them all."""
+    import argparse
+
+    from ortmem.measure import bench as bench_module
+
+    captured: list = []
+    real_render = bench_module.render_cross_check
+    parser = argparse.ArgumentParser(prog="ortmem bench")
+    bench_module.add_arguments(parser)
+    try:
+        bench_module.render_cross_check = lambda report: captured.append(report) or real_render(report)
+        assert bench_module.main(parser.parse_args([tiny, "-s", "ort", "-s", "ortmem-nocache", "-n", "2",
+                                                   "--cross-check", "-q"])) == 0
+    finally:
+        bench_module.render_cross_check = real_render
+    assert "cross-check:" in capsys.readouterr().out
+    report = captured[0]
+    whole = report.whole_process[0]
+    assert report.repeat == 2 and whole.repeat == 2
+    assert [s for _, s, _ in report.order] == ["ort", "ortmem-nocache", "ortmem-nocache", "ort"]
+    starts = sorted([(r.started_unix, "probe") for sr in report.models[0].strategies.values() for r in sr.runs] +
+                    [(r.started_unix, "whole") for runs in whole.runs.values() for r in runs])
+    # per round: 2 probes (ort, ortmem-nocache), then 3 whole processes (the bare import too)
+    assert [m for _, m in starts] == ["probe"] * 2 + ["whole"] * 3 + ["probe"] * 2 + ["whole"] * 3
+    assert all(len(runs) == 2 for runs in whole.runs.values())
