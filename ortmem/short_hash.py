@@ -10,7 +10,7 @@ ownership and mode checks do, docs/cache-security.md). Where xxhash is missing, 
 from __future__ import annotations
 
 try:  # pragma: no cover - exercised whichever way the environment is
-    import xxhash
+    import xxhash  # also ortmem.store.digest's: the one place that asks whether it is installed
 except ImportError:  # pragma: no cover
     xxhash = None
 

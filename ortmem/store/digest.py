@@ -17,13 +17,9 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
+from ..short_hash import xxhash as _xxhash  # the module, or None where it is not installed
 from ..weights import PAGE
 from . import stamps
-
-try:  # pragma: no cover - exercised whichever way the environment is
-    import xxhash as _xxhash
-except ImportError:  # pragma: no cover
-    _xxhash = None
 
 PathLike = Union[str, os.PathLike]
 
