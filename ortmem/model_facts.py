@@ -26,21 +26,7 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 from .logs import warning
-from .protowire import (
-    ATTR_T,
-    ATTR_TENSORS,
-    DATA_LOCATION_EXTERNAL,
-    GRAPH_INITIALIZER,
-    GRAPH_NODE,
-    LEN,
-    MODEL_GRAPH,
-    NODE_ATTRIBUTE,
-    TENSOR_DATA_LOCATION,
-    VARINT,
-    FileBytes,
-    WireReader,
-    externalize_embedded,
-)
+from .protowire import LEN, MODEL_GRAPH, FileBytes, WireReader, externalize_embedded
 
 
 #: Tensors up to one page stay inline in the skeleton: ORT maps every external tensor separately,
@@ -54,6 +40,9 @@ FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 #: Metadata prefix of a model rewritten by ``ortmem recompute`` (the planner's ``META_PREFIX`` is this one).
 RECOMPUTE_METADATA = "ortmem.recompute."
 DEQUANTIZE = b"DequantizeLinear"
+#: The key of a tensor's ``external_data`` entry naming its file (StringStringEntryProto field 1,
+#: 8 bytes, "location"): every tensor with external data has one.
+EXTERNAL_LOCATION = b"\x0a\x08location"
 #: Bytes read per ``pread`` by the search: the search never holds more of the file than this.
 SEARCH_CHUNK = 1 << 20
 
@@ -99,33 +88,41 @@ class FileFacts(NamedTuple):
     recompute: bool
     #: Every tensor the skeleton made external sits in the main graph (initializers, Constant
     #: values): ORT's checker refuses external data in a subgraph read from a hard-linked file.
+    #: False also when the walk stopped at the first one outside it (``read_facts``'s
+    #: ``stop_outside_main_graph``): then ``skeleton`` is None and ``embedded_bytes`` partial.
     main_graph_only: bool
     #: The file has a graph at all (an empty file or a ModelProto without one goes the loader's way,
     #: which names the fault: ``CorruptModelError``).
     has_graph: bool = True
 
 
-def read_facts(path: Path) -> FileFacts:
+def read_facts(path: Path, *, stop_outside_main_graph: bool = False) -> FileFacts:
     """Walk ``path``'s non-weight bytes once (raises :class:`ortmem.errors.CorruptModelError` on a
-    malformed file) and search them for the op types and metadata that need ortmem's session path."""
+    malformed file) and search them for the op types and metadata that need ortmem's session path.
+
+    ``stop_outside_main_graph``: the walk stops at the first embedded weight outside the main graph
+    (``main_graph_only`` False, no skeleton), for a caller that gives ORT such a model as it is
+    whatever else the walk would find, unless the file needs the session path. That is then decided
+    from a search of the whole file: a tensor with external data names its ``location``; what the
+    walk's screen of inline tensors would have sent to the loader is not known, and ORT, given the
+    model as it is, judges those tensors itself, as without ortmem."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         result = externalize_embedded(FileBytes(f.fileno(), size), file=str(path), location=path.name,
-                                      inline_max_bytes=INLINE_MAX_BYTES)
-        needles = (DEQUANTIZE, RECOMPUTE_METADATA.encode())
+                                      inline_max_bytes=INLINE_MAX_BYTES, stop_outside_main=stop_outside_main_graph)
+        needles = (DEQUANTIZE, RECOMPUTE_METADATA.encode()) + ((EXTERNAL_LOCATION,) if result.stopped else ())
         found = _found_in(result.skeleton, needles) if result.changed else _found_in_file(f.fileno(), size, needles)
         top = result.skeleton if result.changed else FileBytes(f.fileno(), size)
         has_graph = any(t.number == MODEL_GRAPH and t.wire_type == LEN  # top-level fields only: payloads skipped
                         for t in WireReader(top, str(path)).fields(0, len(top)))
     screen = result.screen
-    spans = len(result.spans)
     return FileFacts(
         skeleton=result.skeleton,
         embedded_bytes=sum(s.length for s in result.spans),
-        needs_loader=bool(screen.external or screen.unconfirmed),
+        needs_loader=EXTERNAL_LOCATION in found or bool(screen.external or screen.unconfirmed),
         dequantize=DEQUANTIZE in found,
         recompute=RECOMPUTE_METADATA.encode() in found,
-        main_graph_only=not spans or _main_graph_externals(result.skeleton, str(path)) == spans,
+        main_graph_only=result.outside_main == 0,
         has_graph=has_graph,
     )
 
@@ -144,10 +141,10 @@ def plain_handover(path: Path, facts: FileFacts) -> Optional[tuple[Path, Optiona
     :data:`INLINE_MAX_BYTES`; (its skeleton beside a hard link, the private folder the caller removes
     once ORT has mapped what it needs) when every embedded weight sits in the main graph; None when
     the session path must decide: weights inside subgraphs, or no hard link possible."""
+    if not facts.main_graph_only:  # first: a walk that stopped there made no skeleton
+        return None
     if facts.skeleton is None:
         return path, None
-    if not facts.main_graph_only:
-        return None
     return link_skeleton(path, facts.skeleton)
 
 
@@ -176,35 +173,6 @@ def _found_in_file(fd: int, size: int, needles: tuple[bytes, ...]) -> set[bytes]
         found |= _found_in(chunk, needles)
         pos += SEARCH_CHUNK
     return found
-
-
-def _main_graph_externals(skeleton: Optional[bytes], file: str) -> int:
-    """How many tensors of the main graph (initializers and node attribute tensors) are external in
-    ``skeleton``; the walk made every external tensor there, so equality with its span count means
-    no subgraph or function holds one."""
-    if skeleton is None:
-        return 0
-    r = WireReader(skeleton, file)
-    count = 0
-    for model_field in r.fields(0, len(skeleton)):
-        if model_field.number != MODEL_GRAPH or model_field.wire_type != LEN:
-            continue
-        for g in r.fields(model_field.payload_start, model_field.end):
-            if g.wire_type != LEN:
-                continue
-            if g.number == GRAPH_INITIALIZER:
-                count += _is_external(r, g.payload_start, g.end)
-            elif g.number == GRAPH_NODE:
-                for a in r.fields(g.payload_start, g.end):
-                    if a.number == NODE_ATTRIBUTE and a.wire_type == LEN:
-                        count += sum(_is_external(r, t.payload_start, t.end) for t in r.fields(a.payload_start, a.end)
-                                     if t.number in (ATTR_T, ATTR_TENSORS) and t.wire_type == LEN)
-    return count
-
-
-def _is_external(r: WireReader, start: int, end: int) -> bool:
-    return any(f.number == TENSOR_DATA_LOCATION and f.wire_type == VARINT and f.value == DATA_LOCATION_EXTERNAL
-               for f in r.fields(start, end))
 
 
 def link_skeleton(path: Path, skeleton: bytes, root: Optional[Path] = None) -> Optional[tuple[Path, Path]]:

@@ -475,6 +475,12 @@ class ExternalizeResult(NamedTuple):
     skeleton: Optional[bytes]
     spans: list[TensorSpan]
     screen: TensorScreen
+    #: How many of ``spans`` lie outside the main graph's initializers and its nodes' attribute
+    #: tensors (in a subgraph, a function, training info, a sparse tensor).
+    outside_main: int = 0
+    #: The walk stopped at the first of those (``stop_outside_main``): ``skeleton`` is None, and
+    #: ``spans`` and ``screen`` cover only what came before it.
+    stopped: bool = False
 
     @property
     def changed(self) -> bool:
@@ -486,12 +492,19 @@ class ExternalizeResult(NamedTuple):
 #: visits a subset of the messages, so a model it finds deeper is refused by protobuf too; the
 #: bound keeps the walk off Python's own stack limit.
 MAX_NESTING = 100
+#: The message kinds above a tensor of the main graph: an initializer, or a node's attribute tensor.
+_MAIN_GRAPH_PARENTS = (["model", "graph"], ["model", "graph", "node", "attribute"])
+
+
+class _OutsideMainGraph(Exception):
+    """Raised inside the walk at the first tensor it would externalize outside the main graph, when
+    asked to stop there (:func:`externalize_embedded`)."""
 
 
 class _Externalizer:
     """Rewrites a serialized ModelProto, moving large embedded raw_data to external references."""
 
-    def __init__(self, buf, file: str, location: str, inline_max_bytes: int, base_offset: int = 0):
+    def __init__(self, buf, file: str, location: str, inline_max_bytes: int, stop_outside_main: bool = False):
         self.r = WireReader(buf, file)
         self.buf = buf
         self.location = location
@@ -504,6 +517,9 @@ class _Externalizer:
         self.offset_key = encode_len_field(1, b"offset")  # the key half of an external_data entry
         self.length_key = encode_len_field(1, b"length")
         self.depth = 0
+        self.kinds: list[str] = []  # the message kinds from the model down to the one being walked
+        self.outside_main = 0
+        self.stop_outside_main = stop_outside_main
         # Which child messages of each message kind can contain tensors, and their kind.
         self.children: dict[str, dict[int, Callable[[int, int], Optional[bytes]]]] = {
             "model": {MODEL_GRAPH: self.graph, MODEL_TRAINING_INFO: self.training, MODEL_FUNCTIONS: self.function},
@@ -527,6 +543,7 @@ class _Externalizer:
     def message(self, kind: str, start: int, end: int) -> Optional[bytes]:
         """Return the rewritten message, or None when it is unchanged (the caller copies the slice)."""
         self.depth += 1
+        self.kinds.append(kind)
         try:
             if self.depth > MAX_NESTING:
                 raise CorruptModelError(f"messages nested deeper than protobuf's limit of {MAX_NESTING}",
@@ -534,6 +551,7 @@ class _Externalizer:
             return self._message(kind, start, end)
         finally:
             self.depth -= 1
+            self.kinds.pop()
 
     def _message(self, kind: str, start: int, end: int) -> Optional[bytes]:
         handlers = self.children[kind]
@@ -608,6 +626,10 @@ class _Externalizer:
             if raws:
                 self.screen.inline(data_type, dims, length)
             return None
+        if self.kinds not in _MAIN_GRAPH_PARENTS:
+            if self.stop_outside_main:
+                raise _OutsideMainGraph
+            self.outside_main += 1
         offset = raws[-1].payload_start
         self.spans.append(TensorSpan(self.r.string(name) if name else "", data_type, dims, offset, length))
         kept_parts, pos = [], start
@@ -625,12 +647,21 @@ def _signed64(v: int) -> int:
     return v - (1 << 64) if v >= (1 << 63) else v
 
 
-def externalize_embedded(buf, *, file: str, location: str, inline_max_bytes: int = 1023) -> ExternalizeResult:
+def externalize_embedded(buf, *, file: str, location: str, inline_max_bytes: int = 1023,
+                         stop_outside_main: bool = False) -> ExternalizeResult:
     """Rewrite the ModelProto in ``buf`` so every embedded raw_data above ``inline_max_bytes`` becomes
     an external-data reference (``location``, absolute offset in ``buf``, length).
 
     ``buf`` is normally a :class:`FileBytes` over the whole file: only the non-weight bytes are read.
     Raises :class:`CorruptModelError` naming ``file`` when the bytes are not a well-formed protobuf.
+    ``stop_outside_main``: stop at the first such raw_data outside the main graph (the result says
+    ``stopped``), for a caller whose decision that one settles: the hook, given the caller's options,
+    leaves such a model to ORT, and stopping at the first of silero-vad's ``If`` branch weights walks
+    10 of its 1278 messages.
     """
-    ex = _Externalizer(buf, file, location, inline_max_bytes)
-    return ExternalizeResult(ex.model(0, len(buf)), ex.spans, ex.screen)
+    ex = _Externalizer(buf, file, location, inline_max_bytes, stop_outside_main)
+    try:
+        skeleton = ex.model(0, len(buf))
+    except _OutsideMainGraph:
+        return ExternalizeResult(None, ex.spans, ex.screen, outside_main=1, stopped=True)
+    return ExternalizeResult(skeleton, ex.spans, ex.screen, outside_main=ex.outside_main)

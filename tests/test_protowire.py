@@ -269,3 +269,49 @@ def test_corrupted_bytes_are_refused_or_agree_with_onnx(seed):
             by_name.setdefault(t.name, []).append(t.raw_data)
         for span in walked.spans:
             assert bytes(bad[span.offset:span.offset + span.length]) in by_name.get(span.name, []), span.name
+
+
+def _main_graph_tensor_names(model: onnx.ModelProto) -> set[str]:
+    """The main graph's initializers and its nodes' attribute tensors (not subgraphs, not sparse)."""
+    names = {t.name for t in model.graph.initializer}
+    for n in model.graph.node:
+        for a in n.attribute:
+            if a.HasField("t"):
+                names.add(a.t.name)
+            names.update(t.name for t in a.tensors)
+    return names
+
+
+def test_the_walk_counts_the_weights_it_moves_outside_the_main_graph():
+    model = mixed_model()
+    data = model.SerializeToString()
+    _, moved = expected_skeleton(data)
+    outside = set(moved) - _main_graph_tensor_names(model)
+    assert outside, "the model must have a weight outside the main graph worth moving"
+    result = externalize_embedded(data, file="m", location="m", inline_max_bytes=INLINE_MAX)
+    assert not result.stopped
+    assert result.outside_main == len(outside)
+    assert sorted(s.name for s in result.spans) == sorted(moved)
+
+
+def test_the_walk_stops_at_the_first_weight_outside_the_main_graph():
+    model = mixed_model()
+    data = model.SerializeToString()
+    full = externalize_embedded(data, file="m", location="m", inline_max_bytes=INLINE_MAX)
+    stopped = externalize_embedded(data, file="m", location="m", inline_max_bytes=INLINE_MAX, stop_outside_main=True)
+    assert stopped.stopped and stopped.skeleton is None and stopped.outside_main == 1
+    names = [s.name for s in full.spans]
+    main = _main_graph_tensor_names(model)
+    first_outside = next(i for i, name in enumerate(names) if name not in main)
+    assert [s.name for s in stopped.spans] == names[:first_outside]  # what came before it, in file order
+
+
+def test_a_walk_asked_to_stop_outside_the_main_graph_that_finds_nothing_there_is_the_whole_walk():
+    model = mixed_model()
+    model.graph.node.remove(model.graph.node[0])  # the If, whose branches hold the subgraph weights
+    model.graph.ClearField("sparse_initializer")
+    data = model.SerializeToString()
+    full = externalize_embedded(data, file="m", location="m", inline_max_bytes=INLINE_MAX)
+    asked = externalize_embedded(data, file="m", location="m", inline_max_bytes=INLINE_MAX, stop_outside_main=True)
+    assert full.outside_main == 0 and not asked.stopped
+    assert asked.skeleton == full.skeleton and asked.spans == full.spans

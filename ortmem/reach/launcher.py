@@ -115,8 +115,8 @@ def write_report(path: Path, hooked: bool, options: dict[str, Any], started: flo
 
 
 def compare(args: argparse.Namespace, program: list[str]) -> int:
-    """Run the program plain, then hooked, each in a fresh process (``--repeat`` times, interleaved);
-    print the medians side by side.
+    """Run the program plain, then hooked, each in a fresh process (``--repeat`` times, interleaved,
+    each after ``sync``); print the medians side by side.
 
     The plain side is a truly plain process: ``python plain_run.py`` runs the program with nothing of
     ortmem or onnx imported (the file is run by path, the standard library only), in the environment
@@ -140,6 +140,7 @@ def compare(args: argparse.Namespace, program: list[str]) -> int:
                 out = Path(tmp) / f"{label}-{i}.json"
                 cmd = [*off_cmd, str(out), *target] if label == "off" else [*on_cmd, "--report", str(out), *target]
                 env = helper_environment() if label == "off" else {**os.environ, ENV_SWITCH: "1"}
+                os.sync()  # each side starts with nothing the other wrote still to flush (issue 23)
                 start = time.perf_counter()
                 code = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL).returncode
                 wall = time.perf_counter() - start

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.builders import matmul_chain, save
+from tests.support.builders import matmul_chain, save, subgraph_model
 
 #: The test's margin over the +2 MiB the hook is held to (docs/hook.md): fresh processes of the same
 #: program differ by a fraction of a MiB on a quiet machine, more on a shared one.
@@ -82,3 +82,35 @@ def test_trim_leaves_no_more_private_memory_than_plain(models: dict[str, Path]) 
     plain, untrimmed, trimmed = (_run(models["mapped"], side) for side in ("plain", "hooked-notrim", "hooked"))
     assert trimmed["private"] <= untrimmed["private"] + 0.5, (untrimmed, trimmed)
     assert trimmed["private"] <= plain["private"] + MARGIN_MIB, (plain, trimmed)
+
+
+SUBGRAPH_CHILD = """
+import json, sys
+import numpy as np
+import onnxruntime as ort
+if sys.argv[2] == "hooked":
+    import ortmem
+    ortmem.hook()
+s = ort.InferenceSession(sys.argv[1], ort.SessionOptions(), providers=["CPUExecutionProvider"])
+feed = {"x": np.ones((1, 128), np.float32), "c": np.array(True), "trip": np.array(2, np.int64)}
+out = s.run(None, feed)[0]
+actions = ([r["action"] for r in __import__("ortmem.reach.session_hook").reach.session_hook.report()]
+           if sys.argv[2] == "hooked" else [])
+print(json.dumps({"actions": actions, "out": out.tolist(), "onnx": "onnx" in sys.modules}))
+"""
+
+
+def test_weights_inside_subgraphs_with_the_callers_options_go_to_ort_as_given(tmp_path: Path) -> None:
+    """Such a model cannot be mapped (ORT's checker refuses external data in a subgraph read from a
+    hard-linked file, and only the caller's options could carry the folder key): ORT gets it as it
+    is, the hook imports no onnx, and the outputs are ORT's own."""
+    path = save(subgraph_model(np.random.default_rng(0)), tmp_path / "sub" / "model.onnx")
+    runs = {}
+    for side in ("plain", "hooked"):
+        done = subprocess.run([sys.executable, "-c", SUBGRAPH_CHILD, str(path), side], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        runs[side] = json.loads(done.stdout)
+    assert runs["hooked"]["actions"] == ["untouched: weights inside subgraphs, with the caller's SessionOptions"]
+    assert runs["hooked"]["out"] == runs["plain"]["out"]
+    assert not runs["hooked"]["onnx"]

@@ -1,0 +1,54 @@
+"""What the hook and the session path decide from a model file's bytes (:mod:`ortmem.model_facts`),
+on real files saved by onnx: where the weights sit, what needs the loader, and what ORT is given."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, numpy_helper
+from onnx.external_data_helper import set_external_data
+
+from ortmem.model_facts import needs_session_path, plain_handover, read_facts
+from tests.support.builders import matmul_chain, save, subgraph_model
+
+
+@pytest.fixture
+def subgraph_file(tmp_path: Path) -> Path:
+    """If branches, a Loop body, a Constant and a sparse initializer, every weight embedded."""
+    return save(subgraph_model(np.random.default_rng(0)), tmp_path / "sub" / "model.onnx")
+
+
+def test_weights_in_subgraphs_are_found_with_or_without_stopping(subgraph_file: Path):
+    whole = read_facts(subgraph_file)
+    stopped = read_facts(subgraph_file, stop_outside_main_graph=True)
+    assert not whole.main_graph_only and whole.skeleton is not None
+    assert not stopped.main_graph_only and stopped.skeleton is None  # no skeleton: the walk stopped
+    assert stopped.embedded_bytes < whole.embedded_bytes
+    for facts in (whole, stopped):
+        assert not needs_session_path(facts, converting=True)
+        assert plain_handover(subgraph_file, facts) is None  # the session path decides, never "as-is"
+
+
+def test_a_stopped_walk_still_sends_external_data_to_the_loader(tmp_path: Path):
+    """A tensor with external data after the first subgraph weight: the walk never reached it, the
+    search of the file finds its location entry."""
+    model = subgraph_model(np.random.default_rng(0))
+    w = numpy_helper.from_array(np.ones((64, 64), np.float32), "W_ext")
+    (tmp_path / "weights.bin").write_bytes(w.raw_data)
+    set_external_data(w, "weights.bin", offset=0, length=len(w.raw_data))
+    w.ClearField("raw_data")
+    w.data_location = TensorProto.EXTERNAL
+    model.graph.initializer.append(w)  # after every node: the walk reaches it last
+    path = tmp_path / "model.onnx"
+    onnx.save_model(model, path)
+    assert read_facts(path).needs_loader
+    assert read_facts(path, stop_outside_main_graph=True).needs_loader
+
+
+def test_main_graph_weights_are_main_graph_only(tmp_path: Path):
+    path = save(matmul_chain(np.random.default_rng(1), [64, 256, 256, 8]), tmp_path / "chain.onnx")
+    for stop in (False, True):
+        facts = read_facts(path, stop_outside_main_graph=stop)
+        assert facts.main_graph_only and facts.skeleton is not None and facts.embedded_bytes > 0
