@@ -23,7 +23,7 @@ from .store.writer import write_converted
 from .errors import CacheError, ConversionError
 from .model import Model
 from .passes.conversion import plan_conversion
-from .passes.conversion_plan import ConversionReport
+from .passes.conversion_report import ConversionReport
 from .passes.writers import Progress
 from .ortmodel.settings import OrtSettings
 

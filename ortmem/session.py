@@ -98,12 +98,13 @@ class InferenceSession(ORT_SESSION):
             if trim:  # glibc keeps what conversion and ORT free meanwhile: pin its thresholds (ortmem.hygiene)
                 pinned.enter_context(allocator_hygiene())
             self._ortmem_handoff = prepare(model, request)
-            from_cache = self._ortmem_handoff.action in FROM_CACHE
-            if from_cache:
-                # Nothing was converted, and ORT frees only its own buffers: pinned thresholds made each
-                # an mmap with fresh page faults, 0.7-0.9 s of a 1.8 s warm start of the 0.6 GB synthetic
-                # Llama on onnxruntime 1.32 (which packs every weight again to validate the mapped ones).
-                # What ORT frees is given back by the trim after creation instead.
+            nothing_freed_here = (self._ortmem_handoff.action in FROM_CACHE
+                                  or self._ortmem_handoff.converted_in_helper)
+            if nothing_freed_here:
+                # Nothing was converted in this process, and ORT frees only its own buffers: pinned
+                # thresholds made each an mmap with fresh page faults, 0.7-0.9 s of a 1.8 s warm start of
+                # the 0.6 GB synthetic Llama on onnxruntime 1.32 (which packs every weight again to
+                # validate the mapped ones). What ORT frees is given back by the trim after creation instead.
                 pinned.close()
             try:
                 self._ortmem_handoff = self._ortmem_handoff.with_recompute(recompute, dims)
@@ -115,7 +116,7 @@ class InferenceSession(ORT_SESSION):
                     self._retry_with_fallback(exc, sess_options, providers, provider_options, **kwargs)
             finally:
                 self._ortmem_handoff.after_create()
-        if trim and from_cache:
+        if trim and nothing_freed_here:
             release_free_heap()
         #: What a cold start left for after its first run (started once, by the first run).
         self._ortmem_later = self._ortmem_handoff.prepack_later

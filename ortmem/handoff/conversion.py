@@ -25,7 +25,8 @@ from ..inmemory import convert_in_memory
 from ..model import Model
 from ..onnx_walk import iter_graphs
 from ..passes.conversion import plan_conversion
-from ..passes.conversion_plan import ConversionPlan, ConversionReport
+from ..passes.conversion_plan import ConversionPlan
+from ..passes.conversion_report import ConversionReport
 from ..passes.validity import validity_fault
 from ..store.layout import MODEL_FILE
 from ..store.publish import publish
@@ -69,7 +70,7 @@ def _convert(model: Model, request: Request, own_folder: bool) -> Union[Handoff,
     settings = request.settings
     if request.cache is not None:
         try:
-            handoff = _into_cache(model, request, own_folder)
+            handoff = into_cache(model, request, own_folder)
             if handoff is not None:
                 return handoff
         except CacheError as exc:
@@ -91,7 +92,7 @@ def _convert(model: Model, request: Request, own_folder: bool) -> Union[Handoff,
                    action="in-memory", report=report)
 
 
-def _into_cache(model: Model, request: Request, own_folder: bool) -> Union[Handoff, Start, None]:
+def into_cache(model: Model, request: Request, own_folder: bool) -> Union[Handoff, Start, None]:
     """The store's verdict on the model's cache entry, built now (or by another process while this one
     waited), which ORT loads by path; the model as given when nothing is convertible. None when the
     store answers a miss even so (an entry found damaged twice): the caller converts without the cache."""

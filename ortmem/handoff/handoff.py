@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # the conversion (and onnx) is imported only by a start that 
     from ..store.packer import PrepackLater  # a warm start leaves nothing for later: no packer imported
 
     from ..inmemory import InMemoryConversion
-    from ..passes.conversion_plan import ConversionReport
+    from ..passes.conversion_report import ConversionReport
 
 #: The actions that load a cache entry as it is (nothing converted on the way).
 FROM_CACHE = HIT_KINDS | {PREPARED}
@@ -80,6 +80,9 @@ class Handoff:
     #: A cold start's packing of ORT's weights (or building of a prepared entry), started once the
     #: session has run (:mod:`ortmem.store.packer`); None when nothing is left for the background.
     prepack_later: Optional[PrepackLater] = None
+    #: The conversion ran in a helper process (:mod:`ortmem.handoff.conversion_process`): this
+    #: process freed nothing of it, so ORT's creation needs no allocator pin (as for a cache hit).
+    converted_in_helper: bool = False
     #: Session changes of a recompute rewrite (``execution_order``, ``session_config``; :meth:`with_recompute`).
     recompute: Mapping[str, Any] = field(default_factory=_NOTHING)
 

@@ -3,7 +3,8 @@ and any model input in, a :class:`~ortmem.handoff.handoff.Handoff` out.
 
 For a path, the store answers first (:func:`ortmem.store.verdict.start`, one verdict, read without
 parsing the model): a converted entry (pre-packed or not) or a prepared one is loaded by path and
-nothing else is imported (no onnx either). A model that needs nothing of the loader or the conversion
+nothing else is imported (no onnx either). A miss that converts does so in a helper process
+(:mod:`.conversion_process`), so the session's process imports no onnx then either. A model that needs nothing of the loader or the conversion
 (decided from its bytes, or settled by the store) is handed over from its bytes (:func:`_plain`).
 Otherwise the model is loaded and converted or handed over as given (:mod:`.conversion` and the
 loader, imported only then); bytes and ``onnx.ModelProto`` are written once to a private
@@ -82,10 +83,9 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
         plain = _plain(path, request, settled=True)
         if plain is not None:
             return plain
-    from ..loader import load
-    from .conversion import converted_or_as_is
+    from .conversion_process import converted_on_a_miss
 
-    handoff = _from_verdict(converted_or_as_is(load(model), request))
+    handoff = _from_verdict(converted_on_a_miss(path, request))
     if FOLDER_KEY in handoff.config and handoff.memory is None and request.sess_options is not None:
         # Only the caller's options could carry the folder entry, and ortmem leaves them alone.
         handoff.after_create()
@@ -152,4 +152,5 @@ def _from_verdict(outcome: Union[Handoff, Start]) -> Handoff:
     assert outcome.path is not None
     return Handoff(model=str(outcome.path), action=outcome.kind, cache_hit=outcome.kind in HIT_KINDS,
                    start=outcome, report=outcome.report, prepack_later=outcome.later,
+                   converted_in_helper=outcome.in_helper,
                    fallback=str(outcome.fallback) if outcome.fallback is not None else None)

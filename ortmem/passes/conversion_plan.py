@@ -56,37 +56,6 @@ class ConversionPlan:
         return bool(self.rewrites)
 
 
-@dataclass
-class ConversionReport:
-    converted: int  # rewrites that convert source weights into a new form (converted_bytes > 0)
-    skipped: list[tuple[str, str]]
-    source_bytes: int  # quantized weight bytes read
-    output_bytes: int  # bytes written to weights.bin (converted + carried)
-    seconds: float
-    done: list[str] = field(default_factory=list)  # what each rule did (ConversionPlan.done)
-    #: Full digests (:mod:`ortmem.store.digest`) of the files written, computed while writing them; only
-    #: when the caller asked (a cache entry records them in its manifest).
-    file_digests: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def throughput_gbps(self) -> float:
-        return self.source_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
-    @classmethod
-    def from_plan(cls, plan: ConversionPlan, seconds: float) -> "ConversionReport":
-        converted = sum(1 for r in plan.rewrites if r.converted_bytes)
-        return cls(converted, plan.skipped, plan.converted_source_bytes, plan.size, seconds, list(plan.done))
-
-    def summary(self) -> str:
-        lines = [
-            ", ".join([*self.done, f"left {len(self.skipped)} as they were"]),
-            f"{self.source_bytes / 2**20:.1f} MiB of quantized weights in {self.seconds:.2f} s "
-            f"({self.throughput_gbps:.2f} GB/s); weights.bin {self.output_bytes / 2**20:.1f} MiB",
-        ]
-        lines += [f"  left as is: {node}: {reason}" for node, reason in self.skipped]
-        return "\n".join(lines)
-
-
 def out_tensors(plan: ConversionPlan) -> list[OutTensor]:
     """Every tensor of the converted model that has a place (weights.bin or a linked source), in
     layout order."""

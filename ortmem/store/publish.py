@@ -1,8 +1,10 @@
 """A miss's converted entry: written, published atomically, and handed back as a verdict.
 
 Why apart from the lookup (:mod:`ortmem.store.verdict`): only a start that converts publishes, and it
-comes here with the model loaded and its conversion planned; a warm start never imports this. The
-folder is the writer's (:mod:`ortmem.store.writer`), keys and source records are
+comes here with the model loaded and its conversion planned; a warm start never imports this. A
+start whose conversion ran in a helper process (:mod:`ortmem.handoff.conversion_process`) takes only
+:func:`new_entry_start` from here: the writer, and with it the passes and onnx, is imported by
+:func:`publish` alone. The folder is the writer's (:mod:`ortmem.store.writer`), keys and source records are
 :mod:`ortmem.store.sources`', publishing and the creator lock the cache's (:mod:`ortmem.store.cache`).
 """
 from __future__ import annotations
@@ -14,14 +16,16 @@ from ..model import Model
 from ..ortmodel.settings import OrtSettings, Packing
 from .cache import Cache
 from .hit import entry_start
+from .layout import Entry
 from .packer import MIN_WEIGHT_BYTES, PrepackLater
 from .sources import converted_key
 from .start import CONVERTED, MISS, Start
-from .writer import Written, entry_writer, source_paths
 
 if TYPE_CHECKING:
-    from ..passes.conversion_plan import ConversionPlan, ConversionReport
+    from ..passes.conversion_plan import ConversionPlan
+    from ..passes.conversion_report import ConversionReport
     from ..passes.writers import Progress
+    from .writer import Written
 
 def publish(cache: Cache, model: Model, plan: "ConversionPlan", *, settings: OrtSettings,
             progress: Optional["Progress"] = None, fp16_in_fp32: Optional[bool] = None, prepacked: bool = False,
@@ -33,10 +37,9 @@ def publish(cache: Cache, model: Model, plan: "ConversionPlan", *, settings: Ort
     :func:`ortmem.store.cache.lock_timeout` and take its entry (a hit, :func:`ortmem.store.hit.entry_start`).
     A holder that takes longer raises :class:`ortmem.store.cache.LockBusyError` (a ``CacheError``).
 
-    A new entry answers ``"converted"`` with the conversion's report and, when ``prepacked``, the
-    packing of ORT's weights after the first run (with ``packing``, the caller's settings packing
-    depends on); below :data:`ortmem.store.packer.MIN_WEIGHT_BYTES` of weights the first hit packs
-    instead. A hit found damaged is discarded and built again, once; a second damaged one answers a miss."""
+    A new entry answers ``"converted"`` (:func:`new_entry_start`). A hit found damaged is discarded and built again, once; a second damaged one answers a miss."""
+    from .writer import entry_writer, source_paths  # the passes, and onnx: only a start that converts here
+
     key = converted_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32})
     write = entry_writer(model, plan, progress=progress)
     reports: list["ConversionReport"] = []
@@ -53,16 +56,24 @@ def publish(cache: Cache, model: Model, plan: "ConversionPlan", *, settings: Ort
             if built:
                 entry = cache.build_sourced(key, model.path, source_paths(model), build)
         if built:
-            later = None
-            if prepacked and _weight_bytes(entry.weights_path) >= MIN_WEIGHT_BYTES:
-                config, threads = packing
-                later = PrepackLater(str(cache.root), entry.key, cache.verify_mode, dict(config), threads)
-            return Start(CONVERTED, path=entry.model_path, entry=entry, later=later, cache=cache,
-                         report=reports[0] if reports else None)
+            return new_entry_start(cache, entry, reports[0] if reports else None, prepacked=prepacked, packing=packing)
         hit = entry_start(cache, entry, prepacked, sess_options)
         if hit is not None:
             return hit
     return Start(MISS)
+
+
+def new_entry_start(cache: Cache, entry: Entry, report: Optional["ConversionReport"], *, prepacked: bool,
+                    packing: Packing) -> Start:
+    """The verdict on an entry just built (here or by a helper process): ``"converted"``, with the
+    conversion's report and, when ``prepacked``, the packing of ORT's weights after the session's first
+    run (with ``packing``, the caller's settings packing depends on); below
+    :data:`ortmem.store.packer.MIN_WEIGHT_BYTES` of weights the first hit packs instead."""
+    later = None
+    if prepacked and _weight_bytes(entry.weights_path) >= MIN_WEIGHT_BYTES:
+        config, threads = packing
+        later = PrepackLater(str(cache.root), entry.key, cache.verify_mode, dict(config), threads)
+    return Start(CONVERTED, path=entry.model_path, entry=entry, later=later, cache=cache, report=report)
 
 
 def _weight_bytes(path: Path) -> int:

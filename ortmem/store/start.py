@@ -30,7 +30,7 @@ from .layout import Entry
 from .prepacked import discard_prepacked
 
 if TYPE_CHECKING:
-    from ..passes.conversion_plan import ConversionReport
+    from ..passes.conversion_report import ConversionReport
     from .cache import Cache
     from .packer import PrepackLater
 
@@ -61,6 +61,9 @@ class Start:
     cache: Optional["Cache"] = None
     #: What was converted (``"converted"`` only; None on a hit or a miss).
     report: Optional["ConversionReport"] = None
+    #: ``"converted"`` by a helper process (:mod:`ortmem.handoff.conversion_process`): the starting
+    #: process converted nothing.
+    in_helper: bool = False
 
     def refused(self) -> None:
         """ORT refused ``path``: remove what it refused (the entry's pre-packed files, or the prepared

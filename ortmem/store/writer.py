@@ -21,7 +21,8 @@ from .layout import MODEL_FILE, SOURCE_LINK_PREFIX, WEIGHTS_FILE
 from .trust import PRIVATE_FILE_MODE, reserve, write_new
 from ..model import Model
 from ..passes.conversion import rewrite_skeleton, write_weights
-from ..passes.conversion_plan import ConversionPlan, ConversionReport, out_tensors, relocate_carried
+from ..passes.conversion_plan import ConversionPlan, out_tensors, relocate_carried
+from ..passes.conversion_report import ConversionReport
 from ..passes.writers import Progress
 
 

@@ -52,6 +52,7 @@ from typing import Mapping, Union
 
 
 from ...model import Model
+from ...model_facts import min_helper_bytes, model_files_bytes
 from ...ortmodel.release import capabilities
 from . import activations as act
 from . import shapes as shp
@@ -164,7 +165,9 @@ def cold_start(warm: Side, cal: Calibration) -> Side:
     file (an 8 MiB read buffer, ``ortmem.store.digest``), resolves the weightless copy's value types
     (``ortmodel.value_types``) and writes the entry. Those temporaries set a floor under the creation
     peak (measured: they decide it on models below ~20 MiB of weights), and what they leave behind
-    (``ortmem_cold_retained_bytes``) stays."""
+    (``ortmem_cold_retained_bytes``) stays. A model whose files reach
+    :func:`ortmem.model_facts.min_helper_bytes` converts in a helper process instead
+    (:mod:`ortmem.handoff.conversion_process`), and its cold start's side is the cache hit's."""
     imports = cal.ortmem_import_bytes + cal.ortmem_convert_import_bytes
     floor = cal.baseline_bytes + imports + cal.ortmem_cold_peak_bytes
     kept = cal.ortmem_convert_import_bytes + cal.ortmem_cold_retained_bytes
@@ -273,7 +276,9 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
     hook_fixed = cal.ortmem_import_bytes + cal.ortmem_fixed_bytes
     ortmem_side = side(True, hook_fixed)
     converts = bool(plan.qdq or gathers.tables)
-    cold_side = cold_start(ortmem_side, cal) if converts else ortmem_side
+    # a model this large converts in a helper process: the session's process loads the entry as a hit does
+    in_helper = converts and model_files_bytes(Path(model.path)) >= min_helper_bytes()
+    cold_side = cold_start(ortmem_side, cal) if converts and not in_helper else ortmem_side
     # the hook keeps a cache entry (and pre-packs it on the first hit) only for a model it converts;
     # any other model is handed to ORT as it is, on every start
     # a release that saves no pre-packed weights (1.25) warm-starts from the entry itself

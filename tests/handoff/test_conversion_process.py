@@ -1,0 +1,127 @@
+"""A cold start's conversion in a helper process (:mod:`ortmem.handoff.conversion_process`), on real
+files, in fresh processes (the test process has onnx imported already): the session's process imports
+no onnx, its outputs are bit-identical to ORT's on the original model, a second start finds the
+entry, and every outcome the helper does not publish is the in-process start's."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from ortmem.model_facts import HELPER_MIN_BYTES_ENV, MIN_HELPER_BYTES, min_helper_bytes, model_files_bytes
+from tests.support.builders import int4_model, save
+from tests.support.compare import assert_same_outputs
+
+CHILD = """
+import json, sys
+import numpy as np
+import ortmem
+s = ortmem.InferenceSession(sys.argv[1])
+x = np.random.default_rng(7).standard_normal((1, 256), dtype=np.float32)
+out = s.run(None, {"x": x})[0]
+h = s.ortmem_handoff
+print(json.dumps({"action": s.ortmem_action, "in_helper": h.converted_in_helper,
+                  "converted": h.report.converted if h.report is not None else None,
+                  "packs_later": h.prepack_later is not None, "onnx": "onnx" in sys.modules,
+                  "out": out.tolist()}))
+"""
+
+
+def _start(model: Path, cache: Path, tmp: Path, **env: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", CHILD, str(model)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "ORTMEM_CACHE_DIR": str(cache), "TMPDIR": str(tmp), **env})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def _ortmem_leftovers(tmp: Path) -> list[str]:
+    """What is in ``tmp`` beyond what importing onnxruntime leaves there itself (a ``.ses`` file)."""
+    subprocess.run([sys.executable, "-c", "import onnxruntime"], env={**os.environ, "TMPDIR": str(tmp)}, check=True)
+    return sorted(p.name for p in tmp.iterdir() if p.name != ".ses" or not p.is_file())
+
+
+def _ort_output(model: Path) -> np.ndarray:
+    x = np.random.default_rng(7).standard_normal((1, 256), dtype=np.float32)
+    return ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+@pytest.fixture
+def qdq_file(tmp_path: Path) -> Path:
+    return save(int4_model(np.random.default_rng(0)), tmp_path / "model" / "model.onnx")
+
+
+def test_a_cold_start_converts_in_a_helper_and_imports_no_onnx(qdq_file: Path, tmp_path: Path) -> None:
+    cache, tmp = tmp_path / "cache", tmp_path / "tmp"
+    tmp.mkdir()
+    cold = _start(qdq_file, cache, tmp, **{HELPER_MIN_BYTES_ENV: "0"})
+    assert cold["action"] == "converted" and cold["in_helper"] and cold["converted"] == 1, cold
+    assert not cold["onnx"]
+    assert_same_outputs([np.array(cold["out"], np.float32)], [_ort_output(qdq_file)])
+    second = _start(qdq_file, cache, tmp, **{HELPER_MIN_BYTES_ENV: "0"})
+    assert second["action"] in ("cache-hit", "pre-packed") and not second["in_helper"], second
+    assert second["out"] == cold["out"]
+    assert _ortmem_leftovers(tmp) == []  # nothing of the helper's left in the temporary folder
+
+
+def test_below_the_size_threshold_the_conversion_stays_in_the_sessions_process(qdq_file: Path, tmp_path: Path) -> None:
+    assert model_files_bytes(qdq_file) < MIN_HELPER_BYTES
+    cold = _start(qdq_file, tmp_path / "cache", tmp_path)
+    assert cold["action"] == "converted" and not cold["in_helper"] and cold["onnx"], cold
+    assert_same_outputs([np.array(cold["out"], np.float32)], [_ort_output(qdq_file)])
+
+
+def test_what_the_helper_does_not_publish_the_start_does_itself(tmp_path: Path) -> None:
+    """DequantizeLinear feeding an Add: nothing ORT would fuse, so the helper publishes nothing and
+    the session's process hands the model over as an in-process start does (and leaves nothing behind)."""
+    rng = np.random.default_rng(1)
+    w = helper.make_tensor("Wq", TensorProto.INT8, [256], rng.integers(-8, 8, 256, dtype=np.int8).tobytes(), raw=True)
+    s = helper.make_tensor("Ws", TensorProto.FLOAT, [], [0.05])
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["Wq", "Ws"], ["W"]), helper.make_node("Add", ["x", "W"], ["y"])],
+        "dq-add", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 256])], [w, s])
+    model = save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "m" / "model.onnx")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    with_helper = _start(model, tmp_path / "cache-a", tmp, **{HELPER_MIN_BYTES_ENV: "0"})
+    in_process = _start(model, tmp_path / "cache-b", tmp)
+    assert with_helper["action"] == in_process["action"] and not with_helper["in_helper"], (with_helper, in_process)
+    assert with_helper["out"] == in_process["out"]
+    assert_same_outputs([np.array(with_helper["out"], np.float32)], [_ort_output(model)])
+    assert _ortmem_leftovers(tmp) == []
+
+
+def test_concurrent_cold_starts_share_one_entry(qdq_file: Path, tmp_path: Path) -> None:
+    """Two processes starting at once: their helpers meet at the entry's creator lock, one builds and
+    the other's start loads what it built."""
+    cache = tmp_path / "cache"
+    env = {**os.environ, "ORTMEM_CACHE_DIR": str(cache), HELPER_MIN_BYTES_ENV: "0"}
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(qdq_file)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        results.append(json.loads(out))
+    actions = sorted(r["action"] for r in results)
+    assert "converted" in actions and set(actions) <= {"converted", "cache-hit", "pre-packed"}, actions
+    assert results[0]["out"] == results[1]["out"]
+    assert len([e for e in (cache / "converted").iterdir() if e.is_dir() and len(e.name) == 32]) == 1
+
+
+def test_the_size_counts_the_model_and_the_data_named_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "model.onnx").write_bytes(b"x" * 100)
+    (tmp_path / "model.onnx.data").write_bytes(b"x" * 1000)
+    (tmp_path / "other.bin").write_bytes(b"x" * 10000)
+    assert model_files_bytes(tmp_path / "model.onnx") == 1100
+    monkeypatch.setenv(HELPER_MIN_BYTES_ENV, "1 KiB")
+    assert min_helper_bytes() == 1024
+    monkeypatch.setenv(HELPER_MIN_BYTES_ENV, "lots")
+    assert min_helper_bytes() == MIN_HELPER_BYTES
