@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import onnxruntime as ort
 
-from .handoff.handoff import FROM_CACHE, Handoff
+from .handoff.handoff import ENTRY_ACTIONS, Handoff
 from .handoff.prepare import ModelInput, prepare
 from .handoff.request import Request
 from .hygiene import allocator_hygiene
@@ -38,9 +38,9 @@ class InferenceSession(ORT_SESSION):
       is the cold start's), or, where no temporary folder can be written, into memory that ORT borrows
       (a higher peak, see ``ortmem.inmemory``; never with ``sess_options``: ORT borrows memory only
       through buffers registered on the options object, which ortmem never changes);
-    - ``trim``: keep glibc from hoarding what conversion and ORT free during creation, and give it
-      back afterwards (:func:`ortmem.hygiene.allocator_hygiene`; default True; a no-op off glibc). A
-      start that loads a cache entry as it is only gives back afterwards (docs/hygiene.md);
+    - ``trim``: keep glibc from hoarding what a conversion in this process frees
+      (:func:`ortmem.hygiene.allocator_hygiene` around it), and give back what ORT freed during
+      creation afterwards (default True; a no-op off glibc; docs/hygiene.md);
     - ``prepacked``: on a cache hit with the CPU EP, load ORT's pre-packed weights saved beside the
       entry (the first hit saves them), so packed weights are mapped from the page cache instead of
       copied to the heap (default True; :mod:`ortmem.store.prepacked`);
@@ -95,16 +95,19 @@ class InferenceSession(ORT_SESSION):
                                       verify=verify, progress=progress,
                                       disabled_optimizers=kwargs.get("disabled_optimizers"))
         with contextlib.ExitStack() as pinned:
-            if trim:  # glibc keeps what conversion and ORT free meanwhile: pin its thresholds (ortmem.hygiene)
+            if trim:  # glibc would keep what a conversion here frees: pin its thresholds (ortmem.hygiene)
                 pinned.enter_context(allocator_hygiene())
             self._ortmem_handoff = prepare(model, request)
-            nothing_freed_here = (self._ortmem_handoff.action in FROM_CACHE
-                                  or self._ortmem_handoff.converted_in_helper)
-            if nothing_freed_here:
-                # Nothing was converted in this process, and ORT frees only its own buffers: pinned
-                # thresholds made each an mmap with fresh page faults, 0.7-0.9 s of a 1.8 s warm start of
-                # the 0.6 GB synthetic Llama on onnxruntime 1.32 (which packs every weight again to
-                # validate the mapped ones). What ORT frees is given back by the trim after creation instead.
+            unpinned = self._ortmem_handoff.action in ENTRY_ACTIONS
+            if unpinned:
+                # ORT maps every weight of an entry-like folder: its creation runs under glibc's own
+                # thresholds. Pinned, each buffer ORT allocates became a fresh mapping with fresh page
+                # faults (0.7-0.9 s of a 1.8 s warm start of the 0.6 GB synthetic Llama on onnxruntime
+                # 1.32, which packs every weight again to validate the mapped ones; 0.2-0.3 s of its
+                # in-process cold start, at the same peak). What ORT frees is given back by the trim after
+                # creation. A model ORT gets as given (or from memory it borrows) stays pinned: ORT copies
+                # and frees its weights, and unpinned it kept 13.5 MiB more of a model with 16 MiB of weights in If branches
+                # (tests/handoff/test_unconverted.py).
                 pinned.close()
             try:
                 self._ortmem_handoff = self._ortmem_handoff.with_recompute(recompute, dims)
@@ -116,7 +119,7 @@ class InferenceSession(ORT_SESSION):
                     self._retry_with_fallback(exc, sess_options, providers, provider_options, **kwargs)
             finally:
                 self._ortmem_handoff.after_create()
-        if trim and nothing_freed_here:
+        if trim and unpinned:
             release_free_heap()
         #: What a cold start left for after its first run (started once, by the first run).
         self._ortmem_later = self._ortmem_handoff.prepack_later

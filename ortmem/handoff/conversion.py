@@ -32,7 +32,7 @@ from ..store.layout import MODEL_FILE
 from ..store.publish import publish
 from ..store.start import Start
 from ..store.writer import write_converted
-from .handoff import Handoff
+from .handoff import CONVERTED_TEMPORARY, Handoff
 from .unconverted import from_model
 
 if TYPE_CHECKING:
@@ -141,7 +141,7 @@ def _converted_in_tempdir(model: Model, plan: ConversionPlan, request: Request, 
             shutil.rmtree(workdir, ignore_errors=True)
         raise
     _consume(model)
-    return Handoff(model=str(workdir / MODEL_FILE), tempdirs=(workdir,), action="converted-temporary", report=report)
+    return Handoff(model=str(workdir / MODEL_FILE), tempdirs=(workdir,), action=CONVERTED_TEMPORARY, report=report)
 
 
 def conversion_check(model: Model) -> tuple[bool, Optional[str]]:

@@ -28,7 +28,7 @@ from ..errors import OrtmemError
 from ..model import Model
 from ..model_facts import FOLDER_KEY, RECOMPUTE_METADATA, file_mentions
 from ..options import get_config, scoped_config
-from ..store.start import HIT_KINDS, PREPARED, Start
+from ..store.start import CONVERTED, HIT_KINDS, PREPARED, Start
 
 if TYPE_CHECKING:  # the conversion (and onnx) is imported only by a start that converts
     import onnx
@@ -38,8 +38,13 @@ if TYPE_CHECKING:  # the conversion (and onnx) is imported only by a start that 
     from ..inmemory import InMemoryConversion
     from ..passes.conversion_report import ConversionReport
 
-#: The actions that load a cache entry as it is (nothing converted on the way).
-FROM_CACHE = HIT_KINDS | {PREPARED}
+#: The action of a conversion into a private temporary folder (no cache), removed once the session exists.
+CONVERTED_TEMPORARY = "converted-temporary"
+#: The actions whose model is a folder of ortmem's own that ORT maps every weight from: a cache entry
+#: (found, or just built here or by a helper process) or a conversion's private temporary folder. ORT
+#: copies none of those weights to its heap but its packed ones, so its creation needs no allocator
+#: pin (``ortmem.InferenceSession`` trims after it instead).
+ENTRY_ACTIONS = HIT_KINDS | {PREPARED, CONVERTED, CONVERTED_TEMPORARY}
 #: The default of the handoff's read-only mappings: an empty read-only view (of one shared empty dict
 #: nothing else holds, so nothing can fill it).
 _NOTHING = functools.partial(MappingProxyType, {})
@@ -81,7 +86,7 @@ class Handoff:
     #: session has run (:mod:`ortmem.store.packer`); None when nothing is left for the background.
     prepack_later: Optional[PrepackLater] = None
     #: The conversion ran in a helper process (:mod:`ortmem.handoff.conversion_process`): this
-    #: process freed nothing of it, so ORT's creation needs no allocator pin (as for a cache hit).
+    #: process imported and allocated nothing of it.
     converted_in_helper: bool = False
     #: Session changes of a recompute rewrite (``execution_order``, ``session_config``; :meth:`with_recompute`).
     recompute: Mapping[str, Any] = field(default_factory=_NOTHING)

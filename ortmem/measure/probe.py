@@ -11,11 +11,13 @@ What is counted (all bytes):
   imports, so it starts at the baseline RSS) **plus** the helper processes' peak (below).
 * ``peak_run_bytes``: the same over the first ``run`` (``VmHWM`` reset again after creation).
 * Helper processes (anything the strategy spawns): the parent samples ``/proc/<pid>/status`` of the
-  child's whole process tree every ``sample_interval`` s. A helper's contribution to a phase is its
-  own ``VmHWM`` as last seen during that phase, summed over helpers; it is also at least the
-  ``RUSAGE_CHILDREN`` ``ru_maxrss`` the child reports (catching helpers that lived < 10 ms). The sum
-  is an upper bound when helpers peak at different times; a forked helper's RSS also counts pages
-  it still shares with its parent (``helper_pids`` tells you when this applies).
+  child's whole process tree every ``sample_interval`` s. Where helpers were seen alive during
+  creation, ``peak_create_bytes`` is the larger of the child's own ``VmHWM`` and the tree's largest
+  sampled RSS (what ran at once; a sample is a lower bound of the instant it was taken), and
+  ``helper_peak_create_bytes`` is the helpers' own ``VmHWM`` as last seen, summed. Where none was
+  seen (each lived less than an interval), ``RUSAGE_CHILDREN``'s ``ru_maxrss`` is added to the
+  child's ``VmHWM`` whole, an upper bound. A forked helper's RSS also counts pages it still shares
+  with its parent (``helper_pids`` tells you when this applies).
 * ``peak_anon_bytes`` / ``peak_file_bytes`` / ``timeline``: sampled sums over the tree, ``anon`` =
   ``RssAnon + RssShmem`` (heap: not reclaimable), ``file`` = ``RssFile`` (mapped files: reclaimable).
   The bench calls the first *private* (what each process costs alone, what the OOM killer sees) and
@@ -346,8 +348,18 @@ def _assemble(
     timeline = sorted((round(t, 4), a, f) for t, a, f in timeline)
 
     ac = raw["after_create"]
-    helper_create = max(helper_peak(t0, t_create_end), ac.get("children_maxrss", 0))
-    peak_create = ac["hwm"] + helper_create
+    sampled_helpers = helper_peak(t0, t_create_end)
+    if sampled_helpers:
+        # Helpers seen alive: what ran at once is in the tree's samples. A cold start's conversion
+        # helper (ortmem.handoff.conversion_process) exits before ORT creates the session: adding its
+        # peak to the session's counted 315 MiB that never coexisted with the session's 1101.
+        helper_create = sampled_helpers
+        tree_create = max((sum(q.anon + q.file for q in s.procs.values()) for s in samples
+                           if t0 <= s.t <= t_create_end + slack), default=0)
+        peak_create = max(ac["hwm"], tree_create)
+    else:  # none sampled (each lived less than an interval): counted whole, an upper bound
+        helper_create = ac.get("children_maxrss", 0)
+        peak_create = ac["hwm"] + helper_create
 
     window = [p for p in timeline if p[0] >= 0]
     tree_anon = [a for _, a, _ in window]

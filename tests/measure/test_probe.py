@@ -158,7 +158,8 @@ def test_helper_process_memory_is_counted(tiny: str) -> None:
     r = probe(f"{HERE}:spawn_helper", tiny)
     assert r.helper_pids, "the sampler never saw the helper process"
     assert 150 <= r.helper_peak_create_bytes / MiB <= 200, r.helper_peak_create_bytes / MiB
-    assert (r.peak_create_bytes - r.main_peak_create_bytes) / MiB >= 150
+    # the helper ran while the child waited for it: both at once are the strategy's peak
+    assert _above(r, "peak_create_bytes") >= 150, _above(r, "peak_create_bytes")
     assert _above(r, "main_peak_create_bytes") < 100  # the child itself never held it
 
 

@@ -167,7 +167,7 @@ def cold_start(warm: Side, cal: Calibration) -> Side:
     peak (measured: they decide it on models below ~20 MiB of weights), and what they leave behind
     (``ortmem_cold_retained_bytes``) stays. A model whose files reach
     :func:`ortmem.model_facts.min_helper_bytes` converts in a helper process instead
-    (:mod:`ortmem.handoff.conversion_process`), and its cold start's side is the cache hit's."""
+    (:func:`cold_start_in_helper`)."""
     imports = cal.ortmem_import_bytes + cal.ortmem_convert_import_bytes
     floor = cal.baseline_bytes + imports + cal.ortmem_cold_peak_bytes
     kept = cal.ortmem_convert_import_bytes + cal.ortmem_cold_retained_bytes
@@ -181,6 +181,23 @@ def cold_start(warm: Side, cal: Calibration) -> Side:
         steady_bytes_without_hygiene=warm.steady_bytes_without_hygiene + kept,
         after_create_bytes_without_hygiene=warm.after_create_bytes_without_hygiene + kept,
         after_create_bytes_with_hygiene=warm.after_create_bytes_with_hygiene + kept,
+    )
+
+
+def cold_start_in_helper(warm: Side, cal: Calibration) -> Side:
+    """ortmem's cold start on a model large enough to convert in a helper process
+    (:mod:`ortmem.handoff.conversion_process`): the session's process loads the new entry as a hit
+    does, so its side is the hit's, with a floor. While the helper converts, the session's process
+    waits at its baseline with its session path imported, beside a second interpreter that holds the
+    same plus the conversion's imports and working memory (the in-process cold start's floor): the
+    two at once are the start's peak on a model whose session needs less."""
+    floor = (cal.baseline_bytes + cal.ortmem_import_bytes
+             + cal.baseline_bytes + cal.ortmem_import_bytes + cal.ortmem_convert_import_bytes + cal.ortmem_cold_peak_bytes)
+    return dataclasses.replace(
+        warm,
+        session_peak_bytes=max(warm.session_peak_bytes, floor),
+        session_peak_bytes_with_hygiene=max(warm.session_peak_bytes_with_hygiene, floor),
+        session_peak_bytes_without_hygiene=max(warm.session_peak_bytes_without_hygiene, floor),
     )
 
 
@@ -276,9 +293,10 @@ def _estimate(model: Model, dims: dict[str, int], accuracy_level, session_option
     hook_fixed = cal.ortmem_import_bytes + cal.ortmem_fixed_bytes
     ortmem_side = side(True, hook_fixed)
     converts = bool(plan.qdq or gathers.tables)
-    # a model this large converts in a helper process: the session's process loads the entry as a hit does
-    in_helper = converts and model_files_bytes(Path(model.path)) >= min_helper_bytes()
-    cold_side = cold_start(ortmem_side, cal) if converts and not in_helper else ortmem_side
+    cold_side = ortmem_side
+    if converts:  # a model this large converts in a helper process (the session's process as a hit)
+        in_helper = model_files_bytes(Path(model.path)) >= min_helper_bytes()
+        cold_side = cold_start_in_helper(ortmem_side, cal) if in_helper else cold_start(ortmem_side, cal)
     # the hook keeps a cache entry (and pre-packs it on the first hit) only for a model it converts;
     # any other model is handed to ORT as it is, on every start
     # a release that saves no pre-packed weights (1.25) warm-starts from the entry itself

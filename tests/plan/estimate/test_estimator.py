@@ -432,3 +432,23 @@ def test_activation_rules_match_ort_run(tmp_path, rng):
     # the MatMul output and the BiasGelu output are alive together; the GELU's inner tensors never exist
     h = 8 * 4 * n * 4
     assert 2 * h <= e.activation_peak_bytes < 3 * h
+
+
+def test_a_cold_start_converted_in_a_helper_is_predicted_as_a_hit(tmp_path, monkeypatch):
+    """A model whose files reach the helper's threshold (set to 0 here) converts in a helper process
+    (ortmem.handoff.conversion_process): the session's process imports nothing of the conversion and
+    loads the new entry as a hit does, so its cold side is the hit's after creation; on a model this
+    small the peak is the helper's interpreter beside the waiting session's process. Predicted within
+    max(10%, 6 MiB) of a fresh-process measurement (the probe's tree samples: what ran at once)."""
+    from ortmem.model_facts import HELPER_MIN_BYTES_ENV
+    from ortmem.synth import SynthConfig, write_model
+
+    monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "cache"))  # inherited by the probes' children
+    monkeypatch.setenv(HELPER_MIN_BYTES_ENV, "0")
+    path = tmp_path / "model.onnx"
+    write_model(SynthConfig.tiny(form="qdq", storage="external", name="model"), path)
+    sides = _fixed_cost_sides(path, {"batch": 1, "seq": 8}, {}, tmp_path)
+    e = sides["ort"][0]
+    assert e.ortmem_cold.steady_bytes == e.ortmem.steady_bytes
+    assert e.ortmem_cold.session_peak_bytes > e.ortmem.session_peak_bytes + 40 * MiB  # a second interpreter
+    _assert_small_model_accuracy({"cold": sides["cold"]})
