@@ -10,6 +10,7 @@ import pytest
 from onnx import TensorProto, numpy_helper
 from onnx.external_data_helper import set_external_data
 
+from ortmem import model_facts
 from ortmem.model_facts import needs_session_path, plain_handover, read_facts
 from tests.support.builders import matmul_chain, save, subgraph_model
 
@@ -52,3 +53,11 @@ def test_main_graph_weights_are_main_graph_only(tmp_path: Path):
     for stop in (False, True):
         facts = read_facts(path, stop_outside_main_graph=stop)
         assert facts.main_graph_only and facts.skeleton is not None and facts.embedded_bytes > 0
+
+
+def test_a_file_above_the_search_limit_is_walked_whole(subgraph_file: Path, monkeypatch: pytest.MonkeyPatch):
+    """The search a stopped walk needs reads every byte: above the limit the walk goes on instead."""
+    monkeypatch.setattr(model_facts, "STOPPED_SEARCH_MAX_BYTES", subgraph_file.stat().st_size - 1)
+    facts = read_facts(subgraph_file, stop_outside_main_graph=True)
+    assert facts == read_facts(subgraph_file)
+    assert not facts.main_graph_only and facts.skeleton is not None

@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from ortmem.model_facts import HELPER_MIN_BYTES_ENV, MIN_HELPER_BYTES, min_helper_bytes, model_files_bytes
-from tests.support.builders import int4_model, save
+from tests.support.builders import int4_model, make_model, save
 from tests.support.compare import assert_same_outputs
 
 CHILD = """
@@ -87,7 +87,7 @@ def test_what_the_helper_does_not_publish_the_start_does_itself(tmp_path: Path) 
         [helper.make_node("DequantizeLinear", ["Wq", "Ws"], ["W"]), helper.make_node("Add", ["x", "W"], ["y"])],
         "dq-add", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 256])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 256])], [w, s])
-    model = save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "m" / "model.onnx")
+    model = save(make_model(graph), tmp_path / "m" / "model.onnx")
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     with_helper = _start(model, tmp_path / "cache-a", tmp, **{HELPER_MIN_BYTES_ENV: "0"})
