@@ -315,3 +315,22 @@ def test_a_walk_asked_to_stop_outside_the_main_graph_that_finds_nothing_there_is
     asked = externalize_embedded(data, file="m", location="m", inline_max_bytes=INLINE_MAX, stop_outside_main=True)
     assert full.outside_main == 0 and not asked.stopped
     assert asked.skeleton == full.skeleton and asked.spans == full.spans
+
+
+def test_fields_skipped_inline_leave_the_walk_what_protobuf_parses():
+    """Varints, fixed32/64 values and unwanted length-delimited fields with two-byte keys are skipped
+    without the checked path (``_skipped``): attributes of every scalar kind, a ``ref_attr_name``
+    (field 21), a huge ``i`` (a ten-byte varint) and a negative one; the skeleton still parses to
+    exactly what protobuf makes of the bytes, and the big weight behind them still moves."""
+    model = mixed_model()
+    node = model.graph.node[-1]
+    node.attribute.extend([helper.make_attribute("alpha", 0.5), helper.make_attribute("big", 2**62),
+                           helper.make_attribute("neg", -3), helper.make_attribute("ints", [1, 2**40, -7]),
+                           helper.make_attribute("name", "x" * 300)])
+    ref = onnx.AttributeProto(name="r", type=onnx.AttributeProto.INT, ref_attr_name="outer_" + "y" * 200)
+    node.attribute.append(ref)
+    data = model.SerializeToString()
+    result = externalize_embedded(data, file="m", location="m", inline_max_bytes=INLINE_MAX)
+    expected, moved = expected_skeleton(data, INLINE_MAX, location="m")
+    assert onnx.ModelProto.FromString(result.skeleton) == expected
+    assert sorted(s.name for s in result.spans) == sorted(moved)
