@@ -26,7 +26,8 @@ under its creator lock (:func:`ortmem.handoff.conversion.into_cache`). Only two 
 the entry it published (key, report, its log records), or "the store has an entry now" (another
 process built it while the helper waited), on which the session's process asks the store again
 (its own verdict: pre-packed weights, the caller's options). Any other outcome (nothing to convert,
-a model ortmem declines, a cache error, a failure, a crash) comes back as nothing, and the session's
+a model ortmem declines, a cache error, a failure, a crash, no answer within :func:`helper_timeout`)
+comes back as nothing, and the session's
 process converts as before: every outcome but the common one keeps its one code path, and its
 warnings are emitted once, by that process.
 """
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import NamedTuple, Optional, Union
 
 from ..helper_env import helper_environment
-from ..logs import debug
+from ..logs import debug, warning
 from ..model_facts import DEQUANTIZE, file_mentions, min_helper_bytes, model_files_bytes
 from ..ortmodel.settings import OrtSettings
 from ..store.publish import new_entry_start
@@ -95,6 +96,16 @@ def _worth_a_helper(path: Path, request: Request) -> bool:
             and path.is_file() and model_files_bytes(path) >= min_helper_bytes() and file_mentions(path, DEQUANTIZE))
 
 
+def helper_timeout(model_bytes: int) -> float:
+    """How long a start waits for its conversion helper: 120 s plus 30 s per GB of model files, 15 to
+    60 times what the conversion takes on this 2-core VM (0.6 GB in 1.6 s, interpreter included).
+    Past it the helper is killed (its creator lock goes with it, and the cache reclaims its
+    unpublished folder) and the start converts in its own process: a helper that cannot start (an
+    embedding host whose ``sys.executable`` is not a Python) or hangs never makes the start wait
+    without bound."""
+    return 120.0 + 30.0 * model_bytes / 1e9
+
+
 def _converted_in_helper(path: Path, request: Request) -> Optional[Start]:
     """The new entry's verdict (``"converted"``) when the helper built it; a hit when the store has
     an entry now that another process built (asked again with this start's own request); None when
@@ -103,10 +114,17 @@ def _converted_in_helper(path: Path, request: Request) -> Optional[Start]:
     job = Job(str(path), str(request.cache.root), request.cache.verify_mode,
               replace(request.settings, session_config=dict(request.settings.session_config)), request.fp16_in_fp32)
     started = time.perf_counter()
+    timeout = helper_timeout(model_files_bytes(path))
     proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=helper_environment())
     try:
-        out, err = proc.communicate(pickle.dumps(job))
+        out, err = proc.communicate(pickle.dumps(job), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        warning(__name__, "ortmem: the conversion helper for %s did not answer within %.0f s; converting in "
+                "this process", path, timeout)
+        return None
     except BaseException:  # interrupted: the helper must not outlive the start that asked for it
         proc.kill()
         proc.wait()

@@ -125,3 +125,22 @@ def test_the_size_counts_the_model_and_the_data_named_after_it(tmp_path: Path, m
     assert min_helper_bytes() == 1024
     monkeypatch.setenv(HELPER_MIN_BYTES_ENV, "lots")
     assert min_helper_bytes() == MIN_HELPER_BYTES
+
+
+def test_a_helper_that_does_not_answer_in_time_leaves_the_start_to_convert_itself(
+        qdq_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The wait for a helper is bounded: past it the helper is killed, one warning says so, and the
+    start converts in its own process (outputs ORT's)."""
+    import logging
+
+    import ortmem
+    from ortmem.handoff import conversion_process
+
+    monkeypatch.setenv(HELPER_MIN_BYTES_ENV, "0")
+    monkeypatch.setattr(conversion_process, "helper_timeout", lambda model_bytes: 0.01)
+    with caplog.at_level(logging.WARNING, logger="ortmem"):
+        s = ortmem.InferenceSession(str(qdq_file), cache=str(tmp_path / "cache"))
+    assert s.ortmem_action == "converted" and not s.ortmem_handoff.converted_in_helper
+    assert len([r for r in caplog.records if "did not answer" in r.getMessage()]) == 1
+    x = np.random.default_rng(7).standard_normal((1, 256), dtype=np.float32)
+    assert_same_outputs(s.run(None, {"x": x}), [_ort_output(qdq_file)])
