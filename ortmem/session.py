@@ -106,8 +106,8 @@ class InferenceSession(ORT_SESSION):
                 # 1.32, which packs every weight again to validate the mapped ones; 0.2-0.3 s of its
                 # in-process cold start, at the same peak). What ORT frees is given back by the trim after
                 # creation. A model ORT gets as given (or from memory it borrows) stays pinned: ORT copies
-                # and frees its weights, and unpinned it kept 13.5 MiB more of a model with 16 MiB of weights in If branches
-                # (tests/handoff/test_unconverted.py).
+                # and frees its weights, and unpinned it kept 13.5 MiB more of a model with 16 MiB of
+                # weights in If branches (tests/handoff/test_unconverted.py).
                 pinned.close()
             try:
                 self._ortmem_handoff = self._ortmem_handoff.with_recompute(recompute, dims)

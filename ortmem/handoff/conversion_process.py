@@ -20,13 +20,15 @@ imports in the session's process), which the pin's cost it removes outweighs at 
 When: a model path, a usable cache, converting, no ``progress`` callback (it would run in another
 process), model files of at least :data:`ortmem.model_facts.MIN_HELPER_BYTES` (below that the
 interpreter's start is a large share of the cold start, ``$ORTMEM_CONVERT_HELPER_MIN_BYTES`` sets it),
-and a file that mentions ``DequantizeLinear`` (a byte search: nothing else can be converted).
+and a file that mentions ``DequantizeLinear`` (nothing else can be converted:
+:func:`ortmem.model_facts.mentions_dequantize`, which skips the weights of a large embedded model).
 The helper does what the session's process would have done: load, check, plan and publish the entry
 under its creator lock (:func:`ortmem.handoff.conversion.into_cache`). Only two answers come back:
 the entry it published (key, report, its log records), or "the store has an entry now" (another
 process built it while the helper waited), on which the session's process asks the store again
 (its own verdict: pre-packed weights, the caller's options). Any other outcome (nothing to convert,
-a model ortmem declines, a cache error, a failure, a crash, no answer within :func:`helper_timeout`)
+a model ortmem declines, a cache error, a failure, a crash, a helper that cannot start, no answer
+within :func:`helper_timeout`)
 comes back as nothing, and the session's
 process converts as before: every outcome but the common one keeps its one code path, and its
 warnings are emitted once, by that process.
@@ -44,7 +46,7 @@ from typing import NamedTuple, Optional, Union
 
 from ..helper_env import helper_environment
 from ..logs import debug, warning
-from ..model_facts import DEQUANTIZE, file_mentions, min_helper_bytes, model_files_bytes
+from ..model_facts import mentions_dequantize, min_helper_bytes, model_files_bytes
 from ..ortmodel.settings import OrtSettings
 from ..store.publish import new_entry_start
 from ..store.start import CONVERTED, Start
@@ -79,8 +81,9 @@ def converted_on_a_miss(path: Path, request: Request) -> Union[Handoff, Start]:
     """A model file the store has no entry for: converted in a helper process when that is worth it
     (see the module docstring), else loaded here and converted or handed over as given
     (:func:`ortmem.handoff.conversion.converted_or_as_is`)."""
-    if _worth_a_helper(path, request):
-        start = _converted_in_helper(path, request)
+    model_bytes = _worth_a_helper(path, request)
+    if model_bytes:
+        start = _converted_in_helper(path, request, model_bytes)
         if start is not None:
             return start
     from ..loader import load
@@ -89,11 +92,14 @@ def converted_on_a_miss(path: Path, request: Request) -> Union[Handoff, Start]:
     return converted_or_as_is(load(path), request)
 
 
-def _worth_a_helper(path: Path, request: Request) -> bool:
-    """A model whose files reach :func:`ortmem.model_facts.min_helper_bytes` and mention
-    ``DequantizeLinear``, a usable cache, converting, and no ``progress`` callback."""
-    return (request.cache is not None and request.converting and request.progress is None
-            and path.is_file() and model_files_bytes(path) >= min_helper_bytes() and file_mentions(path, DEQUANTIZE))
+def _worth_a_helper(path: Path, request: Request) -> int:
+    """The size of the model's files when its start converts in a helper, else 0: files that reach
+    :func:`ortmem.model_facts.min_helper_bytes` and mention ``DequantizeLinear``, a usable cache,
+    converting, and no ``progress`` callback."""
+    if request.cache is None or not request.converting or request.progress is not None or not path.is_file():
+        return 0
+    model_bytes = model_files_bytes(path)
+    return model_bytes if model_bytes >= min_helper_bytes() and mentions_dequantize(path) else 0
 
 
 def helper_timeout(model_bytes: int) -> float:
@@ -106,7 +112,7 @@ def helper_timeout(model_bytes: int) -> float:
     return 120.0 + 30.0 * model_bytes / 1e9
 
 
-def _converted_in_helper(path: Path, request: Request) -> Optional[Start]:
+def _converted_in_helper(path: Path, request: Request, model_bytes: int) -> Optional[Start]:
     """The new entry's verdict (``"converted"``) when the helper built it; a hit when the store has
     an entry now that another process built (asked again with this start's own request); None when
     the caller converts in its own process (see the module docstring)."""
@@ -114,9 +120,14 @@ def _converted_in_helper(path: Path, request: Request) -> Optional[Start]:
     job = Job(str(path), str(request.cache.root), request.cache.verify_mode,
               replace(request.settings, session_config=dict(request.settings.session_config)), request.fp16_in_fp32)
     started = time.perf_counter()
-    timeout = helper_timeout(model_files_bytes(path))
-    proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=helper_environment())
+    timeout = helper_timeout(model_bytes)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=helper_environment())
+    except OSError as exc:  # no interpreter to start, no process left: this process converts
+        warning(__name__, "ortmem: could not start the conversion helper for %s (%s); converting in this process",
+                path, exc)
+        return None
     try:
         out, err = proc.communicate(pickle.dumps(job), timeout=timeout)
     except subprocess.TimeoutExpired:

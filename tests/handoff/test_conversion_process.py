@@ -127,20 +127,40 @@ def test_the_size_counts_the_model_and_the_data_named_after_it(tmp_path: Path, m
     assert min_helper_bytes() == MIN_HELPER_BYTES
 
 
+def _converts_here_after_one_warning(qdq_file: Path, cache: Path, caplog: pytest.LogCaptureFixture,
+                                     warned: str) -> None:
+    """A cold start whose helper failed: converted in this process, ``warned`` logged once, ORT's outputs."""
+    import logging
+
+    import ortmem
+
+    with caplog.at_level(logging.WARNING, logger="ortmem"):
+        s = ortmem.InferenceSession(str(qdq_file), cache=str(cache))
+    assert s.ortmem_action == "converted" and not s.ortmem_handoff.converted_in_helper
+    assert len([r for r in caplog.records if warned in r.getMessage()]) == 1
+    x = np.random.default_rng(7).standard_normal((1, 256), dtype=np.float32)
+    assert_same_outputs(s.run(None, {"x": x}), [_ort_output(qdq_file)])
+
+
 def test_a_helper_that_does_not_answer_in_time_leaves_the_start_to_convert_itself(
         qdq_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The wait for a helper is bounded: past it the helper is killed, one warning says so, and the
     start converts in its own process (outputs ORT's)."""
-    import logging
-
-    import ortmem
     from ortmem.handoff import conversion_process
 
     monkeypatch.setenv(HELPER_MIN_BYTES_ENV, "0")
     monkeypatch.setattr(conversion_process, "helper_timeout", lambda model_bytes: 0.01)
-    with caplog.at_level(logging.WARNING, logger="ortmem"):
-        s = ortmem.InferenceSession(str(qdq_file), cache=str(tmp_path / "cache"))
-    assert s.ortmem_action == "converted" and not s.ortmem_handoff.converted_in_helper
-    assert len([r for r in caplog.records if "did not answer" in r.getMessage()]) == 1
-    x = np.random.default_rng(7).standard_normal((1, 256), dtype=np.float32)
-    assert_same_outputs(s.run(None, {"x": x}), [_ort_output(qdq_file)])
+    _converts_here_after_one_warning(qdq_file, tmp_path / "cache", caplog, "did not answer")
+
+
+def test_a_helper_that_cannot_start_leaves_the_start_to_convert_itself(
+        qdq_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """No interpreter to start (an embedding host's ``sys.executable``): one warning, and the start
+    converts in its own process; no OSError reaches the caller."""
+    from types import SimpleNamespace
+
+    from ortmem.handoff import conversion_process
+
+    monkeypatch.setenv(HELPER_MIN_BYTES_ENV, "0")
+    monkeypatch.setattr(conversion_process, "sys", SimpleNamespace(executable=str(tmp_path / "no-python")))
+    _converts_here_after_one_warning(qdq_file, tmp_path / "cache", caplog, "could not start the conversion helper")
