@@ -12,7 +12,8 @@ after numpy and onnxruntime are imported (the client imports them either way):
   hook (``session_hook``, ``model_facts``, ``protowire``, ``dtypes``, ``hygiene``), and parsing;
 - ``hook``: installing it as the launcher does (no rebinding: the program has imported nothing yet);
 - ``client``: running the client, plain in the plain process; in the hooked one it includes
-  ``read_facts`` (the walk of the model's non-weight bytes) and ``trim`` (``malloc_trim`` after each
+  ``facts_of`` (a handover record's read, or the walk of the model's non-weight bytes, shown as
+  ``walk``, and the record written; :mod:`ortmem.store.handover_records`) and ``trim`` (``malloc_trim`` after each
   creation), also shown on their own.
 
 The fastest of ``--repeat`` processes per stage is printed (noise on this VM only ever adds), with
@@ -51,7 +52,9 @@ if hooked:
     mark("parser+launcher")
     from ortmem.reach import session_hook
     from ortmem.reach.launcher import options_from
-    session_hook.read_facts = timed("  read_facts", session_hook.read_facts)
+    from ortmem.store import handover_records  # imported by the hook with its first model: timed here
+    handover_records.facts_of = timed("  facts_of", handover_records.facts_of)
+    handover_records.read_facts = timed("    walk", handover_records.read_facts)
     session_hook.trim_heap = timed("  trim", session_hook.trim_heap)
     session_hook.hook(**options_from(args), rebind=False)
     mark("hook")

@@ -14,8 +14,9 @@ This module imports nothing from ortmem: it sits at the bottom of the package wi
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 #: Read by ``python -m ortmem run`` and by the hook's sitecustomize in child interpreters: "1" installs the
 #: hook, "0" runs the program plain.
@@ -35,14 +36,35 @@ def cache_folder() -> Path:
 
     Not created here: :func:`ortmem.store.cache.cache_root` creates it private for the store, and
     :mod:`ortmem.ortmodel.release` keeps its probe answers under it (one definition of the place, so
-    the release model needs nothing of the store). ``platformdirs`` is imported only when asked: the
-    hook imports this module and stays light."""
+    the release model needs nothing of the store).
+
+    The platform's folder is ``platformdirs.user_cache_dir("ortmem")``, whose Linux rule (the XDG
+    Base Directory spec: an absolute ``$XDG_CACHE_HOME``, else ``$HOME/.cache``) is applied here
+    without importing it where the environment leaves no doubt: importing platformdirs imports
+    tempfile, shutil, bz2 and lzma, 5-13 ms that the hook (which looks for handover records in the
+    store on every model it hands to ORT) would add to every hooked process on this VM.
+    ``tests/test_helper_env.py`` checks the two agree; anything else (a relative or blank variable,
+    Android, another platform) asks platformdirs."""
     root = os.environ.get(CACHE_DIR_ENV)
     if root:
         return Path(root)
+    xdg, home = os.environ.get("XDG_CACHE_HOME", ""), os.environ.get("HOME", "")
+    if (sys.platform == "linux" and "ANDROID_DATA" not in os.environ
+            and (os.path.isabs(xdg) if xdg else os.path.isabs(home))):
+        return Path(xdg or os.path.join(home, ".cache")) / "ortmem"
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("ortmem"))
+
+
+#: The store's folder under the cache folder (:class:`ortmem.store.cache.Cache`'s default root).
+STORE_FOLDER = "converted"
+
+
+def store_folder(cache: Union[bool, str, os.PathLike]) -> Path:
+    """The store's folder for a ``cache=`` option other than False: the default one under
+    :func:`cache_folder` for True, else the folder given (not created here)."""
+    return cache_folder() / STORE_FOLDER if cache is True else Path(cache)
 
 
 def helper_environment(*, cache_dir: Optional[str] = None, **extra: str) -> dict[str, str]:

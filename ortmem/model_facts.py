@@ -135,6 +135,22 @@ class FileFacts(NamedTuple):
     #: The file has a graph at all (an empty file or a ModelProto without one goes the loader's way,
     #: which names the fault: ``CorruptModelError``).
     has_graph: bool = True
+    #: The walk stopped at the first embedded weight outside the main graph (``stop_outside_main_graph``).
+    stopped: bool = False
+    #: The skeleton already written beside a hard link to the file, in a handover record
+    #: (:mod:`ortmem.store.handover_records`): facts read from a record carry this instead of
+    #: ``skeleton``'s bytes, and ORT is given it as it is.
+    skeleton_file: Optional[Path] = None
+
+
+class Handover(NamedTuple):
+    """What ORT is given for a model file that needs nothing of the session path (:func:`plain_handover`)."""
+
+    model: Path
+    #: "as-is" (the file itself) or "mapped" (a skeleton whose weights point into the file).
+    action: str
+    #: The private folder the caller removes once ORT has mapped what it needs (None: nothing to remove).
+    workdir: Optional[Path] = None
 
 
 def read_facts(path: Path, *, stop_outside_main_graph: bool = False) -> FileFacts:
@@ -168,6 +184,7 @@ def read_facts(path: Path, *, stop_outside_main_graph: bool = False) -> FileFact
         recompute=RECOMPUTE_METADATA.encode() in found,
         main_graph_only=result.outside_main == 0,
         has_graph=has_graph,
+        stopped=result.stopped,
     )
 
 
@@ -179,17 +196,22 @@ def needs_session_path(facts: FileFacts, converting: bool) -> bool:
     return facts.needs_loader or facts.recompute or (facts.dequantize and converting) or not facts.has_graph
 
 
-def plain_handover(path: Path, facts: FileFacts) -> Optional[tuple[Path, Optional[Path]]]:
+def plain_handover(path: Path, facts: FileFacts) -> Optional[Handover]:
     """What ORT is given for a model file that needs nothing of the session path (see
-    :func:`needs_session_path`): (the file itself, None) when nothing is embedded above
-    :data:`INLINE_MAX_BYTES`; (its skeleton beside a hard link, the private folder the caller removes
-    once ORT has mapped what it needs) when every embedded weight sits in the main graph; None when
-    the session path must decide: weights inside subgraphs, or no hard link possible."""
+    :func:`needs_session_path`): the file itself when nothing is embedded above
+    :data:`INLINE_MAX_BYTES`; when every embedded weight sits in the main graph, its skeleton beside a
+    hard link (a handover record's, else one written into a private folder the caller removes); None
+    when the session path must decide: weights inside subgraphs, or no hard link possible."""
     if not facts.main_graph_only:  # first: a walk that stopped there made no skeleton
         return None
+    if facts.skeleton_file is not None:
+        return Handover(facts.skeleton_file, "mapped")
+    if not facts.embedded_bytes:
+        return Handover(path, "as-is")
     if facts.skeleton is None:
-        return path, None
-    return link_skeleton(path, facts.skeleton)
+        return None  # facts without their skeleton's bytes (a record that kept none): the session path decides
+    linked = link_skeleton(path, facts.skeleton)
+    return None if linked is None else Handover(linked[0], "mapped", linked[1])
 
 
 def mentions_dequantize(path: Path) -> bool:
@@ -246,9 +268,14 @@ def link_skeleton(path: Path, skeleton: bytes, root: Optional[Path] = None) -> O
     workdir = Path(tempfile.mkdtemp(prefix=".tmp-link-" if root else "ortmem-", dir=root))
     try:
         os.link(path, workdir / path.name)
-        target = workdir / ("ortmem-skeleton.onnx" if path.name != "ortmem-skeleton.onnx" else "ortmem-skeleton1.onnx")
+        target = workdir / skeleton_name(path)
         target.write_bytes(skeleton)
     except OSError:
         shutil.rmtree(workdir, ignore_errors=True)
         return None
     return target, workdir
+
+
+def skeleton_name(path: Path) -> str:
+    """The skeleton's file name beside the hard link to ``path`` (never the link's own name)."""
+    return "ortmem-skeleton.onnx" if path.name != "ortmem-skeleton.onnx" else "ortmem-skeleton1.onnx"

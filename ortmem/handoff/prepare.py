@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from ..model import Model
-from ..model_facts import (DEQUANTIZE, FOLDER_KEY, file_mentions, min_prepared_bytes, needs_session_path, plain_handover,
-                           read_facts)
+from ..model_facts import DEQUANTIZE, FOLDER_KEY, file_mentions, min_prepared_bytes, needs_session_path, plain_handover
 from ..options import get_config
+from ..store.handover_records import facts_of, records_folder
 from ..store.start import HIT_KINDS, MISS, UNCONVERTED, Start
 from ..store.verdict import start
 from .handoff import Handoff
@@ -110,19 +110,20 @@ def _plain(path: Path, request: Request, *, settled: bool) -> Optional[Handoff]:
     loader's checks are needed again). None sends the model the loader's way."""
     if not path.is_file() or not settled and request.converting and file_mentions(path, DEQUANTIZE):
         return None
-    facts = read_facts(path)
-    if settled and facts.skeleton is None and not facts.recompute and facts.has_graph:
+    records = records_folder(request.cache.root) if request.cache is not None else None
+    facts = facts_of(path, records)
+    if settled and not facts.embedded_bytes and not facts.recompute and facts.has_graph:
         return Handoff(model=str(path), action="as-is")  # external data ORT maps itself, as plain ORT does
     if needs_session_path(facts, request.converting and not settled):
         return None
     handover = plain_handover(path, facts)
     if handover is None:
         return None
-    given, workdir = handover
-    if workdir is None:
-        return Handoff(model=str(given), action="as-is")
+    if handover.action == "as-is":
+        return Handoff(model=str(handover.model), action="as-is")
     # ORT refusing the skeleton gets the file itself (its own error, or the model as given, one warning)
-    return Handoff(model=str(given), action="mapped", tempdirs=(workdir,), fallback=str(path))
+    return Handoff(model=str(handover.model), action="mapped",
+                   tempdirs=(handover.workdir,) if handover.workdir is not None else (), fallback=str(path))
 
 
 def _spill(write: Callable, request: Request) -> Handoff:

@@ -39,10 +39,10 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_inference_collection as _collection
 
-from ..helper_env import ENV_OPTIONS, ENV_SWITCH
+from ..helper_env import ENV_OPTIONS, ENV_SWITCH, store_folder
 from ..hygiene import trim as trim_heap
 from ..logs import warning
-from ..model_facts import FOLDER_KEY, min_prepared_bytes, needs_session_path, plain_handover, read_facts
+from ..model_facts import FOLDER_KEY, min_prepared_bytes, needs_session_path, plain_handover
 from ..options import get_config
 from ..ort_original import ORT_SESSION
 from ..ortmodel.providers import FUSING_PROVIDERS, not_fusing, provider_names
@@ -276,7 +276,9 @@ def _light_route(model: Any, args: tuple, kwargs: dict, opts: HookOptions) -> Op
     without a folder config entry.
 
     What is done here is what the session path would do with such a file: nothing (``as-is``), or
-    its skeleton by path beside a hard link (``mapped``). Weights inside subgraphs (``If`` branches)
+    its skeleton by path beside a hard link (``mapped``). The walk's facts, and that skeleton with
+    its link, are kept as a handover record in the store's folder (not with ``cache=False``), so a
+    program started again reads them instead of walking (:mod:`ortmem.store.handover_records`). Weights inside subgraphs (``If`` branches)
     with the caller's options cannot be mapped (ORT's checker refuses external data in a subgraph
     from a hard-linked file, and only the caller's options could carry the folder key): those go
     to ORT as given, at the cost of the walk up to the first such weight (10 of silero-vad's 1278
@@ -290,8 +292,13 @@ def _light_route(model: Any, args: tuple, kwargs: dict, opts: HookOptions) -> Op
     sess_options = args[1] if len(args) > 1 else kwargs.get("sess_options")
     if sess_options is not None and any(get_config(sess_options, k) is not None for k in (FOLDER_KEY, *_QDQ_CONFIG_KEYS)):
         return None
-    # With the caller's options, a weight outside the main graph settles it: the walk stops there
-    facts = read_facts(path, stop_outside_main_graph=sess_options is not None)
+    # With the caller's options, a weight outside the main graph settles it: the walk stops there.
+    # Imported with the first model handed over here: `ortmem --help` and processes that create no
+    # session never load the store.
+    from ..store.handover_records import facts_of, records_folder
+
+    records = records_folder(store_folder(opts.cache)) if opts.cache is not False else None
+    facts = facts_of(path, records, stop_outside_main_graph=sess_options is not None)
     if needs_session_path(facts, opts.convert):
         return None
     if not facts.main_graph_only:
@@ -302,12 +309,11 @@ def _light_route(model: Any, args: tuple, kwargs: dict, opts: HookOptions) -> Op
     handover = plain_handover(path, facts)
     if handover is None:
         return None  # the session path tries the cache's file system too
-    skeleton, workdir = handover
-    if workdir is None:
+    if handover.action == "as-is":
         return _record(model, _trimmed(lambda: ORIGINAL(*args, **kwargs), opts), _tagged("as-is"))
     try:
         session = _record(model, _trimmed(lambda: _quiet_attempt(
-            lambda: ORIGINAL(str(skeleton), *args[1:], **{**kwargs, "enable_fallback": 0}), kwargs), opts),
+            lambda: ORIGINAL(str(handover.model), *args[1:], **{**kwargs, "enable_fallback": 0}), kwargs), opts),
             _tagged("mapped"))
     except Exception as exc:  # noqa: BLE001 - ORT refused the skeleton: ORT gets the model as given
         if opts.strict:
@@ -316,9 +322,10 @@ def _light_route(model: Any, args: tuple, kwargs: dict, opts: HookOptions) -> Op
     else:
         return session
     finally:
-        import shutil  # only a mapped handover needs it: a process whose models go as-is never imports it
+        if handover.workdir is not None:  # a skeleton written for this start, not a record's
+            import shutil  # only then: a process whose models go as-is or from records never imports it
 
-        shutil.rmtree(workdir, ignore_errors=True)  # ORT has mapped what it needs
+            shutil.rmtree(handover.workdir, ignore_errors=True)  # ORT has mapped what it needs
     return _fall_back(model, args, kwargs, failure)
 
 

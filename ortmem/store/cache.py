@@ -45,11 +45,13 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from . import digest
 from ..errors import CacheError
-from ..helper_env import cache_folder
-from .layout import MANIFEST, MODEL_FILE, SOURCE_LINK_PREFIX, TMP_PREFIX, TRASH_PREFIX, WEIGHTS_FILE, Entry, reclaimable_bytes
+from ..helper_env import STORE_FOLDER, cache_folder
+from .layout import MANIFEST, MODEL_FILE, SOURCE_LINK_PREFIX, WEIGHTS_FILE, Entry, reclaimable_bytes
 from .sources import linked_digests, private_mode, source_content, source_record, sources_problem
 from .trust import (
     PRIVATE_FILE_MODE,
+    TMP_PREFIX,
+    TRASH_PREFIX,
     cache_file_problem,
     fsync_dir,
     make_private_dir,
@@ -98,7 +100,7 @@ class Cache:
         self.verify_mode = digest.check_mode(verify)
         problem: Optional[str] = None
         try:
-            self.root = Path(root) if root is not None else cache_root() / "converted"
+            self.root = Path(root) if root is not None else cache_root() / STORE_FOLDER
             if self.root.parent.is_dir():  # an untrusted parent gets nothing created in it
                 problem = parent_untrusted_reason(self.root)
             if problem is None and not self.root.is_dir():  # an existing one (read-only, say) is not touched

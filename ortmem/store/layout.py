@@ -1,4 +1,6 @@
-"""The store's folder format: the one place its file names are defined.
+"""The store's folder format: the one place its entries' file names are defined (the handover records'
+are defined in :mod:`ortmem.store.handover_records`, which the hook imports without this module's json
+and dataclasses).
 
 A converted entry ``<root>/<key>/`` holds ``model.onnx`` (a skeleton whose large tensors are external
 data), ``weights.bin`` (every converted weight, page-aligned), hard links to unchanged source files
@@ -6,8 +8,9 @@ data), ``weights.bin`` (every converted weight, page-aligned), hard links to unc
 also ``model.prepacked.onnx``, ``prepacked.bin`` and ``prepacked.json`` (:mod:`ortmem.store.prepacked`).
 A prepared entry holds ``model.onnx``, ``model.data`` and ``model.json`` under the same manifest
 (:mod:`ortmem.store.prepared_entries`). ``ortmem convert`` writes the same ``model.onnx`` +
-``weights.bin`` pair into a folder of the user's. Names starting with "." are a writer's temporaries,
-which no reader opens.
+``weights.bin`` pair into a folder of the user's. Names starting with "." are a writer's temporaries
+(``trust.TMP_PREFIX``, ``trust.TRASH_PREFIX``), which no reader opens, or the handover records' folder,
+which no entry lookup opens.
 """
 from __future__ import annotations
 
@@ -28,10 +31,6 @@ MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.bin"
 #: Prefix of files an entry links from the model's own folder (another owner's, checked by identity).
 SOURCE_LINK_PREFIX = "source-"
-#: A folder being built at the cache root (renamed into place when published).
-TMP_PREFIX = ".tmp-"
-#: A discarded entry renamed away before it is deleted (a reader never sees it half removed).
-TRASH_PREFIX = ".trash-"
 #: A converted entry's model whose MatMulNBits ``B`` point into :data:`PREPACKED_DATA`.
 PREPACKED_MODEL = "model.prepacked.onnx"
 #: Page-aligned copies of every packed ``B``, then ORT's packed blobs.

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import os
 import stat
-import uuid
 from pathlib import Path
 from typing import Callable, Optional, Union
 
 PathLike = Union[str, os.PathLike]
 
 PRIVATE_DIR_MODE = 0o700
+#: A folder being built (an entry at the cache root, a handover record), renamed into place when done.
+TMP_PREFIX = ".tmp-"
+#: A folder renamed away before it is deleted (a reader never sees it half removed).
+TRASH_PREFIX = ".trash-"
 PRIVATE_FILE_MODE = 0o600
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -157,7 +160,7 @@ def replace_private(path: PathLike, data: bytes) -> None:
     """Replace ``path`` atomically with ``data``: a new private temporary file beside it (a writer's
     "."-name, which no reader opens), fsynced, then renamed over it."""
     path = Path(path)
-    tmp = path.parent / f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = path.parent / f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}"
     write_new(tmp, data, sync=True)
     os.replace(tmp, path)
 

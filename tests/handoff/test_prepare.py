@@ -7,6 +7,7 @@ handoff is asked directly (:func:`ortmem.handoff.prepare.prepare`), and what it 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -16,6 +17,7 @@ from ortmem.handoff.handoff import Handoff
 from ortmem.handoff.prepare import prepare
 from ortmem.handoff.request import AS_GIVEN, Request
 from ortmem.loader import load
+from ortmem.store.handover_records import FOLDER
 from ortmem.ortmodel.release import capabilities
 from tests.support.builders import tiny_decoder
 from tests.support.compare import assert_same_outputs
@@ -114,14 +116,16 @@ def _embedded_mlp(path, *, op: str = "MatMul"):
 
 
 def test_a_small_model_with_nothing_to_convert_is_handed_over_from_its_bytes(tmp_path):
-    """No store lookup, no loader: ``mapped`` (a skeleton beside a hard link), with the file itself as
-    the fallback; ORT's outputs on it equal ORT's own run of the file."""
+    """No store lookup, no loader: ``mapped`` (a skeleton beside a hard link, kept as the file's
+    handover record, the only thing written into the store's folder), with the file itself as the
+    fallback; ORT's outputs on it equal ORT's own run of the file."""
     import onnxruntime as ort_module
 
     path = _embedded_mlp(tmp_path / "mlp.onnx")
     handoff = prepare(path, _request(tmp_path))
     assert handoff.action == "mapped" and handoff.source is None and handoff.fallback == str(path)
-    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # the store was not asked
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [FOLDER]  # no entry: the store was not asked
+    assert Path(handoff.model).parent.parent == tmp_path / "cache" / FOLDER
     feeds = {"x": np.ones((2, 64), np.float32)}
     with handoff.creation_options(None) as options:
         sess = ort_module.InferenceSession(handoff.model, options, providers=CPU)
