@@ -23,8 +23,11 @@ them (:mod:`ortmem.store.trust`, the rule of every cache file), the file's ctime
 (any write to it moves its ctime, which no writer can set back, and a replacement is another inode,
 hence another key), the link is still the file's inode, and the skeleton's digest matches (a flipped
 offset would point ORT at other bytes). Otherwise the walk runs as without records, and its record
-replaces the old one. A link made to the file by anyone else (a cache entry's) also moves its ctime:
-the next start walks once more and records again.
+replaces the old one, unless that one is under a minute old (:data:`IN_USE_SECONDS`: its maker's ORT
+may be reading its skeleton; the start then hands the skeleton over from a temporary folder, as
+without records). A link made to the file by anyone else (a cache entry's) also moves its ctime: the
+next start walks once more and records again. Workers starting together: one that walked while
+another recorded takes the other's record.
 
 What removes them: ``ortmem cache clear`` (the folder is inside the store's), and every new record:
 before it is made, records whose file no longer has the identity in their key (deleted, replaced,
@@ -54,6 +57,9 @@ FORMAT = 1
 FACTS_FILE = "facts"
 #: A folder left by a writer that died, removed by the next record made after this long.
 STALE_SECONDS = 86400.0
+#: A record made this recently is never replaced (its maker's ORT may be reading its skeleton): a
+#: start that finds it unusable hands its skeleton over from a temporary folder instead.
+IN_USE_SECONDS = 60.0
 #: The largest facts file read (a record's is about 400 bytes).
 MAX_FACTS_BYTES = 1 << 16
 #: The identity a record's key is made of, and what it keeps of it.
@@ -128,9 +134,12 @@ def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *
     key = _key(path, before)
     target = folder / key
     pair = facts.skeleton is not None and facts.main_graph_only
+    recorded = _usable(folder, path, stop_outside_main_graph)
+    if recorded is not None:
+        return recorded  # another process recorded it while this one walked (workers starting together)
     # Old records go first: removing one whose link is this same inode moves the file's ctime.
     _remove_stale(folder, keep=key)
-    if os.path.lexists(target) and _usable(folder, path, stop_outside_main_graph) is None:
+    if _age(target) > IN_USE_SECONDS:  # a younger one may be its maker's session's model right now
         _remove(target)
     building = folder / f"{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
     try:
@@ -237,6 +246,14 @@ def _remove_stale(folder: Path, *, keep: str) -> None:
             fields = _read_facts_file(where)
             if fields is None or not _still_names_its_file(name, fields):
                 _remove(where)
+
+
+def _age(where: Path) -> float:
+    """Seconds since ``where`` was made (-1 when it is not there)."""
+    try:
+        return time.time() - os.lstat(where).st_mtime
+    except OSError:
+        return -1.0
 
 
 def _still_names_its_file(name: str, fields: dict[str, str]) -> bool:

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -156,7 +157,13 @@ def test_a_stopped_walk_answers_only_callers_that_stop(tmp_path: Path, folder: P
     assert facts_of(path, folder, stop_outside_main_graph=True) == stopped and len(walks) == 1
     whole = facts_of(path, folder)
     assert not whole.stopped and len(walks) == 2
-    assert facts_of(path, folder, stop_outside_main_graph=True) == facts_of(path, folder) and len(walks) == 2
+    # Within its first minute the stopped record stays (its maker may be loading it): walked again
+    assert facts_of(path, folder) == whole and len(walks) == 3
+    (name,) = os.listdir(folder)
+    hour_ago = time.time() - 3600
+    os.utime(folder / name, (hour_ago, hour_ago))
+    assert facts_of(path, folder) == whole and len(walks) == 4  # now it is replaced
+    assert facts_of(path, folder, stop_outside_main_graph=True) == facts_of(path, folder) and len(walks) == 4
     assert whole.skeleton_file is None and plain_handover(path, whole) is None  # the session path decides
     assert len(os.listdir(folder)) == 1
 
@@ -222,6 +229,23 @@ def test_a_hooked_program_started_again_maps_from_the_record(embedded: Path, tmp
     assert runs[1]["imported"] == []
     expected = _ort(embedded).tolist()
     assert runs[0]["out"] == expected and runs[1]["out"] == expected
+
+
+def test_workers_starting_together_all_get_orts_outputs(embedded: Path, tmp_path: Path):
+    """Four hooked processes started at once on an empty store, as a server's workers are: each
+    walks or reads a record, none removes a record another may be loading (a record is never
+    replaced in its first minute), none warns, and all give ORT's outputs."""
+    env = {**os.environ, "ORTMEM_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", HOOKED, str(embedded)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)]
+    expected = _ort(embedded).tolist()
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and err == "", err
+        run = json.loads(out)
+        assert run["actions"] == ["mapped"] and run["out"] == expected
+    records = records_folder(tmp_path / "cache" / "converted")
+    assert [name for name in os.listdir(records) if not name.startswith(".")]  # one of them recorded it
 
 
 def test_the_session_path_hands_a_small_model_over_from_its_record(embedded: Path):
