@@ -18,6 +18,8 @@ to the file: the pair :func:`ortmem.model_facts.link_skeleton` would write into 
 Only facts that send the model to ORT without the session path are recorded; the rest is the
 session path's, which reads the file anyway.
 
+A file modified within :data:`~ortmem.store.trust.RACY_SECONDS` gets no record: on a file system
+with coarse timestamps a second write in the same tick would leave mtime and ctime as recorded.
 When a record is used, all of: the folder and its files are this user's and nobody else may write
 them (:mod:`ortmem.store.trust`, the rule of every cache file), the file's ctime is the one recorded
 (any write to it moves its ctime, which no writer can set back, and a replacement is another inode,
@@ -46,7 +48,7 @@ from typing import Optional
 from .. import __version__
 from ..model_facts import FileFacts, needs_session_path, read_facts, skeleton_name
 from ..short_hash import short_hash
-from .trust import (TMP_PREFIX, TRASH_PREFIX, make_private_dir, parent_untrusted_reason, stat_untrusted_reason,
+from .trust import (RACY_SECONDS, TMP_PREFIX, TRASH_PREFIX, make_private_dir, parent_untrusted_reason, stat_untrusted_reason,
                     untrusted_reason, write_new)
 
 #: The records' folder inside the store's (a "." name: the store's listing and pruning skip it).
@@ -137,6 +139,8 @@ def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *
     recorded = _usable(folder, path, stop_outside_main_graph)
     if recorded is not None:
         return recorded  # another process recorded it while this one walked (workers starting together)
+    if time.time_ns() - before.st_mtime_ns < RACY_SECONDS * 1e9:
+        return facts  # just written: a second write within the same timestamp tick would go unseen
     # Old records go first: removing one whose link is this same inode moves the file's ctime.
     _remove_stale(folder, keep=key)
     if _age(target) > IN_USE_SECONDS:  # a younger one may be its maker's session's model right now

@@ -71,7 +71,7 @@ from .cache import (
 from ..helper_env import helper_environment
 from .layout import MANIFEST, PREPACKED_MANIFEST
 from .prepacked import prepacked_model, save_prepacked, verify_prepacked
-from .stamps import RACY_SECONDS
+from .trust import RACY_SECONDS
 from .prepared_entries import build_prepared, lookup_prepared, prepared_key, settings_of_record
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from .. import __version__
 from ..short_hash import short_hash
 from . import digest
 from .layout import SOURCE_LINK_PREFIX
-from .stamps import RACY_SECONDS
+from .trust import RACY_SECONDS
 from .trust import PRIVATE_FILE_MODE
 
 if TYPE_CHECKING:

@@ -30,13 +30,10 @@ from pathlib import Path
 from typing import Optional
 
 from ..short_hash import short_hash
-from .trust import make_private_dir, open_new, parent_untrusted_reason, untrusted_reason
+from .trust import RACY_SECONDS, make_private_dir, open_new, parent_untrusted_reason, untrusted_reason
 
 #: Where stamps go instead of the default folders (tests, or a deployment's own tmpfs).
 FOLDER_ENV = "ORTMEM_VERIFIED_DIR"
-#: A file changed this recently may change again within the same timestamp tick, which ``stat`` cannot
-#: see (git's "racy" files): it is not stamped, and sources changed this recently are digested again.
-RACY_SECONDS = 2.0
 
 
 def folder() -> Optional[Path]:

@@ -27,6 +27,11 @@ PRIVATE_DIR_MODE = 0o700
 TMP_PREFIX = ".tmp-"
 #: A folder renamed away before it is deleted (a reader never sees it half removed).
 TRASH_PREFIX = ".trash-"
+#: A file changed this recently may change again within the same timestamp tick, which ``stat`` cannot
+#: see (git's "racy" files): it is not stamped (:mod:`ortmem.store.stamps`), sources changed this
+#: recently are digested again (:mod:`ortmem.store.sources`), and no handover record is made of it
+#: (:mod:`ortmem.store.handover_records`).
+RACY_SECONDS = 2.0
 PRIVATE_FILE_MODE = 0o600
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 

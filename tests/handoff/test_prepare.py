@@ -7,6 +7,8 @@ handoff is asked directly (:func:`ortmem.handoff.prepare.prepare`), and what it 
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -122,6 +124,8 @@ def test_a_small_model_with_nothing_to_convert_is_handed_over_from_its_bytes(tmp
     import onnxruntime as ort_module
 
     path = _embedded_mlp(tmp_path / "mlp.onnx")
+    hour_ago = time.time() - 3600
+    os.utime(path, (hour_ago, hour_ago))  # as an installed model: a file written just now gets no record
     handoff = prepare(path, _request(tmp_path))
     assert handoff.action == "mapped" and handoff.source is None and handoff.fallback == str(path)
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [FOLDER]  # no entry: the store was not asked

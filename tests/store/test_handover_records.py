@@ -26,6 +26,14 @@ from tests.support.builders import int4_model, matmul_chain, save, subgraph_mode
 FEED = {"x": np.linspace(-1, 1, 4 * 64, dtype=np.float32).reshape(4, 64)}
 
 
+def _settled(path: Path) -> Path:
+    """``path`` with its mtime an hour back, as an installed model's: a file written within
+    ``RACY_SECONDS`` gets no record."""
+    hour_ago = time.time() - 3600
+    os.utime(path, (hour_ago, hour_ago))
+    return path
+
+
 def _ort(path: Path) -> np.ndarray:
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, FEED)[0]
 
@@ -54,7 +62,7 @@ def folder(tmp_path: Path) -> Path:
 @pytest.fixture
 def embedded(tmp_path: Path) -> Path:
     """fp32 MatMuls whose weights (64 KiB and 256 KiB) are embedded above the inline limit."""
-    return save(matmul_chain(np.random.default_rng(3), [64, 256, 256, 8]), tmp_path / "models" / "chain.onnx")
+    return _settled(save(matmul_chain(np.random.default_rng(3), [64, 256, 256, 8]), tmp_path / "models" / "chain.onnx"))
 
 
 def _mapped_output(path: Path, facts) -> np.ndarray:
@@ -95,7 +103,7 @@ def test_a_replaced_file_gets_a_new_record_and_the_old_one_goes(embedded: Path, 
     facts_of(embedded, folder)
     (old,) = os.listdir(folder)
     replacement = save(matmul_chain(np.random.default_rng(5), [64, 256, 256, 8]), embedded.parent / "new.onnx")
-    os.replace(replacement, embedded)  # another inode under the same name, as pip installs files
+    os.replace(_settled(replacement), embedded)  # another inode under the same name, as pip installs files
     facts = facts_of(embedded, folder)
     assert len(walks) == 2
     assert old not in os.listdir(folder) and len(os.listdir(folder)) == 1  # its link no longer holds the old bytes
@@ -110,6 +118,20 @@ def test_a_damaged_skeleton_is_not_used(embedded: Path, folder: Path, walks: lis
     facts = facts_of(embedded, folder)
     assert len(walks) == 2
     assert np.array_equal(_mapped_output(embedded, facts), _ort(embedded))
+
+
+def test_a_file_written_just_now_gets_no_record(tmp_path: Path, folder: Path, walks: list[Path]):
+    """Within RACY_SECONDS of its last write a second write could keep the same mtime and ctime on a
+    file system with coarse timestamps: such a file is walked on every start until it is older."""
+    path = save(matmul_chain(np.random.default_rng(6), [64, 256, 256, 8]), tmp_path / "fresh" / "m.onnx")
+    facts = facts_of(path, folder)
+    facts_of(path, folder)
+    assert len(walks) == 2 and os.listdir(folder) == []
+    assert np.array_equal(_mapped_output(path, facts), _ort(path))
+    _settled(path)
+    facts_of(path, folder)
+    facts_of(path, folder)
+    assert len(walks) == 3 and len(os.listdir(folder)) == 1
 
 
 def test_a_record_others_may_write_is_not_used(embedded: Path, folder: Path, walks: list[Path]):
@@ -151,7 +173,7 @@ def test_a_folder_where_no_record_can_be_made_costs_only_the_walk(embedded: Path
 def test_a_stopped_walk_answers_only_callers_that_stop(tmp_path: Path, folder: Path, walks: list[Path]):
     """A walk that stopped at a weight in a subgraph (the hook with the caller's options) knows too
     little for a caller that walks the whole file: that caller walks, and its record serves both."""
-    path = save(subgraph_model(np.random.default_rng(0)), tmp_path / "sub" / "model.onnx")
+    path = _settled(save(subgraph_model(np.random.default_rng(0)), tmp_path / "sub" / "model.onnx"))
     stopped = facts_of(path, folder, stop_outside_main_graph=True)
     assert stopped.stopped and not stopped.main_graph_only
     assert facts_of(path, folder, stop_outside_main_graph=True) == stopped and len(walks) == 1
@@ -169,7 +191,7 @@ def test_a_stopped_walk_answers_only_callers_that_stop(tmp_path: Path, folder: P
 
 
 def test_a_model_the_session_path_reads_is_not_recorded(tmp_path: Path, folder: Path, walks: list[Path]):
-    path = save(int4_model(np.random.default_rng(0)), tmp_path / "q" / "model.onnx")
+    path = _settled(save(int4_model(np.random.default_rng(0)), tmp_path / "q" / "model.onnx"))
     assert facts_of(path, folder).dequantize
     assert os.listdir(folder) == []
 
