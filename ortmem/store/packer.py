@@ -205,7 +205,7 @@ def run(job: PrepackLater) -> Optional[Path]:
 
 def _check_for_next_start(cache: Cache, job: PrepackLater) -> None:
     """Check the entry (and its pre-packed files) in full once what was just written is older than
-    :data:`ortmem.store.stamps.RACY_SECONDS`, so the stamps this leaves (:mod:`ortmem.store.stamps`)
+    :data:`ortmem.store.trust.RACY_SECONDS`, so the stamps this leaves (:mod:`ortmem.store.stamps`)
     spare the next start reading every byte again: without them the second start digested about 3 GB
     of the 0.6 GB synthetic Llama's entry, 1-1.5 s, more than half of ORT's own creation. Niced and
     after the session's first run, like the packing itself; a check that fails changes nothing (the

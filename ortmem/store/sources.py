@@ -122,7 +122,7 @@ def same_source(recorded: dict[str, Any], current: dict[str, Any]) -> Optional[b
     return False
 
 
-# A source modified within RACY_SECONDS (ortmem.store.stamps) may be rewritten again within the same
+# A source modified within RACY_SECONDS (ortmem.store.trust) may be rewritten again within the same
 # filesystem timestamp tick with the same size, which ``stat`` cannot see (git's "racy" files). Such an
 # entry records a full digest of its sources, checked on lookups until the source is older than that.
 
