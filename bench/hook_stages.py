@@ -16,6 +16,12 @@ after numpy and onnxruntime are imported (the client imports them either way):
   ``walk``, and the record written; :mod:`ortmem.store.handover_records`) and ``trim`` (``malloc_trim`` after each
   creation), also shown on their own.
 
+``--wall`` times whole processes instead, alternated per round with ``sync`` before each and stdout
+discarded: ``python CLIENT`` (plain), ``ORTMEM_HOOK=0 python -m ortmem run -- CLIENT`` (the launcher
+alone) and ``python -m ortmem run -- CLIENT`` (hooked), each with its fastest, first quartile and
+median. Unlike ``ortmem run --compare``, no side writes a report, so the three differ only in the
+launcher and the hook.
+
 The fastest of ``--repeat`` processes per stage is printed (noise on this VM only ever adds), with
 the client's plain and hooked times side by side. ortmem's bytecode is brought up to date first, as
 an installed ortmem has it (:func:`ortmem.bytecode.ensure_bytecode`).
@@ -24,8 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
+import time
 
 _CHILD = r"""
 import json, runpy, sys, time
@@ -78,16 +87,41 @@ def measure(client: str, repeat: int) -> dict[str, dict[str, float]]:
     return fastest
 
 
+def measure_wall(client: str, repeat: int) -> dict[str, list[float]]:
+    """``--wall``: seconds per whole process of each command, ``repeat`` rounds alternated."""
+    py = sys.executable
+    commands = {"plain": ([py, client], {}),
+                "launcher, hook off": ([py, "-m", "ortmem", "run", "--", client], {"ORTMEM_HOOK": "0"}),
+                "launcher, hooked": ([py, "-m", "ortmem", "run", "--", client], {})}
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(repeat):
+        for name, (cmd, env) in commands.items():
+            os.sync()
+            start = time.perf_counter()
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **env})
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("client", help="a Python program that creates ORT sessions (e.g. tests/hook_clients/*.py)")
     p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--wall", action="store_true", help="whole processes: plain, the launcher alone, hooked")
     args = p.parse_args(argv)
     from ortmem.bytecode import ensure_bytecode
 
     print(ensure_bytecode(), file=sys.stderr)
     import onnxruntime
 
+    if args.wall:
+        times = measure_wall(args.client, max(1, args.repeat))
+        print(f"onnxruntime {onnxruntime.__version__}; {args.repeat} rounds, ms: fastest, first quartile, median")
+        for name, values in times.items():
+            values.sort()
+            print(f"{name:20} {values[0] * 1e3:7.0f} {values[len(values) // 4] * 1e3:7.0f} "
+                  f"{statistics.median(values) * 1e3:7.0f}")
+        return 0
     fastest = measure(args.client, max(1, args.repeat))
     print(f"onnxruntime {onnxruntime.__version__}; fastest of {args.repeat} fresh processes per side, ms")
     for stage, seconds in fastest["hooked"].items():

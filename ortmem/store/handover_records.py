@@ -48,8 +48,8 @@ from typing import Optional
 from .. import __version__
 from ..model_facts import FileFacts, needs_session_path, read_facts, skeleton_name
 from ..short_hash import short_hash
-from .trust import (RACY_SECONDS, TMP_PREFIX, TRASH_PREFIX, make_private_dir, parent_untrusted_reason, stat_untrusted_reason,
-                    untrusted_reason, write_new)
+from .trust import (RACY_SECONDS, TMP_PREFIX, TRASH_PREFIX, cache_file_problem, make_private_dir, parent_untrusted_reason,
+                    read_nofollow, untrusted_reason, write_new)
 
 #: The records' folder inside the store's (a "." name: the store's listing and pruning skip it).
 FOLDER = ".handover"
@@ -62,8 +62,6 @@ STALE_SECONDS = 86400.0
 #: A record made this recently is never replaced (its maker's ORT may be reading its skeleton): a
 #: start that finds it unusable hands its skeleton over from a temporary folder instead.
 IN_USE_SECONDS = 60.0
-#: The largest facts file read (a record's is about 400 bytes).
-MAX_FACTS_BYTES = 1 << 16
 #: The identity a record's key is made of, and what it keeps of it.
 _IDENTITY = ("dev", "ino", "size", "mtime_ns")
 _FLAGS = ("needs_loader", "dequantize", "recompute", "main_graph_only", "has_graph", "stopped")
@@ -118,7 +116,7 @@ def recorded_facts(folder: Path, path: Path, st: os.stat_result, *,
     skeleton_file = None
     if fields.get("skeleton", "-") != "-":
         skeleton_file = where / skeleton_name(path)
-        if not _is_file_pair(where / path.name, st) or _trusted_bytes_digest(skeleton_file) != fields["skeleton"]:
+        if not _is_file_pair(where / path.name, st) or not _skeleton_matches(skeleton_file, fields["skeleton"]):
             return None
     try:
         embedded = int(fields.get("embedded_bytes", ""))
@@ -183,19 +181,14 @@ def _key(path: Path, st: os.stat_result) -> str:
 
 
 def _read_facts_file(where: Path) -> Optional[dict[str, str]]:
-    """A record's fields, or None: no record, or one that is not this user's and private, or damaged."""
+    """A record's fields, or None: no record, one that fails the cache's file check
+    (:func:`ortmem.store.trust.cache_file_problem`: not this user's, writable by others, a link),
+    or a damaged one."""
+    facts = where / FACTS_FILE
     try:
-        st = os.lstat(where)
-        if not stat.S_ISDIR(st.st_mode) or stat_untrusted_reason(st):
+        if untrusted_reason(where) or cache_file_problem(facts):
             return None
-        fd = os.open(where / FACTS_FILE, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        try:
-            fst = os.fstat(fd)
-            if not stat.S_ISREG(fst.st_mode) or stat_untrusted_reason(fst) or fst.st_size > MAX_FACTS_BYTES:
-                return None
-            text = os.read(fd, MAX_FACTS_BYTES).decode("utf-8")
-        finally:
-            os.close(fd)
+        text = read_nofollow(facts).decode("utf-8")
     except (OSError, UnicodeDecodeError):
         return None
     fields = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
@@ -211,22 +204,12 @@ def _is_file_pair(link: Path, st: os.stat_result) -> bool:
     return stat.S_ISREG(lst.st_mode) and (lst.st_dev, lst.st_ino) == (st.st_dev, st.st_ino)
 
 
-def _trusted_bytes_digest(path: Path) -> Optional[str]:
-    """The digest of a record file's bytes, or None when it is not a private regular file of this user's."""
+def _skeleton_matches(skeleton: Path, recorded: str) -> bool:
+    """Whether a record's skeleton passes the cache's file check and has the recorded digest."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        return cache_file_problem(skeleton) is None and short_hash(read_nofollow(skeleton)) == recorded
     except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or stat_untrusted_reason(st):
-            return None
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return short_hash(f.read())
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+        return False
 
 
 def _remove_stale(folder: Path, *, keep: str) -> None:
