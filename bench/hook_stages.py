@@ -7,9 +7,9 @@ of milliseconds between sittings. This splits what the hooked side does into the
 ``python -m ortmem run -- CLIENT`` goes through, each timed with ``perf_counter`` in the same process,
 after numpy and onnxruntime are imported (the client imports them either way):
 
-- ``cli``: ``import ortmem.cli`` (the package and argparse);
-- ``parser+launcher``: building the ``run`` subcommand's parser, which imports the launcher and the
-  hook (``session_hook``, ``model_facts``, ``protowire``, ``dtypes``, ``hygiene``), and parsing;
+- ``cli``: ``import ortmem.cli`` (the package; argparse is imported only where options are given);
+- ``launcher``: importing the launcher and the hook (``session_hook``, ``model_facts``, ``hygiene``)
+  and reading the command line (``ortmem run -- CLIENT``: no option, so no argparse);
 - ``hook``: installing it as the launcher does (no rebinding: the program has imported nothing yet);
 - ``client``: running the client, plain in the plain process; in the hooked one it includes
   ``facts_of`` (a handover record's read, or the walk of the model's non-weight bytes, shown as
@@ -57,15 +57,14 @@ def timed(name, fn):
 if hooked:
     import ortmem.cli
     mark("cli")
-    args = ortmem.cli.build_parser("run").parse_args(["run", "--", client])
-    mark("parser+launcher")
-    from ortmem.reach import session_hook
-    from ortmem.reach.launcher import options_from
+    from ortmem.reach import launcher, session_hook
+    program = launcher.bare_program(["--", client])
+    mark("launcher")
     from ortmem.store import handover_records  # imported by the hook with its first model: timed here
     handover_records.facts_of = timed("  facts_of", handover_records.facts_of)
     handover_records.read_facts = timed("    walk", handover_records.read_facts)
     session_hook.trim_heap = timed("  trim", session_hook.trim_heap)
-    session_hook.hook(**options_from(args), rebind=False)
+    session_hook.hook(**launcher.default_options(), rebind=False)
     mark("hook")
 sys.argv = [client]
 runpy.run_path(client, run_name="__main__")

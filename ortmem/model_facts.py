@@ -5,7 +5,8 @@ of private memory and 0.1 s, and the session path itself another 3.5 MiB (onnxru
 bytecode, ``python -m bench.estimator.fixed_costs``; docs/hook.md), more than ortmem saves on a model it
 leaves to ORT. So the hook asks this module first and imports the session path only for a model that
 needs it, and the session path asks it before it loads a model (``handoff.prepare``). Everything here
-uses the standard library and :mod:`ortmem.protowire` (a wire-format reader that needs no onnx):
+uses the standard library and :mod:`ortmem.protowire` (a wire-format reader that needs no onnx,
+imported by the first walk):
 
 - conversion candidates: a ``DequantizeLinear`` op_type is a plain string in the file's non-weight
   bytes (a byte search: a name containing it is a false positive, which only sends the model the
@@ -27,7 +28,6 @@ from typing import NamedTuple, Optional
 
 from .errors import CorruptModelError
 from .logs import warning
-from .protowire import LEN, MODEL_GRAPH, FileBytes, WireReader, externalize_embedded
 
 
 #: Tensors up to one page stay inline in the skeleton: ORT maps every external tensor separately,
@@ -164,7 +164,13 @@ def read_facts(path: Path, *, stop_outside_main_graph: bool = False) -> FileFact
     walk's screen of inline tensors would have sent to the loader is not known, and ORT, given the
     model as it is, judges those tensors itself, as without ortmem. Only in a file of at most
     :data:`STOPPED_SEARCH_MAX_BYTES`: the walk reads a file's structure and skips its weights, the
-    search reads every byte, and in a larger file it could cost more than the walk it saves."""
+    search reads every byte, and in a larger file it could cost more than the walk it saves.
+
+    protowire (with :mod:`ortmem.dtypes`) is imported here, by the first walk: a hooked process whose
+    models' facts come from handover records (:mod:`ortmem.store.handover_records`) never walks, and
+    the two modules cost it 1.7 ms of a start held to 20 ms over a plain run (docs/hook.md)."""
+    from .protowire import LEN, MODEL_GRAPH, FileBytes, WireReader, externalize_embedded
+
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         stop = stop_outside_main_graph and size <= STOPPED_SEARCH_MAX_BYTES

@@ -1,8 +1,10 @@
 """``python -m ortmem run``: run an unmodified Python program with :func:`ortmem.hook` installed first.
 
 ``python -m ortmem run [options] -- script.py args...`` or ``python -m ortmem run [options] -m pkg.mod
-args...``: the hook is installed before the program's first import, then the program runs as
-``python script.py`` / ``python -m pkg.mod`` would run it (``sys.argv``, ``__main__``, exit status).
+args...``: the program runs as ``python script.py`` / ``python -m pkg.mod`` would run it (``sys.argv``,
+``__main__``, exit status), and the hook is installed as its ``import onnxruntime`` completes, before
+any module can bind ORT's class. A program that never imports onnxruntime imports neither it nor
+the hook.
 
 Child interpreters (``multiprocessing`` spawn, a process manager starting workers, ``subprocess``
 running Python) get the hook too: the launcher puts ``$ORTMEM_HOOK=1``, the options in
@@ -17,21 +19,26 @@ and wall time.
 """
 from __future__ import annotations
 
-import argparse
 import atexit
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import plain_run
 from ..helper_env import ENV_OPTIONS, ENV_SWITCH, SITE_DIR, helper_environment
+from .hook_options import HookOptions
+from .hook_site.sitecustomize import after_onnxruntime
 from .plain_run import process_memory, run_program
-from .session_hook import HookOptions, hook, report
+
+if TYPE_CHECKING:  # the parser is built only where options are given (ortmem.cli.main)
+    import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    import argparse
+
     p.description = ("Run an unmodified Python program with every ONNX Runtime session it creates going "
                      "through ortmem: ortmem run [options] -- script.py args, or ortmem run [options] -m module args.")
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a library module as a script (as python -m)")
@@ -59,26 +66,67 @@ def options_from(args: argparse.Namespace) -> dict[str, Any]:
             "prepacked": not args.no_prepacked, "strict": args.strict}
 
 
+def default_options() -> dict[str, Any]:
+    """What :func:`options_from` gives for a command line without options: :class:`HookOptions`' defaults."""
+    return {name: value for name, value in HookOptions()._asdict().items() if name != "observe_only"}
+
+
+def bare_program(argv: Sequence[str]) -> Optional[list[str]]:
+    """The program of ``ortmem run -- script.py args`` or ``ortmem run script.py args``: ``argv`` after
+    ``run`` when it gives no option, so argparse would parse every option's default and take the rest
+    as the program; ``None`` when it starts with an option (``-m`` included).
+
+    Why: this is how a hooked program is started, and argparse's import, parser and message-catalogue
+    probes cost 5-6 ms of a start whose cost over a plain run is held to 20 ms (docs/hook.md)."""
+    if not argv or (argv[0].startswith("-") and argv[0] != "--"):
+        return None
+    return list(argv[1:] if argv[0] == "--" else argv)
+
+
 def main(args: argparse.Namespace) -> int:
+    """``ortmem run`` with its options parsed."""
     program = list(args.program)
     if args.module is None and program[:1] == ["--"]:
         program = program[1:]
-    if args.module is None and not program:
-        print("ortmem run: give a program: ortmem run [options] -- script.py args, or -m module args", file=sys.stderr)
-        return 2
-    if args.compare:
+    if args.compare and not _no_program(args.module, program):
         return compare(args, program)
-    options = options_from(args)
+    return start(args.module, program, options_from(args), children=not args.no_children, report=args.report)
+
+
+def start(module: Optional[str], program: list[str], options: Optional[dict[str, Any]] = None,
+          children: bool = True, report: Optional[str] = None) -> int:
+    """Install the hook with ``options`` (:class:`HookOptions`' defaults if none), in child interpreters
+    too unless ``children`` is false, then run ``-m module program`` or ``program`` (a script and its
+    arguments); at exit write ``report`` if given."""
+    if _no_program(module, program):
+        return 2
+    if options is None:
+        options = default_options()
     hooked = os.environ.get(ENV_SWITCH, "1") != "0"
-    if hooked:
-        hook(**options, rebind=False)  # the program has imported nothing yet: no name to rebind
-        if not args.no_children:
-            _export_to_children(options)
-    elif args.report:
-        hook(observe_only=True)  # plain ORT sessions, recorded for the report
-    if args.report:
-        atexit.register(write_report, Path(args.report), hooked, options, time.perf_counter())
-    return run_program(args.module, program)
+    if hooked or report:  # hook off with a report: plain ORT sessions, recorded for it
+        after_onnxruntime(lambda: _install_hook(options if hooked else {"observe_only": True}))
+    if hooked and children:
+        _export_to_children(options)
+    if report:
+        atexit.register(write_report, Path(report), hooked, options, time.perf_counter())
+    return run_program(module, program)
+
+
+def _install_hook(options: dict[str, Any]) -> None:
+    """Called as the program's ``import onnxruntime`` completes (:func:`after_onnxruntime`): the hook
+    and onnxruntime are imported with the program's first use of ORT, so a program that never uses
+    it (a server's master process, a script that starts workers) pays for neither, as in a plain run."""
+    from .session_hook import hook
+
+    hook(**options, rebind=False)  # onnxruntime was imported just now: no module holds its class yet
+
+
+def _no_program(module: Optional[str], program: list[str]) -> bool:
+    """True, with the usage printed, when there is nothing to run."""
+    if module is None and not program:
+        print("ortmem run: give a program: ortmem run [options] -- script.py args, or -m module args", file=sys.stderr)
+        return True
+    return False
 
 
 def _export_to_children(options: dict[str, Any]) -> None:
@@ -99,17 +147,22 @@ def _export_to_children(options: dict[str, Any]) -> None:
 
 
 def write_report(path: Path, hooked: bool, options: dict[str, Any], started: float) -> None:
-    """The sessions this process created and its memory, as JSON (called at exit)."""
+    """The sessions this process created and its memory, as JSON (called at exit). No session where
+    the program never imported onnxruntime (the hook was never installed)."""
     import json
 
-    import onnxruntime as ort
+    ort = sys.modules.get("onnxruntime")
+    sessions: list[dict[str, Any]] = []
+    if ort is not None:
+        from .session_hook import report
 
+        sessions = report()
     data = {
-        "onnxruntime": ort.__version__,
+        "onnxruntime": getattr(ort, "__version__", "not imported"),
         "hook": hooked,
         "options": options,
         "process": {"wall_seconds": round(time.perf_counter() - started, 3), **process_memory()},
-        "sessions": report(),
+        "sessions": sessions,
     }
     path.write_text(json.dumps(data, indent=2) + "\n")
 

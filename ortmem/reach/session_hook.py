@@ -46,6 +46,7 @@ from ..model_facts import FOLDER_KEY, min_prepared_bytes, needs_session_path, pl
 from ..options import get_config
 from ..ort_original import ORT_SESSION
 from ..ortmodel.providers import FUSING_PROVIDERS, not_fusing, provider_names
+from .hook_options import HookOptions
 from .plain_run import process_memory  # the standard library only: the hook stays light
 
 
@@ -59,21 +60,6 @@ MIN_BYTES = 1 << 20
 
 _state_lock = threading.RLock()
 _inside = threading.local()  # set while ortmem creates a session: nested creations go to ORT directly
-
-
-class HookOptions(NamedTuple):
-    """What the hook passes to :class:`ortmem.InferenceSession` for every session (see its docstring).
-
-    This module's records are named tuples, not dataclasses: the hook is imported into every hooked
-    process, and the dataclasses of its modules cost about 7 ms of that start (``bench/hook_stages.py``)."""
-
-    convert: bool = True
-    cache: Union[bool, str] = True
-    trim: bool = True
-    prepacked: bool = True
-    strict: bool = False  # ortmem's exceptions propagate instead of falling back to plain ORT
-    #: Create every session with plain ORT and only record it (the "hook off" run of a comparison).
-    observe_only: bool = False
 
 
 class SessionRecord(NamedTuple):

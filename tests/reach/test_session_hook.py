@@ -372,6 +372,60 @@ def test_python_dash_m_ortmem_serves_every_subcommand(tmp_path):
     assert missing.returncode == 2 and "give a program" in missing.stderr
 
 
+@pytest.mark.parametrize("argv", [["--", "x.py", "--strict", "-m", "y"], ["x.py", "--no-trim"], ["--", "--help"], ["--"]])
+def test_a_run_without_options_is_started_as_argparse_would_parse_it(argv):
+    """``ortmem run -- script.py args`` skips argparse (ortmem.cli.main): the program and options it
+    takes are exactly what the parser gives for the same command line."""
+    from ortmem.cli.parser import build_parser
+    from ortmem.reach.launcher import bare_program, default_options, options_from
+
+    args = build_parser("run").parse_args(["run", *argv])
+    program = args.program[1:] if args.program[:1] == ["--"] else args.program
+    assert bare_program(argv) == program and args.module is None
+    assert options_from(args) == default_options()
+    assert not (args.no_children or args.compare or args.report)
+
+
+@pytest.mark.parametrize("argv", [[], ["-m", "pkg"], ["--strict", "--", "x.py"], ["--help"], ["--report", "r.json", "x.py"]])
+def test_a_run_with_options_goes_through_the_parser(argv):
+    from ortmem.reach.launcher import bare_program
+
+    assert bare_program(argv) is None
+
+
+def test_a_run_without_options_imports_no_argparse(model, tmp_path):
+    """The fresh process ``ortmem run -- script.py`` starts: the script's session is ortmem's (the hook
+    was installed as its ``from onnxruntime import InferenceSession`` ran), and neither argparse nor
+    its message catalogues (gettext) were imported to start it."""
+    script = tmp_path / "script.py"
+    script.write_text("import sys\n"
+                      "from onnxruntime import InferenceSession\n"  # bound as onnxruntime is imported
+                      "from ortmem.reach.session_hook import report\n"
+                      "s = InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])\n"
+                      "print(report()[0]['action'], sorted(m for m in ('argparse', 'gettext') if m in sys.modules))\n")
+    done = subprocess.run(_ortmem_cmd("run", "--", str(script), str(model[0])), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["mapped", "[]"]
+
+
+def test_a_program_that_never_imports_onnxruntime_pays_for_neither_it_nor_the_hook(tmp_path):
+    """``ortmem run`` on a program without ORT (a server's master process): the modules it loads that a
+    plain run does not are the launcher's alone: no onnxruntime, no hook, and none of what
+    ``importlib.abc`` would bring (tempfile). Its report says so."""
+    script = tmp_path / "script.py"
+    watched = ("onnxruntime", "numpy", "ortmem.reach.session_hook", "importlib.abc", "tempfile")
+    script.write_text(f"import sys\nprint(sorted(m for m in {watched!r} if m in sys.modules))\n")
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
+    report = tmp_path / "report.json"
+    hooked = subprocess.run(_ortmem_cmd("run", "--report", str(report), "--", str(script)), capture_output=True,
+                            text=True, timeout=120)
+    assert hooked.returncode == 0 and hooked.stderr == "", hooked.stderr
+    assert hooked.stdout == plain.stdout
+    written = json.loads(report.read_text())
+    assert written["onnxruntime"] == "not imported" and written["sessions"] == [] and written["hook"] is True
+
+
 def test_where_no_hard_link_can_be_made(rng, capfd):
     """A model on another file system than the temp folder and the cache (here /dev/shm, a tmpfs):
     ortmem's own options carry the folder entry instead; the caller's are left alone, so the path
@@ -418,10 +472,13 @@ def test_launcher_sitecustomize_runs_the_one_it_shadows_and_waits_for_onnxruntim
     theirs.mkdir()
     (theirs / "sitecustomize.py").write_text("import builtins\nbuiltins.THEIR_SITECUSTOMIZE_RAN = True\n")
     env = {**__import__("os").environ, "ORTMEM_HOOK": "1", "PYTHONPATH": f"{SITE_DIR}:{theirs}"}
-    probe = ("import builtins, sys; print(getattr(builtins, 'THEIR_SITECUSTOMIZE_RAN', False), 'ortmem' in sys.modules);"
+    probe = ("import builtins, sys; print(getattr(builtins, 'THEIR_SITECUSTOMIZE_RAN', False),"
+             "[m for m in ('ortmem', 'importlib.abc', 'tempfile') if m in sys.modules]);"
              "import onnxruntime; print(onnxruntime.InferenceSession.__name__)")
+    plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert plain.stdout.split()[1:] == ["[]", "InferenceSession"]  # what the hook must not add to
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.split() == ["True", "False", "HookedInferenceSession"], out.stderr
+    assert out.stdout.split() == ["True", "[]", "HookedInferenceSession"], out.stderr
 
 
 def test_cache_false_converts_with_the_callers_options_and_leaves_them_plain(tmp_path):

@@ -232,13 +232,14 @@ s = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
 out = s.run(None, {"x": np.linspace(-1, 1, 256, dtype=np.float32).reshape(4, 64)})[0]
 actions = [r["action"] for r in __import__("ortmem.reach.session_hook").reach.session_hook.report()]
 print(json.dumps({"walked": walked, "actions": actions, "out": out.tolist(),
-                  "imported": sorted(m for m in ("shutil", "tempfile", "onnx") if m in sys.modules)}))
+                  "imported": sorted(m for m in ("shutil", "tempfile", "onnx", "ortmem.protowire") if m in sys.modules)}))
 """
 
 
 def test_a_hooked_program_started_again_maps_from_the_record(embedded: Path, tmp_path: Path):
     """Fresh processes, as a program is started again: the first walks and records, the second
-    reads the record, writes nothing and imports neither shutil nor tempfile; both give ORT's outputs."""
+    reads the record, writes nothing and imports neither shutil, tempfile nor the walk's reader
+    (``ortmem.protowire``); both give ORT's outputs."""
     env = {**os.environ, "ORTMEM_CACHE_DIR": str(tmp_path / "cache")}
     runs = []
     for _ in range(2):

@@ -6,24 +6,49 @@ The hook is installed when the interpreter first imports ``onnxruntime`` (a find
 ``sys.meta_path`` waits for it), so a child that never uses ORT pays nothing, not even ortmem's
 import. Python imports one ``sitecustomize``: the one this file shadows (a distribution's, a virtual
 environment's) is run afterwards.
+
+The launcher's own process waits the same way: ``ortmem.reach.launcher`` imports this file by its
+package name (``ortmem.reach.hook_site.sitecustomize``, where the start-up code below does not run)
+for :func:`after_onnxruntime`.
 """
-import importlib.abc
 import os
 import runpy
 import sys
 
 
-def _install() -> None:
-    try:
-        from ortmem.reach.session_hook import hook_from_environment
+def after_onnxruntime(install):
+    """Call ``install()`` (which installs the hook) once this interpreter has imported onnxruntime: now
+    if it has, else right after it does, before the importer gets the module (so no name is bound to
+    ORT's class yet). An exception from ``install`` is printed in one line, never raised into the
+    program's ``import onnxruntime``."""
+    if "onnxruntime" in sys.modules:
+        _install(install)
+    else:
+        sys.meta_path.insert(0, _AfterOnnxruntime(install))
 
-        hook_from_environment()
+
+def _install(install) -> None:
+    try:
+        install()
     except Exception as exc:  # noqa: BLE001 - a broken hook must never stop the program
         print(f"ortmem: hook not installed in this process ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
-class _AfterOnnxruntime(importlib.abc.MetaPathFinder):
-    """Lets ``onnxruntime`` import as usual, then installs the hook right after it and leaves."""
+def _hook_from_environment() -> None:
+    from ortmem.reach.session_hook import hook_from_environment
+
+    hook_from_environment()
+
+
+class _AfterOnnxruntime:
+    """Lets ``onnxruntime`` import as usual, then calls ``install`` right after it and leaves.
+
+    A meta path finder by its ``find_spec`` alone: deriving from ``importlib.abc.MetaPathFinder``
+    would import ``importlib.abc`` (with importlib.resources, tempfile, shutil, bz2 and lzma), 9 ms of
+    every hooked interpreter's start, ORT or not."""
+
+    def __init__(self, install):
+        self.install = install
 
     def find_spec(self, name, path=None, target=None):
         if name != "onnxruntime":
@@ -39,7 +64,7 @@ class _AfterOnnxruntime(importlib.abc.MetaPathFinder):
         def exec_then_hook(module):
             exec_module(module)
             sys.modules[name] = module  # ortmem imports onnxruntime: give it this one
-            _install()
+            _install(self.install)
 
         spec.loader.exec_module = exec_then_hook
         return spec
@@ -57,9 +82,7 @@ def _run_shadowed() -> None:
 
 # ortmem.helper_env.ENV_SWITCH, spelled out: this file runs in every child and imports ortmem only once
 # the child imports onnxruntime. ortmem's own helper processes are started without it (helper_environment).
-if os.environ.get("ORTMEM_HOOK") == "1":
-    if "onnxruntime" in sys.modules:
-        _install()
-    else:
-        sys.meta_path.insert(0, _AfterOnnxruntime())
-_run_shadowed()
+if __name__ == "sitecustomize":  # imported by Python at start-up, not by the launcher
+    if os.environ.get("ORTMEM_HOOK") == "1":
+        after_onnxruntime(_hook_from_environment)
+    _run_shadowed()
