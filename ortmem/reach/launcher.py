@@ -1,4 +1,4 @@
-"""``python -m ortmem run``: run an unmodified Python program with :func:`ortmem.hook` installed first.
+"""``python -m ortmem run``: run an unmodified Python program with :func:`ortmem.hook` installed as it imports onnxruntime.
 
 ``python -m ortmem run [options] -- script.py args...`` or ``python -m ortmem run [options] -m pkg.mod
 args...``: the program runs as ``python script.py`` / ``python -m pkg.mod`` would run it (``sys.argv``,
