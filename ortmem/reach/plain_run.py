@@ -8,23 +8,31 @@ imports no package). :func:`run_program` is also how ``python -m ortmem run`` ru
 from __future__ import annotations
 
 import atexit
+import os
 import runpy
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from types import TracebackType
 
 
 def run_program(module: Optional[str], program: list[str]) -> int:
-    """Run ``script.py args`` or ``-m module args`` in this interpreter as ``python`` itself would."""
+    """Run ``script.py args`` or ``-m module args`` in this interpreter as ``python`` itself would: the
+    script's ``__file__`` absolute, ``sys.argv`` as given; a script it cannot open ends in python's
+    one line and status 2, a module it cannot find in python's line and 1; an exception the program
+    raises is printed by ``sys.excepthook`` from the program's own frames (the launcher's and
+    runpy's left out: a script's traceback reads as under python) and ends in 1."""
     try:
         if module is not None:
             sys.argv = [module, *program]
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
-            script = program[0]
+            script = os.path.abspath(program[0])
             sys.argv = list(program)
-            sys.path.insert(0, str(Path(script).resolve().parent))
+            sys.path.insert(0, str(Path(script).resolve().parent))  # python resolves a linked script's folder
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         code = exc.code
@@ -32,7 +40,29 @@ def run_program(module: Optional[str], program: list[str]) -> int:
             return code or 0
         print(code, file=sys.stderr)
         return 1
+    except Exception as exc:  # noqa: BLE001 - reported as python reports it, below
+        frames = _program_frames(exc.__traceback__)
+        if frames is not None:
+            sys.excepthook(type(exc), exc.with_traceback(frames), frames)  # python prints the exception's own
+            return 1
+        if isinstance(exc, ImportError):
+            print(f"{sys.executable}: {exc}", file=sys.stderr)
+            return 1
+        if isinstance(exc, OSError) and module is None:
+            print(f"{sys.executable}: can't open file {script!r}: [Errno {exc.errno}] {exc.strerror}", file=sys.stderr)
+            return 2
+        raise
     return 0
+
+
+def _program_frames(tb: Optional[TracebackType]) -> Optional[TracebackType]:
+    """The traceback from the program's first frame on (after runpy's ``_run_code``, which executes
+    its code), or None when the exception came from runpy finding or reading the program."""
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "_run_code":
+            return tb.tb_next
+        tb = tb.tb_next
+    return None
 
 
 def process_memory() -> dict[str, float]:

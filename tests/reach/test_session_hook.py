@@ -426,6 +426,23 @@ def test_a_program_that_never_imports_onnxruntime_pays_for_neither_it_nor_the_ho
     assert written["onnxruntime"] == "not imported" and written["sessions"] == [] and written["hook"] is True
 
 
+@pytest.mark.parametrize("target", [["missing.py"], ["-m", "no_such_module"], ["-m", "no_such_package.sub"],
+                                    ["-m", "pkg"], ["raises_import.py"], ["raises_oserror.py"]])
+def test_a_program_that_cannot_start_or_fails_ends_as_under_python(tmp_path, target):
+    """What ``python`` prints and returns for a script it cannot open (2), a module it cannot find or
+    run (1), and an ImportError or OSError the program raises itself (its traceback, 1), ``ortmem run``
+    prints and returns too, byte for byte: no frame of the launcher's or runpy's in the traceback."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "raises_import.py").write_text("import no_such_module_here\n")
+    (tmp_path / "raises_oserror.py").write_text("open('/nonexistent-ortmem-test/x')\n")
+    args = target if target[0] == "-m" else ["--", *target]
+    plain = subprocess.run([sys.executable, *target], capture_output=True, text=True, cwd=tmp_path)
+    hooked = subprocess.run(_ortmem_cmd("run", *args), capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert hooked.returncode == plain.returncode != 0
+    assert hooked.stderr == plain.stderr
+
+
 def test_where_no_hard_link_can_be_made(rng, capfd):
     """A model on another file system than the temp folder and the cache (here /dev/shm, a tmpfs):
     ortmem's own options carry the folder entry instead; the caller's are left alone, so the path
