@@ -8,18 +8,18 @@ of milliseconds between sittings. This splits what the hooked side does into the
 after numpy and onnxruntime are imported (the client imports them either way):
 
 - ``cli``: ``import ortmem.cli`` (the package; argparse is imported only where options are given);
-- ``launcher``: importing the launcher and the hook (``session_hook``, ``model_facts``, ``hygiene``)
-  and reading the command line (``ortmem run -- CLIENT``: no option, so no argparse);
+- ``launcher``: importing the launcher and the hook (``session_hook``, ``model_facts``, ``hygiene``;
+  ``ortmem run -- CLIENT`` gives no option, so no argparse);
 - ``hook``: installing it as the launcher does (no rebinding: the program has imported nothing yet);
 - ``client``: running the client, plain in the plain process; in the hooked one it includes
   ``facts_of`` (a handover record's read, or the walk of the model's non-weight bytes, shown as
   ``walk``, and the record written; :mod:`ortmem.store.handover_records`) and ``trim`` (``malloc_trim`` after each
   creation), also shown on their own.
 
-``--wall`` times whole processes instead, alternated per round with ``sync`` before each and stdout
-discarded: ``python CLIENT`` (plain), ``ORTMEM_HOOK=0 python -m ortmem run -- CLIENT`` (the launcher
-alone) and ``python -m ortmem run -- CLIENT`` (hooked), each with its fastest, first quartile and
-median. Unlike ``ortmem run --compare``, no side writes a report, so the three differ only in the
+``--wall`` times whole processes instead, alternated per round (the order rotated) with ``sync``
+before each and stdout discarded: ``python CLIENT`` (plain), ``ORTMEM_HOOK=0 python -m ortmem run --
+CLIENT`` (the launcher alone) and ``python -m ortmem run -- CLIENT`` (hooked), each with its fastest,
+first quartile and median. Unlike ``ortmem run --compare``, no side writes a report, so the three differ only in the
 launcher and the hook.
 
 The fastest of ``--repeat`` processes per stage is printed (noise on this VM only ever adds), with
@@ -58,7 +58,6 @@ if hooked:
     import ortmem.cli
     mark("cli")
     from ortmem.reach import launcher, session_hook
-    program = launcher.bare_program(["--", client])
     mark("launcher")
     from ortmem.store import handover_records  # imported by the hook with its first model: timed here
     handover_records.facts_of = timed("  facts_of", handover_records.facts_of)
@@ -87,14 +86,17 @@ def measure(client: str, repeat: int) -> dict[str, dict[str, float]]:
 
 
 def measure_wall(client: str, repeat: int) -> dict[str, list[float]]:
-    """``--wall``: seconds per whole process of each command, ``repeat`` rounds alternated."""
+    """``--wall``: seconds per whole process of each command, ``repeat`` rounds, the order rotated
+    per round so that no command always runs right after the same other."""
     py = sys.executable
     commands = {"plain": ([py, client], {}),
                 "launcher, hook off": ([py, "-m", "ortmem", "run", "--", client], {"ORTMEM_HOOK": "0"}),
                 "launcher, hooked": ([py, "-m", "ortmem", "run", "--", client], {})}
     times: dict[str, list[float]] = {name: [] for name in commands}
-    for _ in range(repeat):
-        for name, (cmd, env) in commands.items():
+    order = list(commands.items())
+    for round_ in range(repeat):
+        shift = round_ % len(order)
+        for name, (cmd, env) in order[shift:] + order[:shift]:
             os.sync()
             start = time.perf_counter()
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **env})

@@ -28,7 +28,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """The ``ortmem`` command. ``ortmem run -- script.py args`` (no option) goes straight to the
     launcher: argparse's import, parser and message-catalogue probes cost 5-6 ms of every hooked
     process, whose cost over a plain run is held to 20 ms (docs/hook.md); what argparse would have
-    parsed there is every option's default and the program (tests/reach/test_launcher.py compares)."""
+    parsed there is every option's default and the program (tests/reach/test_session_hook.py compares)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
         from ..reach import launcher

@@ -57,6 +57,7 @@ from .trust import (
     make_private_dir,
     parent_untrusted_reason,
     read_nofollow,
+    remove_aside,
     replace_private,
     untrusted_reason,
     write_new,
@@ -429,16 +430,7 @@ class Cache:
         return freed
 
     def _discard(self, path: Path) -> None:
-        # Rename first so a concurrent reader never sees a half-deleted entry under the key.
-        trash = self.root / f"{TRASH_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
-        try:
-            os.rename(path, trash)
-        except OSError:
-            return
-        if trash.is_symlink():
-            _unlink_quiet(trash)
-        else:
-            shutil.rmtree(trash, ignore_errors=True)
+        remove_aside(path)  # renamed first: a concurrent reader never sees a half-deleted entry under the key
 
 
 def creator_lock_path(root: Path, key: str) -> Path:

@@ -48,8 +48,8 @@ from typing import Optional
 from .. import __version__
 from ..model_facts import FileFacts, needs_session_path, read_facts, skeleton_name
 from ..short_hash import short_hash
-from .trust import (RACY_SECONDS, TMP_PREFIX, TRASH_PREFIX, cache_file_problem, make_private_dir, parent_untrusted_reason,
-                    read_nofollow, untrusted_reason, write_new)
+from .trust import (RACY_SECONDS, TMP_PREFIX, cache_file_problem, make_private_dir, parent_untrusted_reason, read_nofollow,
+                    remove_aside, untrusted_reason, write_new)
 
 #: The records' folder inside the store's (a "." name: the store's listing and pruning skip it).
 FOLDER = ".handover"
@@ -142,7 +142,7 @@ def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *
     # Old records go first: removing one whose link is this same inode moves the file's ctime.
     _remove_stale(folder, keep=key)
     if _age(target) > IN_USE_SECONDS:  # a younger one may be its maker's session's model right now
-        _remove(target)
+        remove_aside(target)
     building = folder / f"{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
     try:
         make_private_dir(building)
@@ -160,7 +160,7 @@ def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *
         write_new(building / FACTS_FILE, "".join(f"{k} {v}\n" for k, v in fields.items()).encode())
         os.rename(building, target)
     except OSError:  # no room, read-only, a link across file systems, or another writer was first
-        _remove(building)
+        remove_aside(building)
         return _usable(folder, path, stop_outside_main_graph) or facts
     if not pair:
         return facts
@@ -226,13 +226,13 @@ def _remove_stale(folder: Path, *, keep: str) -> None:
         if name.startswith("."):
             try:
                 if now - os.lstat(where).st_mtime > STALE_SECONDS:
-                    _remove(where)
+                    remove_aside(where)
             except OSError:
                 pass
         elif name != keep:
             fields = _read_facts_file(where)
             if fields is None or not _still_names_its_file(name, fields):
-                _remove(where)
+                remove_aside(where)
 
 
 def _age(where: Path) -> float:
@@ -248,18 +248,3 @@ def _still_names_its_file(name: str, fields: dict[str, str]) -> bool:
         return _key(Path(fields["path"]), os.stat(fields["path"])) == name
     except (OSError, KeyError, ValueError):
         return False
-
-
-def _remove(where: Path) -> None:
-    """Rename ``where`` aside (a reader never sees half a record), then delete it; best effort."""
-    aside = where.parent / f"{TRASH_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
-    try:
-        os.rename(where, aside)
-    except OSError:
-        return
-    try:
-        for entry in os.scandir(aside):
-            os.unlink(entry.path)
-        os.rmdir(aside)
-    except OSError:
-        pass

@@ -186,6 +186,31 @@ def reserve(path: PathLike, size: int, mode: int = PRIVATE_FILE_MODE) -> int:
     return fd
 
 
+def remove_aside(path: Path) -> None:
+    """Remove ``path`` (a folder, a file or a link) best effort: renamed first beside itself under
+    :data:`TRASH_PREFIX`, so a reader never sees it half removed under its name, then deleted. A flat
+    folder (a handover record) is deleted without ``shutil``, which the hook never imports; one with
+    subfolders by ``shutil.rmtree``."""
+    aside = path.parent / f"{TRASH_PREFIX}{os.getpid()}-{os.urandom(8).hex()}"
+    try:
+        os.rename(path, aside)
+    except OSError:
+        return
+    try:
+        if not stat.S_ISDIR(os.lstat(aside).st_mode):
+            os.unlink(aside)
+            return
+        for entry in os.scandir(aside):
+            if entry.is_dir(follow_symlinks=False):
+                raise IsADirectoryError(entry.path)
+            os.unlink(entry.path)
+        os.rmdir(aside)
+    except OSError:
+        import shutil
+
+        shutil.rmtree(aside, ignore_errors=True)
+
+
 def fsync_dir(path: PathLike) -> None:
     """Make a rename or a new file in ``path`` durable (best effort: not every filesystem can)."""
     try:
