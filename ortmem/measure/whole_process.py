@@ -9,6 +9,16 @@ its CPU (user + sys) and its peak RSS from ``os.wait4``'s rusage (``ru_maxrss``,
 ``/usr/bin/time`` prints; for a process that waited for children it is the largest of them, as there).
 Nothing runs inside the measured process but the strategy's code.
 
+Private and shared apart: ``ru_maxrss`` is one number, anonymous and file-backed pages together, and
+ortmem's claims are about the two apart (a warm start's weights are shared page cache, ORT's are
+private heap). The launcher therefore also samples the measured process's ``/proc/PID/status`` every
+:data:`SAMPLE_S` seconds while it waits for it and keeps the largest private (``RssAnon + RssShmem``)
+and the largest shared (``RssFile``) resident memory, as the probes define them
+(:mod:`ortmem.measure.report`). Reading ``status`` walks no page table and takes no lock the
+process's page faults wait on (unlike ``smaps_rollup``), so the wall time is not disturbed. The two
+peaks are sampled (a spike shorter than the period can be missed) and are the measured process's
+own: a conversion helper it starts is in ``peak`` (the largest of the tree), not in them.
+
 Why through a small launcher (:data:`LAUNCHER`, ``python -I -S``, ~8 MiB) and not spawned from the
 bench itself: at ``exec`` Linux folds the high-water mark of the memory the new program replaces into
 the process's ``ru_maxrss`` (``exec_mmap``: ``setmax_mm_hiwater_rss``), and that memory is a copy of the
@@ -54,7 +64,9 @@ REFERENCE = "ort"
 BARE = "import-onnxruntime"
 BARE_CODE = "import onnxruntime"
 #: Metrics of one process, each summarised by fastest and median.
-METRICS = ("wall_s", "cpu_s", "peak_bytes")
+METRICS = ("wall_s", "cpu_s", "peak_bytes", "private_peak_bytes", "shared_peak_bytes")
+#: Seconds between two samples of the measured process's private and shared resident memory.
+SAMPLE_S = 0.005
 
 
 @dataclass
@@ -72,6 +84,11 @@ class ProcessRun:
     leftover_pids: list[int] = field(default_factory=list)
     leftover_wait_s: float = 0.0
     prepare_wall_s: float | None = None
+    #: Largest private (``RssAnon + RssShmem``) and shared (``RssFile``) resident memory of the measured
+    #: process, sampled (None in
+    #: reports written before they were measured).
+    private_peak_bytes: int | None = None
+    shared_peak_bytes: int | None = None
 
     @property
     def cpu_s(self) -> float:
@@ -150,22 +167,23 @@ class WholeProcessReport:
 
     def render_table(self) -> str:
         """Fastest and median of wall, CPU and peak per strategy, the init estimate, ratios to ORT."""
-        header = ["strategy", "wall s", "wall med", "cpu s", "cpu med", "peak MiB", "peak med", "init~ s",
-                  "init~ med", f"wall/{REFERENCE}", f"init~/{REFERENCE}", f"cpu/{REFERENCE}", f"peak/{REFERENCE}",
-                  "flags"]
+        header = ["strategy", "wall s", "wall med", "cpu s", "cpu med", "peak MiB", "peak med", "private med",
+                  "shared med", "init~ s", "init~ med", f"wall/{REFERENCE}", f"init~/{REFERENCE}", f"cpu/{REFERENCE}",
+                  f"peak/{REFERENCE}", f"private/{REFERENCE}", "flags"]
         rows = [header]
         for name in self.runs:
             rows.append(self._row(name))
         lines = [f"whole processes: {os.path.basename(self.model)}  ({self.model}), {self.repeat} round(s), "
                  f"order rotated per round, sync before each; fastest, then median ('med')"]
         lines += align(rows)
-        lines.append("wall/CPU/peak: os.wait4 of `python -c CODE` (what /usr/bin/time reports); init~: wall minus "
-                     f"the wall of `python -c \"{BARE_CODE}\"` ({BARE}); ratios to {REFERENCE} in this run, "
-                     "fastest over fastest / median over median.")
+        lines.append("wall/CPU/peak: os.wait4 of `python -c CODE` (what /usr/bin/time reports); private/shared: "
+                     f"the measured process's largest RssAnon+RssShmem / RssFile, sampled every {SAMPLE_S * 1000:.0f} "
+                     f"ms (MiB; not its helpers'); init~: wall minus the wall of `python -c \"{BARE_CODE}\"` "
+                     f"({BARE}); ratios to {REFERENCE} in this run, fastest over fastest / median over median.")
         return "\n".join(lines)
 
     def _row(self, name: str) -> list[str]:
-        wall, cpu, peak = (self.stat(name, m) for m in METRICS)
+        wall, cpu, peak, private, shared = (self.stat(name, m) for m in METRICS)
         init = self.init_estimate(name)
         ratios = self.ratios(name)
         flags = []
@@ -184,8 +202,9 @@ class WholeProcessReport:
         return [
             name,
             _s(wall, "fastest"), _s(wall, "median"), _s(cpu, "fastest"), _s(cpu, "median"),
-            _mib(peak, "fastest"), _mib(peak, "median"), _s(init, "fastest"), _s(init, "median"),
-            pair("wall_s"), pair("init_s"), pair("cpu_s"), pair("peak_bytes"), ", ".join(flags),
+            _mib(peak, "fastest"), _mib(peak, "median"), _mib(private, "median"), _mib(shared, "median"),
+            _s(init, "fastest"), _s(init, "median"), pair("wall_s"), pair("init_s"), pair("cpu_s"),
+            pair("peak_bytes"), pair("private_peak_bytes"), ", ".join(flags),
         ]
 
 
@@ -197,16 +216,50 @@ def _mib(st: Stat | None, which: str) -> str:
     return "-" if st is None else f"{getattr(st, which) / MiB:.0f}"
 
 
-#: ``python -I -S -c LAUNCHER RESULT_FILE ARGV...``: spawn ARGV from this small process, reap it with
-#: ``wait4``, write "wall user sys maxrss_kib exit_code" to RESULT_FILE (module docstring: why).
-LAUNCHER = """import os, sys, time
-out, argv = sys.argv[1], sys.argv[2:]
+#: ``python -I -S -c LAUNCHER RESULT_FILE PERIOD ARGV...``: spawn ARGV from this small process, sample
+#: its private and shared resident memory every PERIOD seconds from a thread (through a descriptor of
+#: its /proc folder, which cannot reach a later process that reuses the pid), reap it with ``wait4``,
+#: and write "wall user sys maxrss_kib exit_code private_kib shared_kib" to RESULT_FILE (module
+#: docstring: why).
+LAUNCHER = """import os, sys, threading, time
+out, period, argv = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
+peaks = [0, 0]
+done = threading.Event()
+
+def sample(proc):
+    try:
+        while not done.is_set():
+            fd = os.open("status", os.O_RDONLY, dir_fd=proc)
+            try:
+                text = os.read(fd, 65536)
+            finally:
+                os.close(fd)
+            kib = {k: int(v.split()[0]) for k, _, v in (l.partition(b":") for l in text.splitlines())
+                   if k in (b"RssAnon", b"RssFile", b"RssShmem")}
+            if kib:
+                peaks[0] = max(peaks[0], kib.get(b"RssAnon", 0) + kib.get(b"RssShmem", 0))
+                peaks[1] = max(peaks[1], kib.get(b"RssFile", 0))
+            done.wait(period)
+    except OSError:
+        pass
+    finally:
+        os.close(proc)
+
 t0 = time.perf_counter()
 pid = os.posix_spawn(argv[0], argv, os.environ)
+try:
+    sampler = threading.Thread(target=sample, args=(os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY),))
+    sampler.start()
+except OSError:
+    sampler = None
 _, status, ru = os.wait4(pid, 0)
 wall = time.perf_counter() - t0
+done.set()
+if sampler is not None:
+    sampler.join()
 with open(out, "w") as f:
-    f.write(f"{wall!r} {ru.ru_utime!r} {ru.ru_stime!r} {ru.ru_maxrss} {os.waitstatus_to_exitcode(status)}")
+    f.write(f"{wall!r} {ru.ru_utime!r} {ru.ru_stime!r} {ru.ru_maxrss} {os.waitstatus_to_exitcode(status)} "
+            f"{peaks[0]} {peaks[1]}")
 """
 
 
@@ -217,8 +270,8 @@ def time_process(code: str, *, timeout: float, log_path: str) -> tuple[ProcessRu
     result_path = log_path + ".rusage"
     with open(log_path, "w+b") as log, Leftovers() as leftovers:
         started = time.time()
-        launcher = subprocess.Popen([sys.executable, "-I", "-S", "-c", LAUNCHER, result_path, sys.executable,
-                                     "-c", code], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        launcher = subprocess.Popen([sys.executable, "-I", "-S", "-c", LAUNCHER, result_path, str(SAMPLE_S),
+                                     sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     env=helper_environment(), start_new_session=True)
         try:
             launcher.wait(timeout)
@@ -230,14 +283,15 @@ def time_process(code: str, *, timeout: float, log_path: str) -> tuple[ProcessRu
         tail = log.read()[-4000:].decode("utf-8", "replace")
     try:
         with open(result_path) as f:
-            wall, user, sys_s, maxrss, rc = f.read().split()
+            wall, user, sys_s, maxrss, rc, private_kib, shared_kib = f.read().split()
         os.unlink(result_path)
     except (OSError, ValueError):
         raise ProbeError(f"whole process timed out after {timeout:.0f} s or its launcher failed "
                          f"(exit code {launcher.returncode})", stderr=tail, returncode=launcher.returncode)
     run = ProcessRun(strategy="", round=-1, wall_s=float(wall), user_s=float(user), sys_s=float(sys_s),
                      peak_bytes=int(maxrss) * 1024, returncode=int(rc), started_unix=started,
-                     leftover_pids=left.pids, leftover_wait_s=left.wait_s)
+                     leftover_pids=left.pids, leftover_wait_s=left.wait_s,
+                     private_peak_bytes=int(private_kib) * 1024 or None, shared_peak_bytes=int(shared_kib) * 1024 or None)
     return run, tail
 
 

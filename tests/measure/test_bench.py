@@ -170,6 +170,27 @@ def test_whole_process_peak_is_the_process_own_not_the_benchs(tmp_path: Path) ->
     assert run.returncode == 0 and 20 * MiB < run.peak_bytes < 200 * MiB, run.peak_bytes / MiB
 
 
+def test_whole_process_reports_private_and_shared_apart(tmp_path: Path) -> None:
+    """A process that holds 160 MiB of heap and reads a 96 MiB file through a mapping: the heap is in
+    its private peak and not its shared one, the file the other way round, and neither sampled peak
+    exceeds what wait4 reports for the whole."""
+    data = tmp_path / "mapped.bin"
+    data.write_bytes(os.urandom(96 * MiB))
+    code = ("import mmap, time\nheap = bytearray(160 << 20)\nheap[::4096] = b'\\1' * len(heap[::4096])\n"
+            f"f = open({str(data)!r}, 'rb')\nm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\n"
+            "total = sum(m[i] for i in range(0, len(m), 4096))\ntime.sleep(0.2)")
+    run, tail = time_process(code, timeout=60, log_path=str(tmp_path / "log"))
+    assert run.returncode == 0, tail
+    assert run.private_peak_bytes is not None and run.shared_peak_bytes is not None
+    assert 160 * MiB <= run.private_peak_bytes < 160 * MiB + 64 * MiB, run.private_peak_bytes / MiB
+    assert 96 * MiB <= run.shared_peak_bytes < 96 * MiB + 64 * MiB, run.shared_peak_bytes / MiB
+    assert max(run.private_peak_bytes, run.shared_peak_bytes) <= run.peak_bytes
+
+    plain, tail = time_process("pass", timeout=60, log_path=str(tmp_path / "log"))
+    assert plain.returncode == 0, tail
+    assert plain.private_peak_bytes is None or plain.private_peak_bytes < 32 * MiB
+
+
 @slow
 def test_nothing_of_the_session_path_is_imported_before_the_clock(tiny: str) -> None:
     """A real first ortmem.InferenceSession imports ortmem.session (and onnx where the model needs the
@@ -234,12 +255,13 @@ def test_whole_process_mode_times_pairs_with_ort_and_the_bare_import(tiny: str) 
     for runs in report.runs.values():
         assert len(runs) == 2
         assert all(r.wall_s > 0 and r.cpu_s > 0 and r.peak_bytes > 30 * MiB for r in runs)
+        assert all(r.private_peak_bytes and r.shared_peak_bytes for r in runs)  # sampled apart
     ratios = report.ratios("ortmem-nocache")
     assert ratios["wall_s"]["fastest"] > 0 and report.ratios(REFERENCE)["wall_s"]["median"] == pytest.approx(1.0)
     # ortmem imports onnx and its session path on top of what plain ORT loads
     assert report.stat("ortmem-nocache", "peak_bytes").median > report.stat(BARE, "peak_bytes").median
     table = report.render_table()
-    assert "init~ s" in table and "wall/ort" in table and BARE in table
+    assert "init~ s" in table and "wall/ort" in table and "private/ort" in table and BARE in table
     from ortmem.measure.whole_process import WholeProcessReport
 
     back = WholeProcessReport.from_dict(report.to_dict())
