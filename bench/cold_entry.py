@@ -2,6 +2,7 @@
 
     python -m bench.cold_entry                 # demo model (0.24 GB of int4 codes), 7 fresh processes
     python -m bench.cold_entry --repeat 11 --size 0.6
+    python -m bench.cold_entry --repeat 6 --size 0.6 --threads 2,3   # thread counts, alternated
 
 Each run converts the model into a new cache folder in a fresh process (``convert_cached``: plan,
 write weights.bin and model.onnx, digest, publish) and reports, as medians and minimums over the runs:
@@ -11,6 +12,9 @@ write weights.bin and model.onnx, digest, publish) and reports, as medians and m
   while written where the entry needs their digests),
 * ``read_digest_s``: seconds spent in :func:`ortmem.store.digest.file_digest`, i.e. reading files to
   digest them (the sources' content digests; entry files are no longer read back).
+
+``--threads N,M``: convert on each of these thread counts instead of
+:func:`ortmem.passes.writers.conversion_threads`'s, alternated run by run (a table per count).
 
 The model is generated once by this process and its path handed to each child, so a child imports
 only ortmem (its imports, and the load, happen before the timed build).
@@ -26,15 +30,18 @@ import sys
 import tempfile
 
 _CHILD = r"""
-import json, sys, tempfile, time
+import functools, json, sys, tempfile, time
 from pathlib import Path
 import ortmem
-from ortmem.store import digest
+from ortmem.passes.conversion import write_weights
+from ortmem.store import digest, writer
 from ortmem.store.cache import Cache
 from ortmem.convert import convert_cached
 from ortmem.ortmodel.settings import session_settings
 
 model = sys.argv[1]
+if sys.argv[3] != "default":
+    writer.write_weights = functools.partial(write_weights, threads=int(sys.argv[3]))
 spent = [0.0]
 real = digest.file_digest
 
@@ -59,6 +66,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--size", default="demo", help="bench.synth_models preset: demo, 0.6, 1.6")
+    ap.add_argument("--threads", default="default", help="comma-separated thread counts, alternated")
     args = ap.parse_args(argv)
     import onnxruntime as ort
 
@@ -66,16 +74,21 @@ def main(argv=None) -> int:
     from ortmem.store.cache import cache_root
 
     model = synth_model(args.size)  # generated once, outside the timed runs
-    runs = []
+    counts = args.threads.split(",")
+    runs: dict[str, list[dict]] = {c: [] for c in counts}
     with tempfile.TemporaryDirectory(dir=cache_root()) as work:
-        for _ in range(args.repeat):
-            r = subprocess.run([sys.executable, "-c", _CHILD, model, work], capture_output=True,
-                               text=True, check=True, env=os.environ.copy())
-            runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    print(f"onnxruntime {ort.__version__}, model {args.size}, {args.repeat} fresh processes")
-    for key in ("cold_s", "write_s", "read_digest_s"):
-        values = [r[key] for r in runs]
-        print(f"{key:14s} median {statistics.median(values):.3f}  min {min(values):.3f}")
+        for i in range(args.repeat):
+            for count in counts[i % len(counts):] + counts[: i % len(counts)]:  # rotated per round
+                os.sync()
+                r = subprocess.run([sys.executable, "-c", _CHILD, model, work, count], capture_output=True,
+                                   text=True, check=True, env=os.environ.copy())
+                runs[count].append(json.loads(r.stdout.strip().splitlines()[-1]))
+    print(f"onnxruntime {ort.__version__}, model {args.size}, {args.repeat} fresh processes per thread count")
+    for count, results in runs.items():
+        print(f"threads: {count}")
+        for key in ("cold_s", "write_s", "read_digest_s"):
+            values = [r[key] for r in results]
+            print(f"  {key:14s} median {statistics.median(values):.3f}  min {min(values):.3f}")
     return 0
 
 

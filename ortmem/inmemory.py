@@ -91,11 +91,13 @@ class InMemoryConversion:
 
 
 def convert_in_memory(model: Model, plan: ConversionPlan, *, progress: Optional[Progress] = None,
-                      prepacking: bool = True) -> InMemoryConversion:
-    """Convert ``plan`` into a fresh anonymous mapping and describe how ORT borrows it."""
+                      prepacking: bool = True, threads: int = 0) -> InMemoryConversion:
+    """Convert ``plan`` into a fresh anonymous mapping (``threads`` counted as ORT's
+    ``intra_op_num_threads``: :func:`ortmem.passes.writers.conversion_threads`) and describe how ORT
+    borrows it."""
     name = f"ortmem-mem-{uuid.uuid4().hex}.bin"
     buffer = mmap.mmap(-1, max(plan.size, mmap.PAGESIZE))
-    seconds = convert_into_memory(model, plan, buffer, progress=progress)
+    seconds = convert_into_memory(model, plan, buffer, progress=progress, threads=threads)
     skeleton = rewrite_skeleton(model, plan, name, move_carried=False).SerializeToString()
     conv = InMemoryConversion(plan, buffer, name, skeleton, seconds)
     for ref, _ in plan.copied:

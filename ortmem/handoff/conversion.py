@@ -85,7 +85,8 @@ def _convert(model: Model, request: Request, own_folder: bool) -> Union[Handoff,
         log.warning("ortmem: onnxruntime gets %s as given", model.path)
         return from_model(model, own_folder=own_folder)
     log.warning("ortmem: converting %s in memory instead", model.path)
-    memory = convert_in_memory(model, plan, progress=request.progress, prepacking=settings.prepacking)
+    memory = convert_in_memory(model, plan, progress=request.progress, prepacking=settings.prepacking,
+                               threads=request.packing[1])
     report = ConversionReport.from_plan(plan, memory.seconds)
     model.store.release_all()  # source pages read for conversion go back now
     return Handoff(model=memory.skeleton, config=MappingProxyType(memory.config), source=model, memory=memory,
@@ -130,7 +131,8 @@ def _converted_in_tempdir(model: Model, plan: ConversionPlan, request: Request, 
     workdir: Optional[Path] = None
     try:
         workdir = Path(tempfile.mkdtemp(prefix="ortmem-convert-", dir=model.folder if own_folder else None))
-        report = write_converted(model, plan, workdir, progress=request.progress, link=True)
+        report = write_converted(model, plan, workdir, progress=request.progress, link=True,
+                                 threads=request.packing[1])
     except OSError as exc:
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -66,6 +66,8 @@ class Job(NamedTuple):
     verify: str
     settings: OrtSettings
     fp16_in_fp32: Optional[bool]
+    #: The caller's ``intra_op_num_threads`` (0: ORT's default): the conversion's thread count follows it.
+    intra_op_num_threads: int
 
 
 class Published(NamedTuple):
@@ -118,7 +120,8 @@ def _converted_in_helper(path: Path, request: Request, model_bytes: int) -> Opti
     the caller converts in its own process (see the module docstring)."""
     assert request.cache is not None
     job = Job(str(path), str(request.cache.root), request.cache.verify_mode,
-              replace(request.settings, session_config=dict(request.settings.session_config)), request.fp16_in_fp32)
+              replace(request.settings, session_config=dict(request.settings.session_config)), request.fp16_in_fp32,
+              request.packing[1])
     started = time.perf_counter()
     timeout = helper_timeout(model_bytes)
     try:
@@ -199,7 +202,8 @@ def _convert(job: Job) -> object:
     if not conversion_check(model)[0]:
         return None
     # prepacked=False: a hit found here is loaded and packed by the session's process, with its options
-    request = Request(converting=True, settings=job.settings, cache=cache, fp16_in_fp32=job.fp16_in_fp32)
+    request = Request(converting=True, settings=job.settings, cache=cache, fp16_in_fp32=job.fp16_in_fp32,
+                      packing=({}, job.intra_op_num_threads))
     outcome = into_cache(model, request, own_folder=False)
     if isinstance(outcome, Handoff):  # nothing to convert: the caller hands the model over itself
         outcome.after_create()

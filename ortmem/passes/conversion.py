@@ -28,7 +28,7 @@ from .conversion_plan import ConversionPlan, add_carried, layout
 from .rule import PlanContext, RuleRewrite, claimed_by
 from .rules import RULES
 from .skeleton_edit import MS_DOMAIN, FreshNames, GraphEdit, add_aliases, all_names, drop_unused_initializers, point_to
-from .writers import FileSink, Job, MemorySink, OrderedDigest, Progress, Scratch, copy_span, run_jobs
+from .writers import FileSink, Job, MemorySink, OrderedDigest, Progress, Scratch, conversion_threads, copy_span, run_jobs
 
 
 def plan_conversion(model: Model, settings: Optional[OrtSettings] = None, *, carry_unchanged: bool = True,
@@ -69,13 +69,16 @@ def _jobs(model: Model, plan: ConversionPlan) -> list[Job]:
 
 
 def write_weights(model: Model, plan: ConversionPlan, out_path: Path, *, progress: Optional[Progress] = None,
-                  threads: int = 2, digest: bool = False) -> Optional[str]:
+                  threads: int = 0, digest: bool = False) -> Optional[str]:
     """Fill ``out_path`` (``plan.size`` bytes, already reserved zero-filled) with every output tensor.
 
     Each source span is released as soon as its tensor is done. ``digest``: also return the file's
     full digest (:mod:`ortmem.store.digest`), computed from the bytes as they are written, in file order
-    (the jobs then run in file order, each commit after the one before it).
+    (the jobs then run in file order, each commit after the one before it). ``threads`` counts as
+    ORT's ``intra_op_num_threads`` does (0: one per physical core), capped
+    (:func:`~ortmem.passes.writers.conversion_threads`).
     """
+    threads = conversion_threads(threads)
     ordered = OrderedDigest() if digest else None
     fd = os.open(out_path, os.O_RDWR)
     try:
@@ -124,11 +127,12 @@ def _aborting(job: Job, ordered: OrderedDigest):
 
 
 def convert_into_memory(model: Model, plan: ConversionPlan, buffer, *, progress: Optional[Progress] = None,
-                        threads: int = 2) -> float:
+                        threads: int = 0) -> float:
     """Convert every rewrite straight into ``buffer`` (``plan.size`` bytes, e.g. an anonymous mmap) at
     the same offsets weights.bin would use; carried tensors are not touched (their pages stay unused).
-    Returns seconds."""
+    Returns seconds. ``threads`` as in :func:`write_weights`."""
     start = time.perf_counter()
+    threads = conversion_threads(threads)
     run_jobs(_jobs(model, plan), lambda slot: MemorySink(buffer), max(1, threads), progress=progress,
              total=plan.total_bytes)
     return time.perf_counter() - start

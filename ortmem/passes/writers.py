@@ -32,6 +32,10 @@ Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, tensor n
 
 #: Bytes per read when a span is copied through this process (to be hashed on the way).
 COPY_CHUNK = 16 << 20
+#: The most threads one conversion runs on: each holds a scratch buffer as large as the largest
+#: tensor it converts (tens of MiB per thread for a 7B model), and a digested entry's commits, in
+#: file order, gain less from every thread past a few.
+MAX_THREADS = 16
 _ZERO_PAGE = bytes(PAGE)
 
 
@@ -60,6 +64,42 @@ class Job:
     @property
     def offset(self) -> int:
         return self.outs[0].offset if self.outs else 0
+
+
+def conversion_threads(intra_op_num_threads: int = 0) -> int:
+    """How many threads a conversion runs on: as many as ORT's own DQ+MatMul fusion would use for the
+    session, at most :data:`MAX_THREADS`.
+
+    Why: ORT transposes the weights it fuses on the session's intra-op thread pool
+    (``MlasQDQTransposeBlockwiseQuantized`` with ``intra_op_thread_pool``, ``qdq_actions.cc``), whose
+    size is the caller's ``intra_op_num_threads`` or, by default (0), one thread per physical core.
+    A conversion on a fixed two threads (ortmem before session 14) would make a cold start on a
+    many-core machine slower than ORT's own. Physical cores are counted among the CPUs this process
+    may run on (a container's CPU set, ``taskset``), one per set of hyper-thread siblings. On the
+    2-core dev VM that is 2, as before; a third thread converted the 0.6 GB model no faster
+    (``python -m bench.cold_entry --repeat 10 --size 0.6 --threads 2,3``: fastest 0.779 s against
+    0.784, medians 1.20 against 1.15 on a noisy sitting). Many-core machines are not measured here."""
+    if intra_op_num_threads > 0:
+        return min(intra_op_num_threads, MAX_THREADS)
+    return max(1, min(physical_cores(), MAX_THREADS))
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on: the distinct hyper-thread sibling sets
+    (``/sys/devices/system/cpu/cpuN/topology/thread_siblings_list``); the CPU count where that is
+    unreadable (not Linux)."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+    siblings = set()
+    for cpu in allowed:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                siblings.add(f.read().strip())
+        except OSError:
+            siblings.add(str(cpu))
+    return max(1, len(siblings))
 
 
 def view_shape(t: OutTensor, dt) -> tuple[int, ...]:

@@ -41,7 +41,8 @@ def publish(cache: Cache, model: Model, plan: "ConversionPlan", *, settings: Ort
     from .writer import entry_writer, source_paths  # the passes, and onnx: only a start that converts here
 
     key = converted_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32})
-    write = entry_writer(model, plan, progress=progress)
+    # as many threads as ORT's own fusion would take for the caller's options (packing[1]: intra-op)
+    write = entry_writer(model, plan, progress=progress, threads=packing[1])
     reports: list["ConversionReport"] = []
 
     def build(folder: Path) -> dict[str, Any]:

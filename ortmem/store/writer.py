@@ -39,7 +39,8 @@ class Written:
 
 
 def write_converted(model: Model, plan: ConversionPlan, out_dir: Path, *, progress: Optional[Progress] = None,
-                    link: bool = False, mode: int = PRIVATE_FILE_MODE, digests: bool = False) -> ConversionReport:
+                    link: bool = False, mode: int = PRIVATE_FILE_MODE, digests: bool = False,
+                    threads: int = 0) -> ConversionReport:
     """Write ``model.onnx`` + ``weights.bin`` for ``plan`` into the existing folder ``out_dir``.
 
     ``link``: hard-link source files instead of copying unchanged tensors (cache entries: free and
@@ -47,6 +48,8 @@ def write_converted(model: Model, plan: ConversionPlan, out_dir: Path, *, progre
     Files are created new (never through a planted file or symlink) with ``mode``.
     ``digests``: put the full digests of both files in ``report.file_digests``, computed from the
     bytes as they are written (a cache entry's manifest records them; nothing is read back).
+    ``threads``: how many convert, counted as ORT's ``intra_op_num_threads`` (0: one per physical core;
+    :func:`ortmem.passes.writers.conversion_threads`), so a cold start takes what ORT's fusion would.
     """
     start = time.perf_counter()
     if link:
@@ -54,7 +57,7 @@ def write_converted(model: Model, plan: ConversionPlan, out_dir: Path, *, progre
     weights = out_dir / WEIGHTS_FILE
     fd = reserve(weights, plan.size, mode)  # a full disk fails here, before anything is mapped
     os.close(fd)
-    weights_digest = write_weights(model, plan, weights, progress=progress, digest=digests)
+    weights_digest = write_weights(model, plan, weights, progress=progress, digest=digests, threads=threads)
     skeleton = rewrite_skeleton(model, plan, WEIGHTS_FILE).SerializeToString()
     write_new(out_dir / MODEL_FILE, skeleton, mode)
     report = ConversionReport.from_plan(plan, time.perf_counter() - start)
@@ -88,12 +91,13 @@ def source_paths(model: Model) -> list[Path]:
     return [Path(f) for f in sorted({str(w.file) for w in model.weights} | {str(model.path.resolve())})]
 
 
-def entry_writer(model: Model, plan: ConversionPlan, *, progress: Optional[Progress] = None) -> Callable[[Path], Written]:
+def entry_writer(model: Model, plan: ConversionPlan, *, progress: Optional[Progress] = None,
+                 threads: int = 0) -> Callable[[Path], Written]:
     """What fills a new cache entry's folder: the converted model with hard-linked sources, and the
-    digests taken while writing."""
+    digests taken while writing (on ``threads`` threads; default as in :func:`write_converted`)."""
 
     def write(folder: Path) -> Written:
-        report = write_converted(model, plan, folder, progress=progress, link=True, digests=True)
+        report = write_converted(model, plan, folder, progress=progress, link=True, digests=True, threads=threads)
         spans = [(t.offset, t.nbytes) for t in out_tensors(plan) if t.nbytes and t.location is None]
         return Written(spans, dict(report.file_digests), report.summary(), report)
 

@@ -164,3 +164,35 @@ def test_a_helper_that_cannot_start_leaves_the_start_to_convert_itself(
     monkeypatch.setenv(HELPER_MIN_BYTES_ENV, "0")
     monkeypatch.setattr(conversion_process, "sys", SimpleNamespace(executable=str(tmp_path / "no-python")))
     _converts_here_after_one_warning(qdq_file, tmp_path / "cache", caplog, "could not start the conversion helper")
+
+
+HELPER_RECORDING = """
+import sys
+import ortmem.passes.conversion as conversion
+import ortmem.store.writer as writer
+real = conversion.write_weights
+def recording(*a, threads=None, **k):
+    sys.stderr.write(f"threads={threads}\\n")
+    return real(*a, threads=threads, **k)
+writer.write_weights = recording
+from ortmem.handoff.conversion_process import main
+main()
+"""
+
+
+def test_the_helper_converts_on_the_caller_s_intra_op_threads(qdq_file: Path, tmp_path: Path) -> None:
+    """The helper process, given a job as the session's process pickles it, converts on the thread
+    count the caller's intra_op_num_threads asks for (as ORT's own fusion would), and publishes."""
+    import pickle
+
+    from ortmem.handoff.conversion_process import Job, Published
+    from ortmem.ortmodel.settings import session_settings
+
+    cache = tmp_path / "cache" / "converted"
+    job = Job(str(qdq_file), str(cache), "full", session_settings(), None, 3)
+    done = subprocess.run([sys.executable, "-c", HELPER_RECORDING], input=pickle.dumps(job), capture_output=True,
+                          timeout=300, env={**os.environ, "ORTMEM_CACHE_DIR": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr
+    assert "threads=3" in done.stderr.decode().split(), done.stderr
+    answer = pickle.loads(done.stdout)
+    assert isinstance(answer, Published) and (cache / answer.key / "weights.bin").is_file()

@@ -113,3 +113,70 @@ def test_a_failing_tensor_stops_the_ordered_writer(tmp_path, monkeypatch):
         t.join(timeout=120)
         assert not t.is_alive(), "write_weights hung after a failed tensor"
     assert len(errors) == 1 and isinstance(errors[0], ConversionError)
+
+
+# --- how many threads convert ----------------------------------------------------------------------
+
+
+def test_conversion_threads_follow_ort_s_intra_op_rule() -> None:
+    """The caller's intra_op_num_threads where set, else one per physical core this process may run
+    on (hyper-thread siblings counted once), at most MAX_THREADS."""
+    from ortmem.passes.writers import MAX_THREADS, conversion_threads, physical_cores
+
+    allowed = os.sched_getaffinity(0)
+    assert 1 <= physical_cores() <= len(allowed)
+    assert conversion_threads() == min(physical_cores(), MAX_THREADS)
+    assert conversion_threads(3) == 3 and conversion_threads(1) == 1
+    assert conversion_threads(10 * MAX_THREADS) == MAX_THREADS
+
+
+def test_a_process_pinned_to_one_cpu_converts_on_one_thread() -> None:
+    """A container's CPU set or taskset limits the count: a child pinned to one CPU counts one core."""
+    import subprocess
+    import sys
+
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+            "from ortmem.passes.writers import conversion_threads, physical_cores\n"
+            "print(physical_cores(), conversion_threads(), conversion_threads(4))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["1", "1", "4"]
+
+
+def test_the_thread_count_never_changes_the_bytes(tmp_path: Path) -> None:
+    """One thread, and more threads than this machine has cores: the same weights.bin, byte for byte,
+    and the digest of each is the file's."""
+    src = tiny_decoder(tmp_path / "m", layers=3, weight_type="uint4", zero_points=True, scale_dtype="float16")
+    files = []
+    for threads in (1, 2 * os.cpu_count() + 1):
+        with ortmem.load(src) as model:  # a conversion releases each source span it is done with
+            plan = plan_conversion(model, session_settings())
+            out = tmp_path / f"weights-{threads}.bin"
+            with open(out, "wb") as f:
+                f.truncate(plan.size)
+            assert write_weights(model, plan, out, threads=threads, digest=True) == digest.file_digest(out)
+            files.append(out.read_bytes())
+    assert files[0] == files[1]
+
+
+def test_the_caller_s_intra_op_threads_reach_the_conversion(tmp_path: Path, monkeypatch) -> None:
+    """A session with intra_op_num_threads=3 converts its cold start on three threads, as ORT's own
+    fusion would use three (with the conversion in this process: the helper takes the count in its
+    job the same way)."""
+    from ortmem.passes import conversion
+
+    monkeypatch.setenv("ORTMEM_CONVERT_HELPER_MIN_BYTES", str(1 << 40))  # convert here, where we can see it
+    seen: list[int] = []
+    real = conversion.write_weights
+
+    def recording(*a, threads=None, **k):
+        seen.append(threads)
+        return real(*a, threads=threads, **k)
+
+    monkeypatch.setattr("ortmem.store.writer.write_weights", recording)
+    src = tiny_decoder(tmp_path / "m", layers=2)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 3
+    sess = ortmem.InferenceSession(str(src), so, providers=["CPUExecutionProvider"], cache=str(tmp_path / "c"))
+    assert sess.ortmem_action == "converted" and seen == [3]
+    want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, FEEDS)
+    assert np.array_equal(sess.run(None, FEEDS)[0], want[0])
