@@ -28,7 +28,7 @@ from .conversion_plan import ConversionPlan, add_carried, layout
 from .rule import PlanContext, RuleRewrite, claimed_by
 from .rules import RULES
 from .skeleton_edit import MS_DOMAIN, FreshNames, GraphEdit, add_aliases, all_names, drop_unused_initializers, point_to
-from .writers import FileSink, FollowingDigest, Job, MemorySink, Progress, Scratch, conversion_threads, copy_span, run_jobs
+from .writers import FileSink, Job, MemorySink, OrderedDigest, Progress, Scratch, conversion_threads, copy_span, run_jobs
 
 
 def plan_conversion(model: Model, settings: Optional[OrtSettings] = None, *, carry_unchanged: bool = True,
@@ -73,41 +73,37 @@ def write_weights(model: Model, plan: ConversionPlan, out_path: Path, *, progres
     """Fill ``out_path`` (``plan.size`` bytes, already reserved zero-filled) with every output tensor.
 
     Each source span is released as soon as its tensor is done. ``digest``: also return the file's
-    full digest (:mod:`ortmem.store.digest`), taken while the file is written, by a thread that reads
-    each region back from the page cache in file order (:class:`~ortmem.passes.writers.FollowingDigest`).
-    ``threads`` counts as ORT's ``intra_op_num_threads`` does (0: one per physical core), capped
+    full digest (:mod:`ortmem.store.digest`), computed from the bytes as they are written, in file order
+    (the jobs then run in file order, each commit after the one before it). ``threads`` counts as
+    ORT's ``intra_op_num_threads`` does (0: one per physical core), capped
     (:func:`~ortmem.passes.writers.conversion_threads`).
     """
     threads = conversion_threads(threads)
-    jobs = _jobs(model, plan)
-    if digest:
-        _check_tiling(plan, jobs)
+    ordered = OrderedDigest() if digest else None
     fd = os.open(out_path, os.O_RDWR)
-    follower = FollowingDigest(fd, plan.size) if digest else None
     try:
         scratch = [Scratch() for _ in range(max(1, threads))]
+        jobs = _jobs(model, plan)
+        if ordered is not None:
+            _check_tiling(plan, jobs)
+            jobs = [Job(j.nbytes, j.name, j.outs, _aborting(j, ordered)) for j in jobs]
         total = plan.total_bytes
-        done = run_jobs(jobs, lambda slot: FileSink(fd, scratch[slot], follower), len(scratch), progress=progress,
-                        total=total)
+        done = run_jobs(jobs, lambda slot: FileSink(fd, scratch[slot], ordered), len(scratch),
+                        in_file_order=ordered is not None, progress=progress, total=total)
         for ref, t in plan.copied:
             if t.location is None:
-                copy_span(ref, fd, t.offset)
-                if follower is not None:
-                    follower.written(t.offset, page_align(t.offset + t.nbytes))
+                copy_span(ref, fd, t.offset, ordered, t)
             done += t.nbytes
             if progress:
                 progress(done, total, ref.name)
-        return follower.hexdigest() if follower is not None else None
     finally:
-        if follower is not None:
-            follower.stop()  # a failed conversion: the thread ends before the file is closed
         os.close(fd)
+    return ordered.hexdigest(plan.size) if ordered is not None else None
 
 
 def _check_tiling(plan: ConversionPlan, jobs: list[Job]) -> None:
     """The jobs and the copies must cover weights.bin end to end, each region starting where the one
-    before ended: the digest's thread reads each region after its predecessor, so past a gap it
-    would hash nothing more."""
+    before ended: an ordered digest waits for each region's predecessor, so a gap would never end."""
     regions = [(j.offset, page_align(j.outs[-1].offset + j.outs[-1].nbytes)) for j in jobs]
     regions += [(t.offset, page_align(t.offset + t.nbytes)) for _, t in plan.copied if t.location is None]
     position = 0
@@ -117,6 +113,17 @@ def _check_tiling(plan: ConversionPlan, jobs: list[Job]) -> None:
         position = end
     if position != plan.size:
         raise ConversionError(f"internal: weights.bin layout ends at {position}, not {plan.size}")
+
+
+def _aborting(job: Job, ordered: OrderedDigest):
+    """``job.convert``, which on failure wakes the jobs waiting for its turn (they fail too)."""
+    def run(sink) -> None:
+        try:
+            job.convert(sink)
+        except BaseException:
+            ordered.abort()
+            raise
+    return run
 
 
 def convert_into_memory(model: Model, plan: ConversionPlan, buffer, *, progress: Optional[Progress] = None,

@@ -9,17 +9,12 @@ it; the rule never knows whether the bytes end in a file or in memory, so each r
   through a shared mapping of a fresh file costs a page fault per 4 KiB instead, and charges every
   written page to this process's resident set.
 * :class:`MemorySink` hands out views of the final buffer itself: nothing to commit.
-* :class:`FollowingDigest` hashes a file while it is written, in file order (the digest format the
-  cache's verifier checks: one xxh3-128 over every byte): a thread of its own reads each region back
-  from the page cache once it is written and every region before it was hashed. The workers never
-  wait for one another's turn and take the largest jobs first. (Before session 14 the workers
-  hashed their own bytes in file order: jobs ran by offset, each commit waited for the one before,
-  and the last, often largest, tensor, a Llama's ``lm_head``, was converted by one worker while the
-  others had nothing left to do.)
+* :class:`OrderedDigest` hashes a file's bytes while they are written, in file order (the digest
+  format the cache's verifier checks: one xxh3-128 over every byte), so a new cache entry is never
+  read back to digest it. Jobs then run in file order and each commit waits for the one before it.
 """
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -35,13 +30,13 @@ from .sources import OutTensor
 
 Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, tensor name)
 
-#: Bytes per read when a span is copied through this process (no ``copy_file_range``).
+#: Bytes per read when a span is copied through this process (to be hashed on the way).
 COPY_CHUNK = 16 << 20
-#: Bytes :class:`FollowingDigest` hashes before it unmaps them (page aligned).
-DIGEST_CHUNK = 4 << 20
 #: The most threads one conversion runs on: each holds a scratch buffer as large as the largest
-#: tensor it converts (tens of MiB per thread for a 7B model).
+#: tensor it converts (tens of MiB per thread for a 7B model), and a digested entry's commits, in
+#: file order, gain less from every thread past a few.
 MAX_THREADS = 16
+_ZERO_PAGE = bytes(PAGE)
 
 
 class Sink(Protocol):
@@ -119,75 +114,52 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         mv, offset = mv[n:], offset + n
 
 
-class FollowingDigest:
-    """The full digest of the file open as ``fd`` (``size`` bytes), whose regions several threads
-    write in any order and report with :meth:`written`. A thread of its own reads the file back in
-    file order, each region as soon as it and every region before it were written, and hashes it.
+class OrderedDigest:
+    """The full digest of a file whose regions are written by several threads: each region is
+    hashed when it is committed, and commits are admitted in file order (a region waits until every
+    byte before it was hashed). Regions must tile the file; the gap between a tensor's end and the
+    next page (zeros in the file, which was reserved zero-filled) is hashed as zeros."""
 
-    Regions must tile the file. The gap between a tensor's end and the next page is read back as
-    the zeros the file was reserved with. The thread hashes the page cache's pages in place, through
-    a read-only mapping of the file, and unmaps each chunk once hashed: no copy, and no more than a
-    chunk of the file in this process's resident set. Hashing in each worker's own scratch instead
-    made every commit wait for the one before it.
-    """
-
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self) -> None:
         self.running = RunningDigest()
         self.position = 0
-        self.size = size
-        self._written: dict[int, int] = {}  # region start -> end, reported but not yet hashed
-        self._stopped = False  # aborted, or every writer done
-        self._error: Optional[BaseException] = None
-        self._cond = threading.Condition()
-        self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
-        self._thread = threading.Thread(target=self._follow, name="ortmem-digest", daemon=True)
-        self._thread.start()
+        self.aborted = False
+        self._turn = threading.Condition()
 
-    def written(self, start: int, end: int) -> None:
-        """Bytes ``start..end`` (page aligned, padding included) are in the file."""
-        with self._cond:
-            self._written[start] = end
-            self._cond.notify_all()
+    def wait_for(self, offset: int, *, block: bool = True) -> None:
+        """Wait until every byte before ``offset`` was hashed (``block=False``: it must be already)."""
+        with self._turn:
+            while self.position != offset:
+                if not block:
+                    raise ConversionError(f"internal: region at {offset} is not next (file hashed up to {self.position})")
+                if self.aborted:
+                    raise ConversionError("conversion stopped: an earlier tensor failed")
+                if self.position > offset:
+                    raise ConversionError(f"internal: region at {offset} committed out of order (file at {self.position})")
+                self._turn.wait()
 
-    def stop(self) -> None:
-        """Nothing more will be written (done, or failed): the thread hashes what it can and ends."""
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-        self._thread.join()
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+    def hash_tensor(self, t: OutTensor, data) -> None:
+        """Hash ``t``'s bytes and its padding to the next page; the caller holds the turn."""
+        self.running.update(data)
+        pad = page_align(t.offset + t.nbytes) - (t.offset + t.nbytes)
+        if pad:
+            self.running.update(_ZERO_PAGE[:pad])
 
-    def hexdigest(self) -> str:
-        """The file's digest, once every region was written (call after the last :meth:`written`)."""
-        self.stop()
-        if self._error is not None:
-            raise ConversionError(f"could not read back the file to digest it: {self._error}")
-        if self.position != self.size:
-            raise ConversionError(f"internal: digest covers {self.position} of {self.size} bytes")
+    def abort(self) -> None:
+        """A region will never be committed: wake every waiter (each fails)."""
+        with self._turn:
+            self.aborted = True
+            self._turn.notify_all()
+
+    def advance(self, end: int) -> None:
+        with self._turn:
+            self.position = end
+            self._turn.notify_all()
+
+    def hexdigest(self, size: int) -> str:
+        if self.position != size:
+            raise ConversionError(f"internal: digest covers {self.position} of {size} bytes")
         return self.running.hexdigest()
-
-    def _follow(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while self.position not in self._written and not self._stopped:
-                        self._cond.wait()
-                    end = self._written.pop(self.position, None)
-                    if end is None:  # stopped, and the next region never came
-                        return
-                pos = self.position
-                assert self._map is not None
-                with memoryview(self._map) as whole:
-                    while pos < end:
-                        n = min(end - pos, DIGEST_CHUNK)
-                        self.running.update(whole[pos : pos + n])
-                        self._map.madvise(mmap.MADV_DONTNEED, pos, n)  # out of this process's RSS
-                        pos += n
-                self.position = end  # only this thread moves it
-        except BaseException as exc:  # noqa: BLE001 - reported by hexdigest
-            self._error = exc
 
 
 class Scratch:
@@ -207,7 +179,7 @@ class FileSink:
     """Outputs go to a scratch buffer, then to their offsets in the file (hashed on the way when the
     file is digested)."""
 
-    def __init__(self, fd: int, scratch: Scratch, digest: Optional[FollowingDigest] = None):
+    def __init__(self, fd: int, scratch: Scratch, digest: Optional[OrderedDigest] = None):
         self.fd, self.scratch, self.digest = fd, scratch, digest
 
     def __enter__(self) -> "FileSink":
@@ -226,10 +198,15 @@ class FileSink:
         return views
 
     def commit(self, outs: list[OutTensor], views: list[np.ndarray]) -> None:
-        for t, v in zip(outs, views):
-            pwrite_all(self.fd, v.reshape(-1).view(np.uint8), t.offset)
         if self.digest is not None and outs:
-            self.digest.written(outs[0].offset, page_align(outs[-1].offset + outs[-1].nbytes))
+            self.digest.wait_for(outs[0].offset)
+        for t, v in zip(outs, views):
+            data = v.reshape(-1).view(np.uint8)
+            pwrite_all(self.fd, data, t.offset)
+            if self.digest is not None:
+                self.digest.hash_tensor(t, data)
+        if self.digest is not None and outs:
+            self.digest.advance(page_align(outs[-1].offset + outs[-1].nbytes))
 
 
 class MemorySink:
@@ -252,14 +229,15 @@ class MemorySink:
         pass
 
 
-def run_jobs(jobs: list[Job], sink_for: Callable[[int], Sink], workers: int, *,
+def run_jobs(jobs: list[Job], sink_for: Callable[[int], Sink], workers: int, *, in_file_order: bool = False,
              progress: Optional[Progress] = None, total: int = 0) -> int:
-    """Run ``jobs`` on ``workers`` threads (numpy releases the GIL in the kernels), biggest first,
-    which balances the workers; returns the bytes done. ``sink_for(slot)`` gives the sink of a worker
-    slot."""
+    """Run ``jobs`` on ``workers`` threads (numpy releases the GIL in the kernels); returns the bytes
+    done. ``sink_for(slot)`` gives the sink of a worker slot. Biggest first balances the workers;
+    ``in_file_order`` (a digested file) runs them by offset instead, so no commit waits long."""
     done = 0
-    order = sorted(jobs, key=lambda j: -j.nbytes)
+    order = sorted(jobs, key=(lambda j: j.offset) if in_file_order else (lambda j: -j.nbytes))
     with ThreadPoolExecutor(max_workers=workers) as pool:
+        # the pool takes jobs in submission order, so a commit only ever waits for a job already running
         futures = [pool.submit(job.convert, sink_for(n % workers)) for n, job in enumerate(order)]
         for job, f in zip(order, futures):
             f.result()
@@ -269,16 +247,21 @@ def run_jobs(jobs: list[Job], sink_for: Callable[[int], Sink], workers: int, *,
     return done
 
 
-def copy_span(ref: WeightRef, out_fd: int, out_offset: int) -> None:
-    """Copy an unchanged weight file to file: the kernel copies it (``copy_file_range``: no byte
-    passes through this process), or, where it cannot, this process in chunks."""
+def copy_span(ref: WeightRef, out_fd: int, out_offset: int, digest: Optional[OrderedDigest] = None,
+              out: Optional[OutTensor] = None) -> None:
+    """Copy an unchanged weight file to file. Without a digest the kernel copies it
+    (``copy_file_range``: no byte passes through this process); with one, it is read in chunks and
+    hashed on its way to the output (``out`` is its place there)."""
     in_fd = os.open(ref.file, os.O_RDONLY)
     try:
         remaining, src, dst = ref.length, ref.offset, out_offset
         buf: Optional[memoryview] = None  # one chunk buffer, reused (a fresh one per read faults anew)
+        if digest is not None:
+            assert out is not None
+            digest.wait_for(out.offset, block=False)  # copies run after every job, one at a time
         while remaining:
             n = 0
-            if hasattr(os, "copy_file_range"):
+            if digest is None and hasattr(os, "copy_file_range"):
                 try:
                     n = os.copy_file_range(in_fd, out_fd, remaining, src, dst)
                 except OSError:
@@ -290,6 +273,12 @@ def copy_span(ref: WeightRef, out_fd: int, out_offset: int) -> None:
                 if n <= 0:
                     raise ConversionError("source ended early", tensor=ref.name, file=str(ref.file))
                 pwrite_all(out_fd, buf[:n], dst)
+                if digest is not None:
+                    digest.running.update(buf[:n])
             remaining, src, dst = remaining - n, src + n, dst + n
+        if digest is not None:
+            assert out is not None
+            digest.hash_tensor(out, b"")  # its bytes went in chunk by chunk: only the padding is left
+            digest.advance(page_align(out.offset + out.nbytes))
     finally:
         os.close(in_fd)

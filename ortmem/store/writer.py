@@ -47,8 +47,7 @@ def write_converted(model: Model, plan: ConversionPlan, out_dir: Path, *, progre
     instant; not for ``ortmem convert``, whose output must not change if the source is edited in place).
     Files are created new (never through a planted file or symlink) with ``mode``.
     ``digests``: put the full digests of both files in ``report.file_digests``, computed from the
-    file as it is written, each region hashed in place in the page cache once written (a cache
-    entry's manifest records them; :class:`ortmem.passes.writers.FollowingDigest`).
+    bytes as they are written (a cache entry's manifest records them; nothing is read back).
     ``threads``: how many convert, counted as ORT's ``intra_op_num_threads`` (0: one per physical core;
     :func:`ortmem.passes.writers.conversion_threads`), so a cold start takes what ORT's fusion would.
     """

@@ -1,7 +1,6 @@
-"""The rewrite engine's writers: a cache entry's full digests are taken while its files are written
-(weights.bin by a thread that hashes each region in place once it is written, whatever order the
-workers write in), they equal a digest of the finished files, a failing tensor fails the writer
-without a hang, and the thread count follows ORT's rule without changing a byte."""
+"""The rewrite engine's writers: a cache entry's full digests are computed while its files are written
+(no file of the entry is read back), they equal a digest of the finished files, and a failing tensor
+stops the ordered writer instead of leaving the others waiting for their turn."""
 from __future__ import annotations
 
 import os
@@ -37,9 +36,9 @@ def _recorded_digests_match_files(entry) -> None:
 @pytest.mark.parametrize("link", [True, False])
 def test_entry_digests_are_computed_while_writing(tmp_path, monkeypatch, link):
     """Build an entry, recording every file ``file_digest`` reads: only the sources (once each, for
-    the manifest's source digests and the linked sources alike), never weights.bin or model.onnx
-    (weights.bin is hashed while written, model.onnx from its bytes). Without hard links (another
-    filesystem) the carried tensors are copied into weights.bin and hashed with the rest. The recorded digests are those of the finished files, the entry verifies in
+    the manifest's source digests and the linked sources alike), never weights.bin or model.onnx.
+    Without hard links (another filesystem) the carried tensors are copied into weights.bin and
+    hashed on the way. The recorded digests are those of the finished files, the entry verifies in
     full, and the session on it gives ORT's own outputs."""
     src = tiny_decoder(tmp_path / "m", layers=3, storage="external", embedding="quantized", zero_points=True)
     if not link:
@@ -71,8 +70,8 @@ def test_entry_digests_are_computed_while_writing(tmp_path, monkeypatch, link):
     assert np.array_equal(want[0], got[0])
 
 
-def test_digest_taken_while_writing_equals_the_file(tmp_path):
-    """write_weights' digest (jobs run largest first, on several threads) is the digest of the file."""
+def test_digest_written_in_file_order_equals_the_file(tmp_path):
+    """write_weights' digest (jobs run by offset, on several threads) is the digest of the file."""
     src = tiny_decoder(tmp_path / "m", layers=3, weight_type="uint4", zero_points=True, scale_dtype="float16")
     with ortmem.load(src) as model:
         plan = plan_conversion(model, session_settings())
@@ -84,9 +83,9 @@ def test_digest_taken_while_writing_equals_the_file(tmp_path):
     assert recorded == digest.file_digest(out)
 
 
-def test_a_failing_tensor_fails_the_writer_without_a_hang(tmp_path, monkeypatch):
-    """One rewrite fails mid-way: write_weights raises its ConversionError, and the digest's thread,
-    whose next region never comes, ends instead of waiting forever."""
+def test_a_failing_tensor_stops_the_ordered_writer(tmp_path, monkeypatch):
+    """One rewrite fails mid-way: write_weights raises a ConversionError for it; the jobs after it,
+    which wait for its turn to hash their bytes, fail too instead of waiting forever."""
     src = tiny_decoder(tmp_path / "m", layers=3)
     real = dq_matmul.MatMulRewrite.convert
 
@@ -181,28 +180,3 @@ def test_the_caller_s_intra_op_threads_reach_the_conversion(tmp_path: Path, monk
     assert sess.ortmem_action == "converted" and seen == [3]
     want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, FEEDS)
     assert np.array_equal(sess.run(None, FEEDS)[0], want[0])
-
-
-def test_the_following_digest_hashes_in_file_order_whatever_the_write_order(tmp_path: Path) -> None:
-    """Regions reported last to first give the digest of the whole file; a region never reported
-    ends in a ConversionError, not a wait."""
-    from ortmem.passes.writers import FollowingDigest
-    from ortmem.weights import PAGE
-
-    data = np.random.default_rng(3).integers(0, 256, 7 * PAGE, dtype=np.uint8).tobytes()
-    path = tmp_path / "f.bin"
-    path.write_bytes(data)
-    regions = [(0, 2 * PAGE), (2 * PAGE, 3 * PAGE), (3 * PAGE, 7 * PAGE)]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        follower = FollowingDigest(fd, len(data))
-        for start, end in reversed(regions):
-            follower.written(start, end)
-        assert follower.hexdigest() == digest.file_digest(path) == digest.bytes_digest(data)
-        gap = FollowingDigest(fd, len(data))
-        for start, end in regions[::2]:  # the middle one never comes
-            gap.written(start, end)
-        with pytest.raises(ConversionError, match="covers 8192 of 28672"):
-            gap.hexdigest()
-    finally:
-        os.close(fd)
