@@ -85,8 +85,7 @@ class ProcessRun:
     leftover_wait_s: float = 0.0
     prepare_wall_s: float | None = None
     #: Largest private (``RssAnon + RssShmem``) and shared (``RssFile``) resident memory of the measured
-    #: process, sampled (None in
-    #: reports written before they were measured).
+    #: process, sampled (None in reports written before they were measured).
     private_peak_bytes: int | None = None
     shared_peak_bytes: int | None = None
 

@@ -82,7 +82,7 @@ def write_weights(model: Model, plan: ConversionPlan, out_path: Path, *, progres
     ordered = OrderedDigest() if digest else None
     fd = os.open(out_path, os.O_RDWR)
     try:
-        scratch = [Scratch() for _ in range(max(1, threads))]
+        scratch = [Scratch() for _ in range(threads)]
         jobs = _jobs(model, plan)
         if ordered is not None:
             _check_tiling(plan, jobs)
@@ -132,8 +132,7 @@ def convert_into_memory(model: Model, plan: ConversionPlan, buffer, *, progress:
     the same offsets weights.bin would use; carried tensors are not touched (their pages stay unused).
     Returns seconds. ``threads`` as in :func:`write_weights`."""
     start = time.perf_counter()
-    threads = conversion_threads(threads)
-    run_jobs(_jobs(model, plan), lambda slot: MemorySink(buffer), max(1, threads), progress=progress,
+    run_jobs(_jobs(model, plan), lambda slot: MemorySink(buffer), conversion_threads(threads), progress=progress,
              total=plan.total_bytes)
     return time.perf_counter() - start
 

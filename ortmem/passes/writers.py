@@ -33,8 +33,7 @@ Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, tensor n
 #: Bytes per read when a span is copied through this process (to be hashed on the way).
 COPY_CHUNK = 16 << 20
 #: The most threads one conversion runs on: each holds a scratch buffer as large as the largest
-#: tensor it converts (tens of MiB per thread for a 7B model), and a digested entry's commits, in
-#: file order, gain less from every thread past a few.
+#: tensor it converts (tens of MiB per thread for a 7B model).
 MAX_THREADS = 16
 _ZERO_PAGE = bytes(PAGE)
 

@@ -39,9 +39,8 @@ import shutil
 import stat
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from . import digest
 from ..errors import CacheError
@@ -58,7 +57,6 @@ from .trust import (
     parent_untrusted_reason,
     read_nofollow,
     remove_aside,
-    replace_private,
     untrusted_reason,
     write_new,
 )
@@ -140,7 +138,7 @@ class Cache:
                     pass
             return e
         log.warning("ortmem: cache entry %s is unusable (%s); rebuilding", e.path, problem)
-        self._discard(e.path)
+        remove_aside(e.path)
         return None
 
     def lookup_sourced(self, key: str) -> Optional[Entry]:
@@ -169,7 +167,7 @@ class Cache:
 
     def discard(self, e: Entry) -> None:
         """Remove an entry (a reader that already opened its files keeps them)."""
-        self._discard(e.path)
+        remove_aside(e.path)
 
     def verify(self, e: Entry, *, mode: Optional[str] = None) -> Optional[str]:
         """None when the entry is whole, private and what its manifest says; else what is wrong.
@@ -347,7 +345,7 @@ class Cache:
                 remove_unheld_lock(p)
             elif p.is_dir():
                 freed += reclaimable_bytes(p)
-                self._discard(p)
+                remove_aside(p)
             elif p.name.startswith("."):
                 freed += reclaimable_bytes(p)
                 _unlink_quiet(p)
@@ -428,9 +426,6 @@ class Cache:
             log.info("ortmem: cache limit ORTMEM_CACHE_MAX_SIZE=%s: removed %.1f MiB (least recently used "
                      "entries, crash leftovers)", limit, freed / 2**20)
         return freed
-
-    def _discard(self, path: Path) -> None:
-        remove_aside(path)  # renamed first: a concurrent reader never sees a half-deleted entry under the key
 
 
 def creator_lock_path(root: Path, key: str) -> Path:

@@ -19,7 +19,6 @@ from ortmem.ortmodel.settings import session_settings
 from ortmem.errors import ConversionError
 from ortmem.passes import dq_matmul
 from ortmem.passes.conversion import plan_conversion, write_weights
-from ortmem.synth import SynthConfig, write_model
 from tests.support.builders import tiny_decoder
 
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
