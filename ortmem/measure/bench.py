@@ -186,6 +186,7 @@ def run_bench(
                     say(f"[{done}/{total}] {os.path.basename(m)} {s} memray: heap peak "
                         f"{(r.memray or {}).get('peak_bytes', 0) / MiB:.1f} MiB")
                 else:
+                    r.round = i
                     sr.runs.append(r)
                     say(_progress_line(done, total, m, s, i, r))
     return report

@@ -109,6 +109,9 @@ class ProbeResult:
     background_wall_s: float | None = None
     background_peak_bytes: int | None = None
     started_unix: float | None = None  # wall-clock start of the child, to check run order
+    #: The bench's round this probe ran in (``stats.schedule``), pairing it with the reference's probe
+    #: of the same round (``stats.RatioStat``); None outside a bench and in reports written before.
+    round: int | None = None
     heap_jitter_bytes: int = 0  # heap padding before imports (see probe())
     #: Modules first imported during creation, by package (``onnx``, ``ortmem.session``, ...): the lazy
     #: imports a user's first call pays, measured inside ``create_wall_s`` and the creation peak.

@@ -20,12 +20,28 @@ two-sample splits. 20 % (and 50 ms) for times: plain scheduling noise on a busy 
 under ~10 % between neighbouring samples of a second-long init, the two ORT modes above are 75 % apart,
 and a 10 ms init on a tiny model jitters by more than 20 % without any second mode. It is a flag for
 the reader, not a test: with two samples any large gap is flagged.
+
+Ratios of times (:class:`RatioStat`): the fastest over the reference's fastest, and the median of the
+rounds' own ratios (each round's sample over the reference's sample of the same round: an alternating
+pair). Why pairs and not median over median: the machine drifts within a run (ORT's init on the 0.6 GB
+QDQ model fell from 5.8 to 3.4 s over five rounds of one cross-check, docs/benchmarks.md), and two
+processes of one round meet the same machine; the median over the reference's median moved with
+whichever of ORT's modes came up more often. Two methods that time the same strategies (the bench's
+probes and whole processes) therefore agree on the paired median where they did not on the median
+of medians.
+
+Noise (:func:`agreement`): a run of N rounds is a sample, so two methods can disagree by chance. The
+rounds are resampled with replacement (a bootstrap, seeded: the same report always gives the same
+band), both methods' ratios recomputed on each resample, and the 5th-95th percentile of their
+disagreement is the band a chance disagreement stays in. A disagreement outside the target whose band
+reaches 0 is noise; one whose band does not is a real difference between what the two methods measure.
 """
 from __future__ import annotations
 
+import random
 import statistics
 from dataclasses import dataclass
-from typing import Iterable, Sequence, TypeVar
+from typing import Iterable, Mapping, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -96,3 +112,80 @@ def modes_text(modes: tuple[list[float], list[float]], scale: float = 1.0, unit:
     low, high = modes
     a, b = statistics.median(low) / scale, statistics.median(high) / scale
     return f"{a:{fmt}}|{b:{fmt}}{unit} ({len(low)}+{len(high)})"
+
+
+@dataclass
+class RatioStat:
+    """A time over the reference's: ``fastest`` over its fastest, ``median`` of the rounds' own ratios
+    (module docstring: why pairs), and how many rounds paired."""
+
+    fastest: float
+    median: float
+    pairs: int
+
+    @classmethod
+    def of(cls, mine: Mapping[int, float], ref: Mapping[int, float]) -> "RatioStat | None":
+        """From samples keyed by round; ``None`` when no round has both (or the reference is 0)."""
+        rounds = [r for r in mine if r in ref and ref[r] > 0]
+        if not rounds or min(ref.values()) <= 0:
+            return None
+        paired = [mine[r] / ref[r] for r in rounds]
+        return cls(min(mine.values()) / min(ref.values()), statistics.median(paired), len(rounds))
+
+
+#: How far two methods' ratios may differ and still agree (issue 23: within 10 %).
+AGREE_WITHIN = 0.10
+#: Resamples of the rounds for the noise band, and the band's percentiles.
+BOOTSTRAP_RESAMPLES = 400
+BAND = (0.05, 0.95)
+
+
+@dataclass
+class Agreement:
+    """``theirs / mine - 1`` for one statistic of a ratio, the band chance alone would give it, and the
+    verdict: ``"yes"`` within :data:`AGREE_WITHIN`, ``"noise"`` outside it with a band reaching 0,
+    ``"NO"`` otherwise."""
+
+    value: float
+    low: float
+    high: float
+
+    @property
+    def verdict(self) -> str:
+        if abs(self.value) <= AGREE_WITHIN:
+            return "yes"
+        return "noise" if self.low <= 0.0 <= self.high else "NO"
+
+    def text(self) -> str:
+        return f"{self.value:+.0%} [{self.low:+.0%},{self.high:+.0%}] {self.verdict}"
+
+
+def agreement(mine: Mapping[str, Mapping[int, float]], theirs: Mapping[str, Mapping[int, float]],
+              strategy: str, reference: str, seed: int = 0) -> dict[str, Agreement]:
+    """How two methods' ratios of ``strategy`` to ``reference`` agree, per statistic (``fastest``,
+    ``median``): each method gives samples keyed by round; rounds are resampled jointly for both
+    methods (one round's probes and whole processes met the same machine)."""
+    def ratios(rounds: Sequence[int]) -> dict[str, float] | None:
+        out = []
+        for samples in (mine, theirs):
+            # a round drawn twice counts twice: keys (draw index) stand for the resampled rounds
+            a = {i: samples[strategy][r] for i, r in enumerate(rounds) if r in samples[strategy]}
+            b = {i: samples[reference][r] for i, r in enumerate(rounds) if r in samples[reference]}
+            ratio = RatioStat.of(a, b)
+            if ratio is None:
+                return None
+            out.append(ratio)
+        return {k: getattr(out[1], k) / getattr(out[0], k) - 1 for k in ("fastest", "median")}
+
+    rounds = sorted(set().union(*(s.keys() for m in (mine, theirs) for s in (m[strategy], m[reference]))))
+    whole = ratios(rounds) if rounds else None
+    if whole is None:
+        return {}
+    rng = random.Random(seed)
+    draws = [d for d in (ratios([rng.choice(rounds) for _ in rounds]) for _ in range(BOOTSTRAP_RESAMPLES)) if d]
+    out = {}
+    for key, value in whole.items():
+        values = sorted(d[key] for d in draws) or [value]
+        low, high = (values[min(len(values) - 1, int(q * len(values)))] for q in BAND)
+        out[key] = Agreement(value, low, high)
+    return out

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,7 +55,7 @@ from .errors import ProbeError
 from ..units import MiB
 from .probe import Prepared, prepare
 from .settle import Leftovers, flush_writes
-from .stats import Stat, metric_modes, modes_text, schedule
+from .stats import RatioStat, Stat, metric_modes, modes_text, schedule
 from .strategies import Strategy, get_strategy, whole_process_code
 from .textable import align
 
@@ -65,6 +66,8 @@ BARE = "import-onnxruntime"
 BARE_CODE = "import onnxruntime"
 #: Metrics of one process, each summarised by fastest and median.
 METRICS = ("wall_s", "cpu_s", "peak_bytes", "private_peak_bytes", "shared_peak_bytes")
+#: Times, whose median ratio is the median of the rounds' own ratios (``stats.RatioStat``: why).
+PAIRED_METRICS = ("wall_s", "cpu_s", "init_s")
 #: Seconds between two samples of the measured process's private and shared resident memory.
 SAMPLE_S = 0.005
 
@@ -109,21 +112,38 @@ class WholeProcessReport:
     def stat(self, strategy: str, metric: str) -> Stat | None:
         return Stat.of(getattr(r, metric) for r in self.runs.get(strategy, []))
 
+    def by_round(self, strategy: str, metric: str) -> dict[int, float]:
+        """``metric`` of each of ``strategy``'s runs, keyed by round (the pairs of :class:`RatioStat`)."""
+        return {r.round: float(getattr(r, metric)) for r in self.runs.get(strategy, [])
+                if getattr(r, metric) is not None}
+
+    def init_by_round(self, strategy: str) -> dict[int, float]:
+        """Each round's init estimate: the wall minus the bare ``import onnxruntime`` wall of the same
+        round (its median where that round's failed): what creating the session added to a process
+        that imports onnxruntime anyway."""
+        walls, bare = self.by_round(strategy, "wall_s"), self.by_round(BARE, "wall_s")
+        if strategy == BARE or not walls or not bare:
+            return {}
+        typical = statistics.median(bare.values())
+        return {r: wall - bare.get(r, typical) for r, wall in walls.items()}
+
     def init_estimate(self, strategy: str) -> Stat | None:
-        """Wall minus the bare ``import onnxruntime`` wall (fastest - fastest, median - median): what
-        creating the session added to a process that imports onnxruntime anyway."""
-        mine, bare = self.stat(strategy, "wall_s"), self.stat(BARE, "wall_s")
-        if mine is None or bare is None or strategy == BARE:
-            return None
-        return Stat(mine.median - bare.median, mine.fastest - bare.fastest, mine.max - bare.max, mine.n)
+        """Fastest and median of :meth:`init_by_round` (``init~``)."""
+        return Stat.of(self.init_by_round(strategy).values())
 
     def ratios(self, strategy: str) -> dict[str, dict[str, float]]:
         """``{metric: {"fastest": x, "median": x}}`` against :data:`REFERENCE` in this same run;
-        ``init_s`` is the ratio of the init estimates."""
+        ``init_s`` is the ratio of the init estimates. Times (:data:`PAIRED_METRICS`) are
+        :class:`RatioStat`s, the median being the rounds' own ratios'; memory is median over median."""
         out: dict[str, dict[str, float]] = {}
-        pairs = [(m, self.stat(strategy, m), self.stat(REFERENCE, m)) for m in METRICS]
-        pairs.append(("init_s", self.init_estimate(strategy), self.init_estimate(REFERENCE)))
-        for metric, a, b in pairs:
+        for metric in METRICS + ("init_s",):
+            if metric in PAIRED_METRICS:
+                pick = self.init_by_round if metric == "init_s" else (lambda s, m=metric: self.by_round(s, m))
+                ratio = RatioStat.of(pick(strategy), pick(REFERENCE))
+                if ratio is not None:
+                    out[metric] = {"fastest": ratio.fastest, "median": ratio.median}
+                continue
+            a, b = self.stat(strategy, metric), self.stat(REFERENCE, metric)
             if a is not None and b is not None and b.fastest > 0 and b.median > 0:
                 out[metric] = {"fastest": a.fastest / b.fastest, "median": a.median / b.median}
         return out
@@ -178,7 +198,8 @@ class WholeProcessReport:
         lines.append("wall/CPU/peak: os.wait4 of `python -c CODE` (what /usr/bin/time reports); private/shared: "
                      f"the measured process's largest RssAnon+RssShmem / RssFile, sampled every {SAMPLE_S * 1000:.0f} "
                      f"ms (MiB; not its helpers'); init~: wall minus the wall of `python -c \"{BARE_CODE}\"` "
-                     f"({BARE}); ratios to {REFERENCE} in this run, fastest over fastest / median over median.")
+                     f"({BARE}) of the same round; ratios to {REFERENCE} in this run, fastest over fastest / times: median "
+                     "of the rounds' own ratios (pairs), memory: median over median.")
         return "\n".join(lines)
 
     def _row(self, name: str) -> list[str]:

@@ -19,7 +19,7 @@ import pytest
 from ortmem.measure.bench import run_bench, schedule
 from ortmem.measure.probe import probe
 from ortmem.measure.report import BenchReport, ModelReport, StrategyResult, render_cross_check, render_table
-from ortmem.measure.stats import Stat, metric_modes, rotated, split_modes
+from ortmem.measure.stats import RatioStat, Stat, agreement, metric_modes, rotated, split_modes
 from ortmem.measure.strategies import Strategy
 from ortmem.measure.whole_process import BARE, REFERENCE, run_whole_process, time_process
 
@@ -113,9 +113,53 @@ def test_report_flags_a_bimodal_init_and_gives_fastest_ratios() -> None:
     mr = ModelReport("m.onnx", {"ort": ort, "twin": twin})
     assert ort.bimodal and set(ort.modes) == {"create_wall_s"} and not twin.bimodal
     assert mr.ratios_fastest("twin")["ort"]["create_wall_s"] == pytest.approx(0.80 / 1.64)
-    assert mr.ratios("twin")["ort"]["create_wall_s"] == pytest.approx(0.85 / 1.66)
+    # the median of the rounds' own ratios (runs without a round pair by position)
+    assert mr.ratios("twin")["ort"]["create_wall_s"] == pytest.approx(0.80 / 1.64)
     table = render_table(BenchReport(repeat=3, models=[mr]))
     assert "init fastest s" in table and "bimodal init 1.65|2.90 s (2+1)" in table
+
+
+def test_paired_ratio_cancels_a_drifting_machine() -> None:
+    """A strategy always half of ORT's time in its own round, while the machine's speed moves between
+    rounds (as it did over one cross-check: ORT's init fell from 5.8 to 3.4 s): the rounds' own
+    ratios say 0.5 whatever the order the samples are listed in."""
+    ort = {0: 5.8, 1: 2.0, 2: 4.3, 3: 2.2, 4: 3.4}
+    half = {r: t / 2 for r, t in ort.items()}
+    ratio = RatioStat.of(half, ort)
+    assert ratio is not None and ratio.median == pytest.approx(0.5) and ratio.pairs == 5
+    assert ratio.fastest == pytest.approx(1.0 / 2.0)
+    # paired by round, not by position: the same samples listed in another order give the same ratio
+    assert RatioStat.of(dict(reversed(half.items())), ort).median == pytest.approx(0.5)
+    shifted = {r: half[(r + 1) % 5] for r in half}  # each sample paired with another round's ORT
+    assert RatioStat.of(shifted, ort).median != pytest.approx(0.5, abs=0.05)
+    # rounds only one side has do not pair; a reference without samples gives no ratio
+    assert RatioStat.of({0: 1.0, 7: 9.0}, {0: 2.0}).median == pytest.approx(0.5)
+    assert RatioStat.of({0: 1.0}, {}) is None and RatioStat.of({0: 1.0}, {1: 2.0}) is None
+
+
+def test_agreement_tells_chance_from_a_real_difference() -> None:
+    rounds = range(9)
+    ort = {r: 4.0 + (0.8 if r % 2 else 0.0) + 0.05 * r for r in rounds}  # two modes, drifting
+    fast = {r: 0.5 * ort[r] for r in rounds}
+    probes = {"ort": ort, "fast": fast}
+    # the same process times seen by a second method with a fixed 0.2 s more (start and exit) each
+    same = {name: {r: t + 0.2 for r, t in v.items()} for name, v in probes.items()}
+    agree = agreement(probes, same, "fast", "ort")
+    assert {k: a.verdict for k, a in agree.items()} == {"fastest": "yes", "median": "yes"}
+    # a second method that puts the strategy at 0.65 of ORT every round: a real difference, not noise
+    off = {"ort": ort, "fast": {r: 0.65 * ort[r] for r in rounds}}
+    agree = agreement(probes, off, "fast", "ort")
+    assert agree["median"].value == pytest.approx(0.3) and agree["median"].verdict == "NO"
+    assert agree["median"].low == pytest.approx(0.3) == agree["median"].high
+    # noisy rounds: a 25 % disagreement that resampling the rounds can make vanish is noise
+    noisy = {"ort": ort, "fast": {r: fast[r] * (1.6 if r in (2, 5, 7) else 1.0) for r in rounds}}
+    agree = agreement(noisy, probes, "fast", "ort")
+    assert agree["fastest"].verdict == "yes"
+    median = agree["median"]
+    assert median.low <= 0.0 <= median.high and median.verdict in ("yes", "noise")
+    assert agreement(probes, {"ort": {}, "fast": {}}, "fast", "ort") == {}
+    # the same report always gives the same band
+    assert agreement(noisy, probes, "fast", "ort") == agree
 
 
 # --- the state every probe starts from -------------------------------------------------------------
@@ -270,6 +314,8 @@ def test_whole_process_mode_times_pairs_with_ort_and_the_bare_import(tiny: str) 
     bench.whole_process = [report]
     text = render_cross_check(bench)
     assert "ortmem-nocache" in text and "init~/ort" in text
+    # a verdict per ratio, or none where ORT's init~ on this tiny model is within noise of the bare import
+    assert "agree within 10%: " in text and text.splitlines()[-2].split()[1] == "ortmem-nocache"
 
 
 @slow
