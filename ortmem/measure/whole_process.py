@@ -61,6 +61,9 @@ from .textable import align
 
 #: The reference every ratio is taken against.
 REFERENCE = "ort"
+#: The second reference, where the run has it: ORT on the model converted ahead of time, the floor
+#: that ortmem's second and warm starts are held to.
+TWIN = "twin"
 #: The pseudo-strategy timing ``python -c "import onnxruntime"``: the fixed part of every ORT process.
 BARE = "import-onnxruntime"
 BARE_CODE = "import onnxruntime"
@@ -131,19 +134,20 @@ class WholeProcessReport:
         """Fastest and median of :meth:`init_by_round` (``init~``)."""
         return Stat.of(self.init_by_round(strategy).values())
 
-    def ratios(self, strategy: str) -> dict[str, dict[str, float]]:
-        """``{metric: {"fastest": x, "median": x}}`` against :data:`REFERENCE` in this same run;
-        ``init_s`` is the ratio of the init estimates. Times (:data:`PAIRED_METRICS`) are
-        :class:`RatioStat`s, the median being the rounds' own ratios'; memory is median over median."""
+    def ratios(self, strategy: str, reference: str = REFERENCE) -> dict[str, dict[str, float]]:
+        """``{metric: {"fastest": x, "median": x}}`` against ``reference`` (:data:`REFERENCE` unless
+        told) in this same run; ``init_s`` is the ratio of the init estimates. Times
+        (:data:`PAIRED_METRICS`) are :class:`RatioStat`s, the median being the rounds' own ratios';
+        memory is median over median."""
         out: dict[str, dict[str, float]] = {}
         for metric in METRICS + ("init_s",):
             if metric in PAIRED_METRICS:
                 pick = self.init_by_round if metric == "init_s" else (lambda s, m=metric: self.by_round(s, m))
-                ratio = RatioStat.of(pick(strategy), pick(REFERENCE))
+                ratio = RatioStat.of(pick(strategy), pick(reference))
                 if ratio is not None:
                     out[metric] = {"fastest": ratio.fastest, "median": ratio.median}
                 continue
-            a, b = self.stat(strategy, metric), self.stat(REFERENCE, metric)
+            a, b = self.stat(strategy, metric), self.stat(reference, metric)
             if a is not None and b is not None and b.fastest > 0 and b.median > 0:
                 out[metric] = {"fastest": a.fastest / b.fastest, "median": a.median / b.median}
         return out
@@ -188,7 +192,8 @@ class WholeProcessReport:
         """Fastest and median of wall, CPU and peak per strategy, the init estimate, ratios to ORT."""
         header = ["strategy", "wall s", "wall med", "cpu s", "cpu med", "peak MiB", "peak med", "private med",
                   "shared med", "init~ s", "init~ med", f"wall/{REFERENCE}", f"init~/{REFERENCE}", f"cpu/{REFERENCE}",
-                  f"peak/{REFERENCE}", f"private/{REFERENCE}", "flags"]
+                  f"peak/{REFERENCE}", f"private/{REFERENCE}"] + ([f"init~/{TWIN}", f"peak/{TWIN}"] if TWIN in self.runs
+                                                                  else []) + ["flags"]
         rows = [header]
         for name in self.runs:
             rows.append(self._row(name))
@@ -198,7 +203,7 @@ class WholeProcessReport:
         lines.append("wall/CPU/peak: os.wait4 of `python -c CODE` (what /usr/bin/time reports); private/shared: "
                      f"the measured process's largest RssAnon+RssShmem / RssFile, sampled every {SAMPLE_S * 1000:.0f} "
                      f"ms (MiB; not its helpers'); init~: wall minus the wall of `python -c \"{BARE_CODE}\"` "
-                     f"({BARE}) of the same round; ratios to {REFERENCE} in this run, fastest over fastest / times: median "
+                     f"({BARE}) of the same round; ratios to {REFERENCE} (and {TWIN}) in this run, fastest over fastest / times: median "
                      "of the rounds' own ratios (pairs), memory: median over median.")
         return "\n".join(lines)
 
@@ -215,16 +220,18 @@ class WholeProcessReport:
         if waited:
             flags.append(f"left processes, waited {max(waited):.1f} s")
 
-        def pair(metric: str) -> str:
-            r = ratios.get(metric)
+        def pair(metric: str, against: dict[str, dict[str, float]] = ratios) -> str:
+            r = against.get(metric)
             return "-" if r is None else f"{r['fastest']:.2f}/{r['median']:.2f}"
 
+        to_twin = self.ratios(name, TWIN) if TWIN in self.runs else None
+        twin = [pair("init_s", to_twin), pair("peak_bytes", to_twin)] if to_twin is not None else []
         return [
             name,
             _s(wall, "fastest"), _s(wall, "median"), _s(cpu, "fastest"), _s(cpu, "median"),
             _mib(peak, "fastest"), _mib(peak, "median"), _mib(private, "median"), _mib(shared, "median"),
             _s(init, "fastest"), _s(init, "median"), pair("wall_s"), pair("init_s"), pair("cpu_s"),
-            pair("peak_bytes"), pair("private_peak_bytes"), ", ".join(flags),
+            pair("peak_bytes"), pair("private_peak_bytes"), *twin, ", ".join(flags),
         ]
 
 

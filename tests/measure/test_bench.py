@@ -8,6 +8,7 @@ this module's top level stays light (no onnx).
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -160,6 +161,38 @@ def test_agreement_tells_chance_from_a_real_difference() -> None:
     assert agreement(probes, {"ort": {}, "fast": {}}, "fast", "ort") == {}
     # the same report always gives the same band
     assert agreement(noisy, probes, "fast", "ort") == agree
+
+
+def test_cross_check_compares_ratios_to_ort_and_to_the_twin_with_verdicts() -> None:
+    """Made-up rounds: the whole processes see every strategy's init as the probes do plus a fixed
+    0.15 s (interpreter exit), except ``warm``, which they see at 1.3x its probe time every round."""
+    from ortmem.measure.whole_process import ProcessRun, WholeProcessReport
+
+    machine = [1.0, 1.3, 0.9, 1.1, 1.2, 1.0, 0.95]  # the VM's speed, round by round
+    probe_s = {"ort": 4.0, "twin": 1.8, "warm": 1.4}
+    runs = {name: [_fake_run(strategy=name, create_wall_s=t * f, round=r) for r, f in enumerate(machine)]
+            for name, t in probe_s.items()}
+    mr = ModelReport("m.onnx", {name: StrategyResult(name, runs=rs) for name, rs in runs.items()})
+    whole = WholeProcessReport("m.onnx", len(machine))
+
+    def process(name: str, r: int, wall: float) -> ProcessRun:
+        return ProcessRun(name, r, wall, wall, 0.1, 100 * MiB, 0, 0.0)
+
+    bare = 0.2
+    whole.runs[BARE] = [process(BARE, r, bare) for r in range(len(machine))]
+    for name, t in probe_s.items():
+        scale = 1.3 if name == "warm" else 1.0
+        whole.runs[name] = [process(name, r, bare + t * f * scale + 0.15) for r, f in enumerate(machine)]
+    report = BenchReport(repeat=len(machine), models=[mr], whole_process=[whole])
+    rows = {tuple(line.split()[1:3]): line for line in render_cross_check(report).splitlines()[3:-1]}
+    assert set(rows) == {("twin", "ort"), ("warm", "ort"), ("warm", "twin")}
+    assert rows[("twin", "ort")].split()[-1] == "yes" and rows[("twin", "ort")].split()[-4] == "yes"
+    # warm is 30 % slower in every whole process: a real difference in both statistics, to both references
+    assert rows[("warm", "ort")].split()[-1] == "NO" and rows[("warm", "twin")].split()[-4] == "NO"
+    # the whole-process table gains ratios to the twin, paired by round
+    expected = statistics.median((1.3 * 1.4 * f + 0.15) / (1.8 * f + 0.15) for f in machine)
+    assert whole.ratios("warm", "twin")["init_s"]["median"] == pytest.approx(expected)
+    assert "init~/twin" in whole.render_table()
 
 
 # --- the state every probe starts from -------------------------------------------------------------
