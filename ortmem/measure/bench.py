@@ -30,7 +30,7 @@ import random
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..units import MiB, bytes_arg, pair_arg
 from .errors import ProbeError
@@ -111,6 +111,7 @@ def run_bench(
     jitter: bool = True,
     seed: int = 0,
     first_round: int = 0,
+    prepared: Mapping[tuple[str, str], Prepared] | None = None,
 ) -> BenchReport:
     """Probe every (model, strategy) ``repeat`` times, interleaved, each in a fresh process.
 
@@ -121,7 +122,9 @@ def run_bench(
     A failing probe is recorded in ``errors`` and the bench goes on. Round ``i`` pads every
     child's heap by ``jitters[i]`` bytes (module docstring) unless ``jitter=False``. ``first_round``
     numbers the rounds from there (rotation and jitter as in one run of them all: ``--cross-check``
-    runs the bench one round at a time).
+    runs the bench one round at a time). ``prepared`` holds "once" preparations already made, keyed by
+    (absolute model path, strategy), which the caller keeps alive (``--cross-check`` prepares once for
+    every round of both methods).
     """
     names = list(dict.fromkeys(strategies)) if strategies else default_strategies()
     rng = random.Random(seed)
@@ -145,16 +148,18 @@ def run_bench(
         for path in paths:
             mr = ModelReport(path, {s: StrategyResult(get_strategy(s).name) for s in names})
             report.models.append(mr)
-            prepared: dict[str, Prepared | None] = {}
+            ready: dict[str, Prepared | None] = {}
             for s in names:
                 strat = get_strategy(s)
-                prepared[s] = None
-                if strat.prepare is not None and strat.prepare_scope == "once":
+                ready[s] = (prepared or {}).get((path, s))
+                if ready[s] is not None:
+                    mr.strategies[s].prepared_model = ready[s].model_path
+                elif strat.prepare is not None and strat.prepare_scope == "once":
                     try:
-                        sub = tempfile.mkdtemp(prefix=f"prep-{len(prepared)}-", dir=workdir)
-                        prepared[s] = prepare(strat, path, options=options, workdir=sub, timeout=timeout)
-                        mr.strategies[s].prepared_model = prepared[s].model_path
-                        say(f"prepared {os.path.basename(path)} for {s} in {prepared[s].wall_s:.1f} s")
+                        sub = tempfile.mkdtemp(prefix=f"prep-{len(ready)}-", dir=workdir)
+                        ready[s] = prepare(strat, path, options=options, workdir=sub, timeout=timeout)
+                        mr.strategies[s].prepared_model = ready[s].model_path
+                        say(f"prepared {os.path.basename(path)} for {s} in {ready[s].wall_s:.1f} s")
                     except ProbeError as e:
                         mr.strategies[s].errors.append(f"prepare: {e}")
                         say(f"prepare {os.path.basename(path)} for {s}: FAILED {str(e).splitlines()[0]}")
@@ -173,7 +178,7 @@ def run_bench(
                         memray=i < 0,
                         sample_interval=sample_interval,
                         timeout=timeout,
-                        prepared=prepared[s],
+                        prepared=ready[s],
                         workdir=workdir,
                         heap_jitter=jitters[i] if i >= 0 else 0,
                     )
@@ -200,13 +205,40 @@ def _interleaved(probes: Callable[[int, int], BenchReport], whole: Callable[[int
     Why: run as two blocks (every probe round, then every whole-process round), the two modes met
     ORT at different moments: its init on the 0.6 GB QDQ model drifted from 3.9 to 3.3 s between the
     blocks while every other strategy agreed in seconds, so the ratios to ORT disagreed by 10-22%
-    (docs/benchmarks.md). Each round re-runs the strategies' preparation steps (unmeasured)."""
+    (docs/benchmarks.md). The strategies' "once" preparations are made before the first round and
+    serve every round of both methods (:func:`prepare_once`); "each" ones still run before every probe."""
     report, wholes = probes(1, 0), whole(1, 0)
     for r in range(1, repeat):
         report.extend(probes(1, r))
         for acc, part in zip(wholes, whole(1, r)):
             acc.extend(part)
     return report, wholes
+
+
+def prepare_once(models: Sequence[str | os.PathLike], strategies: Sequence[str], *, options: dict[str, Any],
+                 workdir: str, timeout: float, say: Callable[[str], None] | None = None
+                 ) -> dict[tuple[str, str], Prepared]:
+    """Every "once" preparation of ``strategies`` on ``models``, in folders under ``workdir`` (which the
+    caller keeps until the last probe), keyed by (absolute model path, strategy). Why once for a
+    whole ``--cross-check``: before, each round re-prepared every strategy for each method (converting
+    the twin and filling the warm cache twice a round, about 22 of each round's 90 s on the 0.6 GB
+    model), and the probes and whole processes of a warm start read different entries. A preparation
+    that fails is left out: the bench's own attempt then records the error."""
+    out: dict[tuple[str, str], Prepared] = {}
+    for model in models:
+        path = os.path.abspath(os.fspath(model))
+        for name in dict.fromkeys(strategies):
+            strat = get_strategy(name)
+            if strat.prepare is None or strat.prepare_scope != "once":
+                continue
+            try:
+                out[(path, name)] = ready = prepare(strat, path, options=options, workdir=tempfile.mkdtemp(
+                    prefix=f"prep-{len(out)}-", dir=workdir), timeout=timeout)
+            except ProbeError:
+                continue
+            if say:
+                say(f"prepared {os.path.basename(path)} for {name} in {ready.wall_s:.1f} s (every round)")
+    return out
 
 
 def plot(report: BenchReport, path_png: str | os.PathLike) -> None:
@@ -327,17 +359,23 @@ def main(args: argparse.Namespace) -> int:
         print(bytecode, file=sys.stderr, flush=True)
     say = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
 
+    shared: dict[tuple[str, str], Prepared] = {}
+
     def probes(rounds: int, first: int = 0) -> BenchReport:
         return run_bench(args.models, args.strategies, rounds, memray=args.memray and first == 0,
                          progress=not args.quiet, options=options, timeout=args.timeout,
-                         jitter=not args.no_jitter, first_round=first)
+                         jitter=not args.no_jitter, first_round=first, prepared=shared)
 
     def whole(rounds: int, first: int = 0) -> list[WholeProcessReport]:
         return [run_whole_process(m, args.strategies or default_strategies(), rounds, options=options,
-                                  timeout=args.timeout, say=say, first_round=first) for m in args.models]
+                                  timeout=args.timeout, say=say, first_round=first, prepared=shared)
+                for m in args.models]
 
     if args.repeat > 0 and args.cross_check and not args.whole_process:
-        report, wholes = _interleaved(probes, whole, args.repeat)
+        with tempfile.TemporaryDirectory(prefix="ortmem-cross-check-") as work:
+            shared.update(prepare_once(args.models, args.strategies or default_strategies(), options=options,
+                                       workdir=work, timeout=args.timeout, say=say))
+            report, wholes = _interleaved(probes, whole, args.repeat)
         report.whole_process = wholes
     elif args.repeat > 0 and not args.whole_process:
         report = probes(args.repeat)

@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..helper_env import helper_environment
 from .errors import ProbeError
@@ -331,26 +331,28 @@ def run_whole_process(
     timeout: float = 600.0,
     say: Callable[[str], None] | None = None,
     first_round: int = 0,
+    prepared: Mapping[tuple[str, str], Prepared] | None = None,
 ) -> WholeProcessReport:
     """Time each strategy (plus ``ort`` and the bare import) as whole processes, ``repeat`` rounds
-    numbered from ``first_round`` (see :func:`ortmem.measure.stats.schedule`)."""
+    numbered from ``first_round`` (see :func:`ortmem.measure.stats.schedule`); ``prepared`` as for
+    :func:`ortmem.measure.bench.run_bench`."""
     options = dict(options or {})
     path = os.path.abspath(os.fspath(model))
     names = list(dict.fromkeys([REFERENCE, *(strategies or ["ortmem"]), BARE]))
     report = WholeProcessReport(path, repeat, order=[(s, r) for _, s, r in schedule([path], names, repeat, first_round)])
     report.runs = {s: [] for s in names}
     with tempfile.TemporaryDirectory(prefix="ortmem-whole-") as workdir:
-        prepared: dict[str, Prepared | None] = {}
+        ready: dict[str, Prepared | None] = {}
         for s in names:
-            prepared[s] = None
+            ready[s] = (prepared or {}).get((path, s))
             if s == BARE:
                 report.codes[s] = BARE_CODE
                 continue
             strat = get_strategy(s)
             try:
-                if strat.prepare is not None and strat.prepare_scope == "once":
-                    prepared[s] = prepare(strat, path, options=options, workdir=workdir, timeout=timeout)
-                report.codes[s] = whole_process_code(strat, (prepared[s].model_path if prepared[s] else path), options)
+                if ready[s] is None and strat.prepare is not None and strat.prepare_scope == "once":
+                    ready[s] = prepare(strat, path, options=options, workdir=workdir, timeout=timeout)
+                report.codes[s] = whole_process_code(strat, (ready[s].model_path if ready[s] else path), options)
             except ProbeError as e:
                 report.errors.setdefault(s, []).append(f"prepare: {e}")
         for i, (s, r) in enumerate(report.order, 1):

@@ -403,3 +403,33 @@ def test_cross_check_interleaves_probe_and_whole_process_rounds(tiny: str, capsy
     # per round: 2 probes (ort, ortmem-nocache), then 3 whole processes (the bare import too)
     assert [m for _, m in starts] == ["probe"] * 2 + ["whole"] * 3 + ["probe"] * 2 + ["whole"] * 3
     assert all(len(runs) == 2 for runs in whole.runs.values())
+
+
+@slow
+def test_cross_check_prepares_once_for_every_round_of_both_methods(tiny: str, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """The twin is converted once, before the first round, and every probe and whole process of it
+    loads that one conversion (before, each round converted it twice: once per method)."""
+    import argparse
+
+    from ortmem.measure import bench as bench_module
+    from ortmem.measure import whole_process as whole_module
+
+    calls: list[str] = []
+    for module in (bench_module, whole_module):
+        real = module.prepare
+        monkeypatch.setattr(module, "prepare", lambda strat, *a, _real=real, **k: calls.append(
+            getattr(strat, "name", strat)) or _real(strat, *a, **k))
+    captured: list = []
+    real_render = bench_module.render_cross_check
+    monkeypatch.setattr(bench_module, "render_cross_check", lambda report: captured.append(report) or real_render(report))
+    parser = argparse.ArgumentParser(prog="ortmem bench")
+    bench_module.add_arguments(parser)
+    assert bench_module.main(parser.parse_args([tiny, "-s", "ort", "-s", "twin", "-n", "2", "--cross-check", "-q"])) == 0
+    assert calls == ["twin"]
+    report = captured[0]
+    twin_runs = report.models[0].strategies["twin"].runs
+    assert len(twin_runs) == 2 and len({r.prepared_model for r in twin_runs}) == 1
+    assert repr(twin_runs[0].prepared_model) in report.whole_process[0].codes["twin"]
+    assert len(report.whole_process[0].runs["twin"]) == 2
+    assert "cross-check:" in capsys.readouterr().out
