@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..units import MiB, bytes_arg, pair_arg
 from .errors import ProbeError
-from .probe import Prepared, ProbeResult, prepare, probe
+from .probe import Prepared, ProbeResult, prepare_once, probe
 from .report import (  # noqa: F401  (re-exported: the bench's public API)
     BIMODAL_SPREAD,
     METRICS,
@@ -111,7 +111,7 @@ def run_bench(
     jitter: bool = True,
     seed: int = 0,
     first_round: int = 0,
-    prepared: Mapping[tuple[str, str], Prepared] | None = None,
+    prepared: Mapping[tuple[str, str], Prepared | ProbeError] | None = None,
 ) -> BenchReport:
     """Probe every (model, strategy) ``repeat`` times, interleaved, each in a fresh process.
 
@@ -122,9 +122,9 @@ def run_bench(
     A failing probe is recorded in ``errors`` and the bench goes on. Round ``i`` pads every
     child's heap by ``jitters[i]`` bytes (module docstring) unless ``jitter=False``. ``first_round``
     numbers the rounds from there (rotation and jitter as in one run of them all: ``--cross-check``
-    runs the bench one round at a time). ``prepared`` holds "once" preparations already made, keyed by
-    (absolute model path, strategy), which the caller keeps alive (``--cross-check`` prepares once for
-    every round of both methods).
+    runs the bench one round at a time). ``prepared`` holds "once" preparations already made
+    (:func:`~ortmem.measure.probe.prepare_once`), which the caller keeps alive (``--cross-check``
+    prepares once for every round of both methods); the others are made here.
     """
     names = list(dict.fromkeys(strategies)) if strategies else default_strategies()
     rng = random.Random(seed)
@@ -148,21 +148,15 @@ def run_bench(
         for path in paths:
             mr = ModelReport(path, {s: StrategyResult(get_strategy(s).name) for s in names})
             report.models.append(mr)
-            ready: dict[str, Prepared | None] = {}
-            for s in names:
-                strat = get_strategy(s)
-                ready[s] = (prepared or {}).get((path, s))
-                if ready[s] is not None:
-                    mr.strategies[s].prepared_model = ready[s].model_path
-                elif strat.prepare is not None and strat.prepare_scope == "once":
-                    try:
-                        sub = tempfile.mkdtemp(prefix=f"prep-{len(ready)}-", dir=workdir)
-                        ready[s] = prepare(strat, path, options=options, workdir=sub, timeout=timeout)
-                        mr.strategies[s].prepared_model = ready[s].model_path
-                        say(f"prepared {os.path.basename(path)} for {s} in {ready[s].wall_s:.1f} s")
-                    except ProbeError as e:
-                        mr.strategies[s].errors.append(f"prepare: {e}")
-                        say(f"prepare {os.path.basename(path)} for {s}: FAILED {str(e).splitlines()[0]}")
+            ready = {s: got for (m, s), got in (prepared or {}).items() if m == path and s in names}
+            made = prepare_once([path], [s for s in names if s not in ready], options=options, workdir=workdir,
+                                timeout=timeout, say=say)
+            ready.update({s: got for (_, s), got in made.items()})
+            for s, got in ready.items():
+                if isinstance(got, ProbeError):
+                    mr.strategies[s].errors.append(f"prepare: {got}")
+                else:
+                    mr.strategies[s].prepared_model = got.model_path
             todo = [(m, s, i) for (m, s, i) in report.order if m == path]
             extra = [(path, s, -1) for s in names] if memray else []
             for m, s, i in todo + extra:
@@ -178,7 +172,7 @@ def run_bench(
                         memray=i < 0,
                         sample_interval=sample_interval,
                         timeout=timeout,
-                        prepared=ready[s],
+                        prepared=ready.get(s),
                         workdir=workdir,
                         heap_jitter=jitters[i] if i >= 0 else 0,
                     )
@@ -206,39 +200,15 @@ def _interleaved(probes: Callable[[int, int], BenchReport], whole: Callable[[int
     ORT at different moments: its init on the 0.6 GB QDQ model drifted from 3.9 to 3.3 s between the
     blocks while every other strategy agreed in seconds, so the ratios to ORT disagreed by 10-22%
     (docs/benchmarks.md). The strategies' "once" preparations are made before the first round and
-    serve every round of both methods (:func:`prepare_once`); "each" ones still run before every probe."""
+    serve every round of both methods (:func:`~ortmem.measure.probe.prepare_once`; before, each round
+    made them twice, about 22 of a 90 s round on the 0.6 GB model, and the warm start's probes and whole
+    processes read different entries); "each" ones still run before every probe."""
     report, wholes = probes(1, 0), whole(1, 0)
     for r in range(1, repeat):
         report.extend(probes(1, r))
         for acc, part in zip(wholes, whole(1, r)):
             acc.extend(part)
     return report, wholes
-
-
-def prepare_once(models: Sequence[str | os.PathLike], strategies: Sequence[str], *, options: dict[str, Any],
-                 workdir: str, timeout: float, say: Callable[[str], None] | None = None
-                 ) -> dict[tuple[str, str], Prepared]:
-    """Every "once" preparation of ``strategies`` on ``models``, in folders under ``workdir`` (which the
-    caller keeps until the last probe), keyed by (absolute model path, strategy). Why once for a
-    whole ``--cross-check``: before, each round re-prepared every strategy for each method (converting
-    the twin and filling the warm cache twice a round, about 22 of each round's 90 s on the 0.6 GB
-    model), and the probes and whole processes of a warm start read different entries. A preparation
-    that fails is left out: the bench's own attempt then records the error."""
-    out: dict[tuple[str, str], Prepared] = {}
-    for model in models:
-        path = os.path.abspath(os.fspath(model))
-        for name in dict.fromkeys(strategies):
-            strat = get_strategy(name)
-            if strat.prepare is None or strat.prepare_scope != "once":
-                continue
-            try:
-                out[(path, name)] = ready = prepare(strat, path, options=options, workdir=tempfile.mkdtemp(
-                    prefix=f"prep-{len(out)}-", dir=workdir), timeout=timeout)
-            except ProbeError:
-                continue
-            if say:
-                say(f"prepared {os.path.basename(path)} for {name} in {ready.wall_s:.1f} s (every round)")
-    return out
 
 
 def plot(report: BenchReport, path_png: str | os.PathLike) -> None:
@@ -359,7 +329,7 @@ def main(args: argparse.Namespace) -> int:
         print(bytecode, file=sys.stderr, flush=True)
     say = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
 
-    shared: dict[tuple[str, str], Prepared] = {}
+    shared: dict[tuple[str, str], Prepared | ProbeError] = {}
 
     def probes(rounds: int, first: int = 0) -> BenchReport:
         return run_bench(args.models, args.strategies, rounds, memray=args.memray and first == 0,

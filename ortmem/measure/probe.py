@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from ..helper_env import helper_environment
 from . import procfs
@@ -228,6 +228,39 @@ def prepare(
     }
     res, _ = _run_child(spec, os.fspath(workdir), timeout, None)
     return Prepared(os.path.abspath(res["prepared_model"]), float(res["wall_s"]))
+
+
+def prepare_once(
+    models: Sequence[str | os.PathLike],
+    strategies: Sequence[str],
+    *,
+    options: dict[str, Any] | None,
+    workdir: str | os.PathLike,
+    timeout: float,
+    say: Callable[[str], None] | None = None,
+) -> dict[tuple[str, str], Prepared | ProbeError]:
+    """Every "once" preparation of ``strategies`` on ``models``, each in a folder of its own under
+    ``workdir`` (which the caller keeps until the last probe), keyed by (absolute model path,
+    strategy); a preparation that failed is its :class:`ProbeError`, for the caller to record. The one
+    way the bench, the whole-process mode and ``--cross-check`` (once for every round of both methods)
+    prepare; strategies without a "once" step are left out."""
+    out: dict[tuple[str, str], Prepared | ProbeError] = {}
+    for model in models:
+        path = os.path.abspath(os.fspath(model))
+        for name in dict.fromkeys(strategies):
+            strat = get_strategy(name)
+            if strat.prepare is None or strat.prepare_scope != "once":
+                continue
+            try:
+                sub = tempfile.mkdtemp(prefix=f"prep-{len(out)}-", dir=workdir)
+                out[(path, name)] = ready = prepare(strat, path, options=options, workdir=sub, timeout=timeout)
+                line = f"prepared {os.path.basename(path)} for {name} in {ready.wall_s:.1f} s"
+            except ProbeError as e:
+                out[(path, name)] = e
+                line = f"prepare {os.path.basename(path)} for {name}: FAILED {str(e).splitlines()[0] if str(e) else ''}"
+            if say:
+                say(line)
+    return out
 
 
 def probe(

@@ -487,6 +487,7 @@ def render_cross_check(report: BenchReport) -> str:
         inits = {name: whole.init_by_round(name) for name in mr.strategies}
         for ref in (r for r in REFERENCES if probes.get(r) and inits.get(r)):
             for name in mr.strategies:
+                # not a reference against itself, nor ORT against the twin (the twin against ORT, inverted)
                 if name in REFERENCES[: REFERENCES.index(ref) + 1] or not probes[name] or not inits[name]:
                     continue
                 # no ratio where the reference's init~ is not positive (a tiny model: within noise of the import)

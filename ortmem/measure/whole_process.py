@@ -53,7 +53,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ..helper_env import helper_environment
 from .errors import ProbeError
 from ..units import MiB
-from .probe import Prepared, prepare
+from .probe import Prepared, prepare, prepare_once
 from .settle import Leftovers, flush_writes
 from .stats import RatioStat, Stat, metric_modes, modes_text, schedule
 from .strategies import Strategy, get_strategy, whole_process_code
@@ -331,7 +331,7 @@ def run_whole_process(
     timeout: float = 600.0,
     say: Callable[[str], None] | None = None,
     first_round: int = 0,
-    prepared: Mapping[tuple[str, str], Prepared] | None = None,
+    prepared: Mapping[tuple[str, str], Prepared | ProbeError] | None = None,
 ) -> WholeProcessReport:
     """Time each strategy (plus ``ort`` and the bare import) as whole processes, ``repeat`` rounds
     numbered from ``first_round`` (see :func:`ortmem.measure.stats.schedule`); ``prepared`` as for
@@ -342,19 +342,18 @@ def run_whole_process(
     report = WholeProcessReport(path, repeat, order=[(s, r) for _, s, r in schedule([path], names, repeat, first_round)])
     report.runs = {s: [] for s in names}
     with tempfile.TemporaryDirectory(prefix="ortmem-whole-") as workdir:
-        ready: dict[str, Prepared | None] = {}
+        ready = {s: got for (m, s), got in (prepared or {}).items() if m == path and s in names}
+        made = prepare_once([path], [s for s in names if s != BARE and s not in ready], options=options,
+                            workdir=workdir, timeout=timeout)
+        ready.update({s: got for (_, s), got in made.items()})
         for s in names:
-            ready[s] = (prepared or {}).get((path, s))
-            if s == BARE:
+            got = ready.get(s)
+            if isinstance(got, ProbeError):
+                report.errors.setdefault(s, []).append(f"prepare: {got}")
+            elif s == BARE:
                 report.codes[s] = BARE_CODE
-                continue
-            strat = get_strategy(s)
-            try:
-                if ready[s] is None and strat.prepare is not None and strat.prepare_scope == "once":
-                    ready[s] = prepare(strat, path, options=options, workdir=workdir, timeout=timeout)
-                report.codes[s] = whole_process_code(strat, (ready[s].model_path if ready[s] else path), options)
-            except ProbeError as e:
-                report.errors.setdefault(s, []).append(f"prepare: {e}")
+            else:
+                report.codes[s] = whole_process_code(get_strategy(s), got.model_path if got else path, options)
         for i, (s, r) in enumerate(report.order, 1):
             if s not in report.codes:
                 continue

@@ -413,13 +413,16 @@ def test_cross_check_prepares_once_for_every_round_of_both_methods(tiny: str, mo
     import argparse
 
     from ortmem.measure import bench as bench_module
-    from ortmem.measure import whole_process as whole_module
+    import importlib
 
-    calls: list[str] = []
-    for module in (bench_module, whole_module):
-        real = module.prepare
-        monkeypatch.setattr(module, "prepare", lambda strat, *a, _real=real, **k: calls.append(
-            getattr(strat, "name", strat)) or _real(strat, *a, **k))
+    probe_module = importlib.import_module("ortmem.measure.probe")  # the package binds `probe` to the function
+
+    from ortmem.measure.strategies import get_strategy
+
+    calls: list[str] = []  # preparations that do something (a probe also "prepares" a strategy with no step)
+    real = probe_module.prepare
+    monkeypatch.setattr(probe_module, "prepare", lambda strat, *a, **k: (
+        get_strategy(strat).prepare and calls.append(get_strategy(strat).name)) or real(strat, *a, **k))
     captured: list = []
     real_render = bench_module.render_cross_check
     monkeypatch.setattr(bench_module, "render_cross_check", lambda report: captured.append(report) or real_render(report))
