@@ -3,12 +3,14 @@
 The demo, the tests and the benchmarks all need models whose weights are big, quantized like real
 exports, reproducible bit for bit, and cheap to make. This module makes them from a :class:`SynthConfig`:
 
-* token embedding (fp32 table, or a blockwise DequantizeLinear along the hidden axis feeding Gather),
+* token embedding (fp32 table, or a blockwise DequantizeLinear along the hidden axis feeding Gather, or
+  tied: the fp32 LM head weight ``[hidden, vocab]`` read through ``Transpose`` by the Gather, as exporters
+  write a tied embedding; ORT folds that Transpose into a ``[vocab, hidden]`` table at load),
 * per layer: RMS norm from primitive ops (Pow/ReduceMean/Add/Sqrt/Div/Mul, which every ORT build runs;
   ORT may fuse them itself), causal multi-head attention (Q/K/V/O projections quantized, heads via
   Reshape/Transpose, ``Q K^T * 1/sqrt(d)`` + causal mask, Softmax, ``@ V``; no rotary embedding), SiLU MLP
   (gate/up/down quantized, ``g * Sigmoid(g) * u``), residual adds,
-* final norm and a quantized LM head; input ``input_ids`` int64 ``[batch, seq]``, output ``logits``
+* final norm and a quantized LM head (fp32 when the embedding is tied to it); input ``input_ids`` int64 ``[batch, seq]``, output ``logits``
   float32 ``[batch, seq, vocab]``.
 
 Both forms hold *identical codes*: each quantized matrix draws its packed ONNX weight bytes, its scales and
@@ -74,6 +76,8 @@ _EMBEDDED_LIMIT = 2**31 - 64 * 1024**2  # protobuf's 2 GiB, minus room for the g
 # settings; small, because glibc keeps freed chunks of this size in its heap (its mmap threshold grows to
 # the largest freed block), so the chunk size is what write_model's RSS keeps.
 _ELEM_CHUNK = 1 << 20
+#: The LM head's fp32 weight ``[hidden, vocab]`` that a tied embedding reads through Transpose.
+TIED_HEAD = "lm_head.weight"
 
 WEIGHT_TYPES: dict[str, tuple[int, int, bool]] = {  # name: (onnx type, bits, signed)
     "int2": (TensorProto.INT2, 2, True),
@@ -108,7 +112,7 @@ class SynthConfig:
     scale_dtype: str = "float32"  # float32 | float16 (fp16 wraps each quantized MatMul in Casts)
     form: str = "qdq"  # qdq (DequantizeLinear -> MatMul) | native (com.microsoft MatMulNBits)
     storage: str = "embedded"  # embedded | external (one <name>.onnx.data file)
-    embedding: str = "fp32"  # fp32 | quantized (DequantizeLinear along hidden, axis=1, -> Gather)
+    embedding: str = "fp32"  # fp32 | quantized (DequantizeLinear along hidden, axis=1, -> Gather) | tied
     accuracy_level: int = 4  # native form's MatMulNBits attribute; 4 = what ORT's fusion uses by default
     seed: int = 0
     name: str = "synth"
@@ -119,7 +123,7 @@ class SynthConfig:
         if self.scale_dtype not in _SCALE_TYPES:
             raise SynthError(f"scale_dtype must be float32 or float16, not {self.scale_dtype!r}")
         for field, allowed in (("form", ("qdq", "native")), ("storage", ("embedded", "external")),
-                               ("embedding", ("fp32", "quantized"))):
+                               ("embedding", ("fp32", "quantized", "tied"))):
             if getattr(self, field) not in allowed:
                 raise SynthError(f"{field} must be one of {allowed}, not {getattr(self, field)!r}")
         if self.block_size not in (16, 32, 64, 128, 256):
@@ -191,7 +195,8 @@ class SynthConfig:
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
     def matmuls(self) -> list[tuple[str, int, int, float]]:
-        """(prefix, K, N, extra scale factor) for every quantized MatMul, in graph order."""
+        """(prefix, K, N, extra scale factor) for every quantized MatMul, in graph order (the LM head
+        last, unless the embedding is tied to it: then it is an fp32 MatMul)."""
         h, i = self.hidden, self.intermediate
         out_gain = 1.0 / math.sqrt(2 * self.layers)
         mm: list[tuple[str, int, int, float]] = []
@@ -201,7 +206,8 @@ class SynthConfig:
                    (f"{p}.self_attn.v_proj", h, h, 1.0), (f"{p}.self_attn.o_proj", h, h, out_gain),
                    (f"{p}.mlp.gate_proj", h, i, 1.0), (f"{p}.mlp.up_proj", h, i, 1.0),
                    (f"{p}.mlp.down_proj", i, h, out_gain)]
-        mm.append(("lm_head", h, self.vocab, 1.0))
+        if self.embedding != "tied":
+            mm.append(("lm_head", h, self.vocab, 1.0))
         return mm
 
 
@@ -221,7 +227,7 @@ def model_weight_bytes(config: SynthConfig) -> dict[str, int]:
             zps += -(-kb * N * bits // 8) if config.zero_points else 0
         scales += kb * N * sitem
     V, H = config.vocab, config.hidden
-    if config.embedding == "fp32":
+    if config.embedding in ("fp32", "tied"):  # tied: the LM head's fp32 weight, counted once here
         emb = V * H * 4
     else:
         kbh = -(-H // bs)
@@ -402,6 +408,15 @@ class _Graph:
                     yield rng.standard_normal(min(V * H - e0, _ELEM_CHUNK), dtype=np.float32).view(np.uint8)
             self.inits.append(_Init(name, TensorProto.FLOAT, (V, H), V * H * 4, chunks))
             table = name
+        elif c.embedding == "tied":
+            head = TIED_HEAD
+
+            def head_chunks() -> Iterator[np.ndarray]:
+                rng = _rng(c, head)
+                for e0 in range(0, V * H, _ELEM_CHUNK):
+                    yield rng.standard_normal(min(V * H - e0, _ELEM_CHUNK), dtype=np.float32).view(np.uint8)
+            self.inits.append(_Init(head, TensorProto.FLOAT, (H, V), V * H * 4, head_chunks))
+            table = self.node("Transpose", [head], name="model.embed_tokens.transpose", perm=[1, 0])[0]
         else:
             # Blockwise along hidden (axis=1), the layout com.microsoft GatherBlockQuantized takes as is
             # (quantize_axis=1, int4/uint4 data); ORT has no DQ+Gather fusion, so the table is dequantized
@@ -481,8 +496,11 @@ def _build_graph(config: SynthConfig) -> tuple[onnx.GraphProto, list[_Init]]:
         x = g.node("Add", [x, g.qmatmul(act, dn, Kd, Nd, gd)], name=f"{p}.mlp.residual")[0]
 
     h = g.rms_norm(x, g.fp32_vector("model.norm.weight", H), "model.norm")
-    name, K, N, gain = c.matmuls()[-1]
-    logits = g.qmatmul(h, name, K, N, gain)
+    if c.embedding == "tied":
+        logits = g.node("MatMul", [h, TIED_HEAD], name="lm_head.matmul")[0]
+    else:
+        name, K, N, gain = c.matmuls()[-1]
+        logits = g.qmatmul(h, name, K, N, gain)
     g.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits"))
     graph = helper.make_graph(
         g.nodes, c.name,
