@@ -15,16 +15,24 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from google.protobuf.message import DecodeError
 from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import set_external_data
 
-from ortmem.errors import CorruptModelError
+import ortmem
+from ortmem.errors import CorruptModelError, OrtmemError
+from ortmem.model_facts import read_facts
 from ortmem.protowire import (
     DATA_LOCATION_EXTERNAL,
+    GRAPH_INITIALIZER,
+    MODEL_GRAPH,
+    LEN,
+    TENSOR_RAW_DATA,
     FileBytes,
     WireReader,
+    encode_len_field,
     encode_varint,
     externalize_embedded,
 )
@@ -334,3 +342,68 @@ def test_fields_skipped_inline_leave_the_walk_what_protobuf_parses():
     expected, moved = expected_skeleton(data, INLINE_MAX, location="m")
     assert onnx.ModelProto.FromString(result.skeleton) == expected
     assert sorted(s.name for s in result.spans) == sorted(moved)
+
+
+# ------------------------------------------- a field longer than its message, inside the file
+# A length is checked against the end of the message that holds the field, not of the file: protobuf
+# (and so ORT) refuses such bytes, and a walk that only checked the file would read the bytes after the
+# message as the field's. Built field by field: a graph ``Add(x, W)`` with W (2048 floats, above the
+# inline limit) as an embedded initializer, and the model's opset after its graph.
+
+_N = 2048
+
+
+def _pieces() -> tuple[bytes, bytes, bytes, bytes, bytes]:
+    """W's header fields, W's bytes, the rest of the graph, the model's head, its opset field."""
+    head = TensorProto(dims=[_N], data_type=F, name="W").SerializeToString()
+    raw = np.arange(_N, dtype=np.float32).tobytes()
+    rest = helper.make_graph([helper.make_node("Add", ["x", "W"], ["y"])], "g",
+                             [helper.make_tensor_value_info("x", F, [_N])],
+                             [helper.make_tensor_value_info("y", F, [_N])]).SerializeToString()
+    opset_import = 8  # ModelProto's field: in a TensorProto read past its end, field 8 is the name
+    opset = encode_len_field(opset_import, onnx.OperatorSetIdProto(domain="", version=21).SerializeToString())
+    return head, raw, rest, onnx.ModelProto(ir_version=10).SerializeToString(), opset
+
+
+def _well_formed() -> bytes:
+    head, raw, rest, model_head, opset = _pieces()
+    tensor = head + encode_len_field(TENSOR_RAW_DATA, raw)
+    return model_head + encode_len_field(MODEL_GRAPH, encode_len_field(GRAPH_INITIALIZER, tensor) + rest) + opset
+
+
+def _raw_data_past_its_tensor() -> bytes:
+    """W's raw_data claims its 8192 bytes, but W's message ends 4 bytes earlier (the graph's next
+    field follows): the right size for its dims if read past the tensor."""
+    head, raw, rest, model_head, opset = _pieces()
+    tensor = head + bytes([TENSOR_RAW_DATA << 3 | LEN]) + encode_varint(len(raw)) + raw[:-4]
+    return model_head + encode_len_field(MODEL_GRAPH, encode_len_field(GRAPH_INITIALIZER, tensor) + rest) + opset
+
+
+def _initializer_past_its_graph() -> bytes:
+    """W, the graph's last field, claims the model's opset field after the graph as part of itself."""
+    head, raw, rest, model_head, opset = _pieces()
+    tensor = head + encode_len_field(TENSOR_RAW_DATA, raw)
+    field = bytes([GRAPH_INITIALIZER << 3 | LEN]) + encode_varint(len(tensor) + len(opset)) + tensor
+    return model_head + encode_len_field(MODEL_GRAPH, rest + field) + opset
+
+
+@pytest.mark.parametrize("crafted", [_raw_data_past_its_tensor, _initializer_past_its_graph],
+                         ids=["raw-data-past-its-tensor", "initializer-past-its-graph"])
+def test_a_field_longer_than_its_message_but_inside_the_file_is_refused_naming_the_file(tmp_path: Path, crafted):
+    x = {"x": np.ones(_N, np.float32)}
+    good = tmp_path / "good.onnx"
+    good.write_bytes(_well_formed())  # the same pieces with every length right: a model ORT runs
+    expected = ort.InferenceSession(str(good), providers=["CPUExecutionProvider"]).run(None, x)
+    np.testing.assert_array_equal(expected[0], np.arange(_N, dtype=np.float32) + 1)
+    with ortmem.load(good) as model:
+        assert model.embedded_spans == 1
+
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(crafted())
+    with pytest.raises(Exception, match="(?i)protobuf"):
+        ort.InferenceSession(str(bad), providers=["CPUExecutionProvider"])  # plain ORT refuses it
+    for refuse in (lambda: ortmem.load(bad), lambda: read_facts(bad),
+                   lambda: ortmem.InferenceSession(bad, providers=["CPUExecutionProvider"], cache=False)):
+        with pytest.raises(CorruptModelError, match="runs past the end of its message") as refused:
+            refuse()
+        assert isinstance(refused.value, OrtmemError) and str(bad) in str(refused.value)
