@@ -2,17 +2,24 @@
 on real files saved by onnx: where the weights sit, what needs the loader, and what ORT is given."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import set_external_data
 
+import ortmem
 from ortmem import model_facts
-from ortmem.model_facts import needs_session_path, plain_handover, read_facts
-from tests.support.builders import matmul_chain, save, subgraph_model
+from ortmem.handoff.prepare import prepare
+from ortmem.handoff.request import AS_GIVEN
+from ortmem.loader import load
+from ortmem.model_facts import INLINE_MAX_BYTES, needs_session_path, plain_handover, read_facts
+from tests.support.builders import make_model, matmul_chain, save, subgraph_model
+from tests.support.compare import assert_same_outputs
+from tests.support.reference import CPU, run_plain
 
 
 @pytest.fixture
@@ -77,3 +84,35 @@ def test_dequantize_is_found_in_a_large_file_without_reading_its_weights(tmp_pat
     monkeypatch.setattr(model_facts, "STOPPED_SEARCH_MAX_BYTES", 0)
     assert {p: model_facts.mentions_dequantize(p) for p in (qdq, fp32)} == small == {qdq: True, fp32: False}
     assert model_facts.mentions_dequantize(broken)
+
+
+@pytest.mark.parametrize("nbytes", [INLINE_MAX_BYTES - 1, INLINE_MAX_BYTES, INLINE_MAX_BYTES + 1])
+def test_the_hook_and_the_loader_agree_on_what_stays_inline_at_the_limit(tmp_path: Path, nbytes: int):
+    """One uint8 weight of exactly the inline limit, a byte less and a byte more: the decision from the
+    file's bytes (the hook's light route, a small file's start) and the loader (every other start)
+    keep the same tensors inline and move the same ones, by the one limit both read."""
+    w = numpy_helper.from_array(np.arange(nbytes, dtype=np.uint8), "W")
+    graph = helper.make_graph([helper.make_node("Cast", ["W"], ["Wf"], to=TensorProto.FLOAT),
+                               helper.make_node("Add", ["x", "Wf"], ["y"])], "inline-limit",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [nbytes])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [nbytes])], [w])
+    path = save(make_model(graph), tmp_path / "model.onnx")
+    moves = nbytes > INLINE_MAX_BYTES
+
+    facts = read_facts(path)
+    assert facts.embedded_bytes == (nbytes if moves else 0) and not needs_session_path(facts, converting=True)
+    by_bytes = plain_handover(path, facts)
+    assert by_bytes is not None and by_bytes.action == ("mapped" if moves else "as-is")
+    with load(path) as model:
+        assert model.embedded_spans == (1 if moves else 0)
+        assert [r.length for r in model.store] == ([nbytes] if moves else [])
+        by_loader = prepare(model, AS_GIVEN)
+        assert by_loader.action == by_bytes.action
+        by_loader.cleanup()
+    if by_bytes.workdir is not None:
+        shutil.rmtree(by_bytes.workdir)
+
+    feeds = {"x": np.ones(nbytes, np.float32)}
+    session = ortmem.InferenceSession(path, providers=CPU)  # a small file: decided from its bytes
+    assert session.ortmem_action == by_bytes.action
+    assert_same_outputs(session.run(None, feeds), run_plain(path, feeds))
