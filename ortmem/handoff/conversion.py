@@ -68,7 +68,11 @@ def converted_or_as_is(model: Model, request: Request, own_folder: bool = False)
 def _convert(model: Model, request: Request, own_folder: bool) -> Union[Handoff, Start]:
     """The conversion itself (:func:`converted_or_as_is` decides whether to try it)."""
     settings = request.settings
-    if request.cache is not None:
+    if request.cache is not None and not request.cache.writable:
+        # a cache deployed read-only (`ortmem prepare`, then a read-only mount) takes no new entry: the
+        # store said so once if the model's entry is there but stale (ortmem.store.verdict.say_stale)
+        log.info("ortmem: the cache %s cannot be written; converting %s without it", request.cache.root, model.path)
+    elif request.cache is not None:
         try:
             handoff = into_cache(model, request, own_folder)
             if handoff is not None:

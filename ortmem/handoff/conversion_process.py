@@ -96,9 +96,10 @@ def converted_on_a_miss(path: Path, request: Request) -> Union[Handoff, Start]:
 
 def _worth_a_helper(path: Path, request: Request) -> int:
     """The size of the model's files when its start converts in a helper, else 0: files that reach
-    :func:`ortmem.model_facts.min_helper_bytes` and mention ``DequantizeLinear``, a usable cache,
-    converting, and no ``progress`` callback."""
-    if request.cache is None or not request.converting or request.progress is not None or not path.is_file():
+    :func:`ortmem.model_facts.min_helper_bytes` and mention ``DequantizeLinear``, a usable cache this
+    process may write (the helper publishes into it), converting, and no ``progress`` callback."""
+    if (request.cache is None or not request.cache.writable or not request.converting or request.progress is not None
+            or not path.is_file()):
         return 0
     model_bytes = model_files_bytes(path)
     return model_bytes if model_bytes >= min_helper_bytes() and mentions_dequantize(path) else 0

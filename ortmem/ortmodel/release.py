@@ -37,7 +37,8 @@ from typing import Any, Mapping, Optional
 
 from ..short_hash import short_hash
 from ..helper_env import cache_folder, helper_environment
-from ..store.trust import make_private_dir, stat_untrusted_reason
+from ..store.stamps import boot_id
+from ..store.trust import make_private_dir, parent_untrusted_reason, stat_untrusted_reason, untrusted_reason
 from .variants import (ACCURACY_LEVELS, BLOCK_SWEEP, GATHER_WEIGHT_TYPES, SCALE_TYPES, SHARED_WEIGHT_KEY, WEIGHT_TYPES,
                        variant_key)
 
@@ -421,17 +422,28 @@ def run_probe(timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
     return answers
 
 
+#: The environment variable naming the folder probe answers are kept in (instead of the cache's).
+PROBE_DIR_ENV = "ORTMEM_PROBE_DIR"
+#: The probe folder's name in the cache folder.
+CACHE_PROBE_FOLDER = ".release-probes"
+#: The private per-user folder for probe answers where the probe folder cannot be written (a cache
+#: deployed read-only): ``$XDG_RUNTIME_DIR/<this>``, else ``<system temp dir>/<this>-<uid>``.
+RUNTIME_PROBE_FOLDER = "ortmem-probes"
+
+
 def probe_dir() -> Optional[Path]:
     """A private folder for probe answers: ``$ORTMEM_PROBE_DIR``, else ``.release-probes`` in the cache
     root (the answers depend on the ORT build and CPU only, so fresh-process children and tests with
-    private conversion caches share them); None when it cannot be created or trusted."""
+    private conversion caches share them); None when it cannot be created or trusted. It may be
+    read-only (``ortmem prepare`` wrote it, then the cache was mounted read-only): answers are read
+    from it, and kept in :func:`runtime_probe_dir` when it cannot take new ones."""
     try:
-        if os.environ.get("ORTMEM_PROBE_DIR"):
-            d = Path(os.environ["ORTMEM_PROBE_DIR"])
+        if os.environ.get(PROBE_DIR_ENV):
+            d = Path(os.environ[PROBE_DIR_ENV])
         else:
             root = cache_folder()
             make_private_dir(root, parents=True)
-            d = root / ".release-probes"
+            d = root / CACHE_PROBE_FOLDER
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = d.lstat()
         if not _private(st):
@@ -440,6 +452,36 @@ def probe_dir() -> Optional[Path]:
         return d
     except OSError:
         return None
+
+
+def runtime_probe_dir() -> Optional[Path]:
+    """Where probe answers go when :func:`probe_dir` cannot take them: a private folder of this user,
+    ``$XDG_RUNTIME_DIR/ortmem-probes``, else ``ortmem-probes-<uid>`` in the system temp folder, created
+    0700 and used only while it passes the cache's trust check (this user's, no link, nobody else may
+    write it or rename it away: :mod:`ortmem.store.trust`). Answers in it are named with the boot id
+    (:func:`runtime_answers_path`), so they hold until the machine restarts at most. None: no such
+    folder (the answers then last as long as the process)."""
+    candidates = []
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime):
+        candidates.append(Path(runtime) / RUNTIME_PROBE_FOLDER)
+    uid = os.geteuid() if hasattr(os, "geteuid") else 0
+    candidates.append(Path(tempfile.gettempdir()) / f"{RUNTIME_PROBE_FOLDER}-{uid}")
+    for path in candidates:
+        try:  # a folder this process may not even examine (another user's runtime folder) is skipped too
+            if not path.is_dir() and path.parent.is_dir() and parent_untrusted_reason(path) is None:
+                make_private_dir(path)
+            if untrusted_reason(path) is None and parent_untrusted_reason(path) is None:
+                return path
+        except OSError:
+            continue
+    return None
+
+
+def runtime_answers_path(folder: Path, release: Release) -> Path:
+    """The answers of ``release`` in the runtime folder: named by the release key and this boot's id,
+    so a probe runs at most once per release and boot however many processes start."""
+    return folder / f"{short_hash(json.dumps([release.key(), boot_id()]).encode(), 24)}.json"
 
 
 def _private(st: os.stat_result) -> bool:
@@ -464,24 +506,55 @@ def _read_answers(path: Path) -> Optional[dict[str, Any]]:
         os.close(fd)
 
 
-def _write_answers(path: Path, answers: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-", suffix=".json")
+def _write_answers(path: Path, answers: dict[str, Any]) -> Optional[str]:
+    """Keep ``answers`` at ``path`` (a private temporary file renamed over it); None when kept, else why
+    not (a read-only folder, a full disk: ``strerror``)."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-", suffix=".json")
+    except OSError as exc:
+        return exc.strerror or str(exc)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(answers, f)
         os.replace(tmp, path)
-    except OSError:
+        return None
+    except OSError as exc:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        return exc.strerror or str(exc)
+
+
+def _keep_answers(release: Release, path: Optional[Path], answers: dict[str, Any]) -> None:
+    """Keep a probe's answers where later processes find them: ``path`` (the probe folder's file), else
+    the runtime folder until the machine restarts, else nowhere but this process. One notice says where
+    when the probe folder could not take them (a cache deployed read-only after an onnxruntime upgrade):
+    a process that finds them in the runtime folder later says nothing and probes nothing."""
+    why = "no private probe folder" if path is None else _write_answers(path, answers)
+    if why is None:
+        return
+    where = f"{path.parent} ({why})" if path is not None else why
+    runtime = runtime_probe_dir()
+    kept = None if runtime is None else _write_answers(runtime_answers_path(runtime, release), answers)
+    if runtime is not None and kept is None:
+        until = f"in {runtime} until the machine restarts"
+    else:
+        until = "in this process only (every process probes again)"
+    _warn_once(f"onnxruntime {release.version} was probed now and its answers could not be kept in {where}; "
+               f"they are kept {until}. Run `ortmem prepare MODEL` (or `ortmem doctor --probe`) with this "
+               "onnxruntime where the cache can be written to keep them with the cache")
 
 
 _current: Optional[Capabilities] = None
 
 
 def capabilities(*, refresh: bool = False) -> Capabilities:
-    """The installed ORT's capabilities, probed once per build and CPU (cached on disk) and per process."""
+    """The installed ORT's capabilities, probed once per build and CPU (cached on disk) and per process.
+
+    Answers are read from :func:`probe_dir`, else from :func:`runtime_probe_dir` (a cache that cannot
+    be written keeps a new release's answers there until the machine restarts); no folder ortmem
+    cannot write ever fails a start (:func:`_keep_answers`)."""
     global _current
     if _current is not None and not refresh:
         return _current
@@ -495,6 +568,9 @@ def capabilities(*, refresh: bool = False) -> Capabilities:
     folder = probe_dir()
     path = folder / f"{release.key()}.json" if folder else None
     answers = None if (refresh or path is None) else _read_answers(path)
+    if answers is None and not refresh:
+        runtime = runtime_probe_dir()
+        answers = None if runtime is None else _read_answers(runtime_answers_path(runtime, release))
     probed_now = answers is None
     if answers is None:
         log.info("ortmem: probing onnxruntime %s (once per build and CPU)", release.version)
@@ -505,8 +581,7 @@ def capabilities(*, refresh: bool = False) -> Capabilities:
             _warn_once(note)
             _current = Capabilities(release, False, 256, 0, notes=(note,))
             return _current
-        if path is not None:
-            _write_answers(path, answers)
+        _keep_answers(release, path, answers)
     _current = from_probe(release, answers)
     if probed_now and release.version_tuple[:2] > max(RELEASE_TABLE):
         # once per build and CPU, when its probe runs (later processes read the cached answers quietly,

@@ -250,7 +250,7 @@ class Cache:
                 files[f.name] = st.st_size
                 digests[f.name] = known.get(f.name) or digest.file_digest(f)
             manifest = {"format": FORMAT, "key": key, "created": time.time(), "files": files, "digests": digests,
-                        **extras}
+                        "onnxruntime": _ort_version(), **extras}
             spans = [tuple(s) for s in manifest.get("spans", [])]
             if spans:
                 manifest["spot_digest"] = spot_digest(tmp / WEIGHTS_FILE, spans)
@@ -332,6 +332,30 @@ class Cache:
         for p in sorted(self.root.iterdir()):
             if not p.is_symlink() and p.is_dir() and not p.name.startswith(".") and (p / MANIFEST).exists():
                 yield Entry(p.name, p)
+
+    def made_for_other_release(self, source: Path) -> Optional[str]:
+        """The onnxruntime version an entry of the model file ``source`` was made with, when that is
+        not the installed one (None: no such entry). Such an entry was made stale by an onnxruntime
+        upgrade: its key names the old release, so no lookup finds it any more. Reads every entry's
+        manifest: asked once per model and process (:func:`ortmem.store.verdict.start`'s miss)."""
+        here = _ort_version()
+        wanted = str(Path(source).resolve())
+        try:
+            entries = list(self.entries())
+        except OSError:
+            return None
+        for e in entries:
+            try:
+                m = e.manifest()
+            except (OSError, ValueError):
+                continue
+            if not isinstance(m, dict) or not isinstance(m.get("onnxruntime"), str) or m["onnxruntime"] == here:
+                continue
+            recorded = m.get("sources")
+            first = recorded[0].get("path") if isinstance(recorded, list) and recorded and isinstance(recorded[0], dict) else None
+            if wanted in (first, m.get("source")):
+                return m["onnxruntime"]
+        return None
 
     def clear(self) -> int:
         """Remove every entry and leftover temporary folder, and every creator lock no live process
@@ -579,6 +603,14 @@ def open_cache(root: Optional[Path] = None, *, verify: str = digest.DEFAULT_VERI
     except CacheError as exc:
         log.warning("ortmem: not using the cache (%s); converting without it", exc)
         return None
+
+
+def _ort_version() -> str:
+    """The installed onnxruntime's version, as entries record it (imported here: the store's lookups of
+    a start have imported it already, and the hook's light route never asks)."""
+    import onnxruntime as ort
+
+    return ort.__version__
 
 
 def _pid_alive(pid: int) -> bool:

@@ -88,11 +88,11 @@ def _key(st: os.stat_result) -> tuple[int, ...]:
 
 
 def _name(path: Path, st: os.stat_result, recorded: str) -> str:
-    blob = json.dumps([os.path.abspath(path), *_key(st), recorded, _boot_id()]).encode()
+    blob = json.dumps([os.path.abspath(path), *_key(st), recorded, boot_id()]).encode()
     return short_hash(blob)
 
 
-def _boot_id() -> str:
+def boot_id() -> str:
     """This boot's id (Linux): a stamp folder that outlived a reboot still names no file of this boot."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:

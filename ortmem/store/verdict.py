@@ -16,9 +16,11 @@ locks anything itself, and the store never asks the release whether ORT saves pr
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Optional
 
+from ..helper_env import STORE_FOLDER, cache_folder
 from ..ortmodel.settings import OrtSettings, Packing
 from .cache import Cache
 from .hit import entry_start
@@ -32,6 +34,51 @@ log = logging.getLogger(__name__)
 def start(cache: Optional[Cache], path: Path, *, settings: OrtSettings, fp16_in_fp32: Optional[bool] = None,
           converting: bool = True, prepacked: bool = False, packing: Packing = ({}, 0),
           sess_options: Optional[object] = None) -> Start:
+    """:func:`lookup`'s verdict; a miss of a model whose entry an onnxruntime upgrade made stale says so
+    once per process (:func:`say_stale`)."""
+    verdict = lookup(cache, path, settings=settings, fp16_in_fp32=fp16_in_fp32, converting=converting,
+                     prepacked=prepacked, packing=packing, sess_options=sess_options)
+    if verdict.kind == MISS and cache is not None and (converting or prepacked):
+        say_stale(cache, path)
+    return verdict
+
+
+#: Whether this process has said that an entry was made stale by an onnxruntime upgrade, and the
+#: models whose entries it has looked through (once each: the look reads every entry's manifest).
+_said_stale = False
+_looked: set[tuple[str, str]] = set()
+
+
+def say_stale(cache: Cache, path: Path) -> None:
+    """Once per process, when the cache holds an entry of ``path`` made with another onnxruntime (an
+    upgrade since ``ortmem prepare``), which no lookup finds any more: a warning naming the command
+    that rebuilds it where the cache cannot be written (every start converts the model, or loads it as
+    given, until then), a log line where the miss builds a new entry anyway. Nothing is said of a
+    model the cache never held."""
+    global _said_stale
+    if _said_stale or (str(cache.root), str(path)) in _looked:
+        return
+    _looked.add((str(cache.root), str(path)))
+    recorded = cache.made_for_other_release(path)
+    if recorded is None:
+        return
+    import onnxruntime as ort
+
+    _said_stale = True
+    if cache.writable:
+        log.info("ortmem: the cache entry of %s was made with onnxruntime %s, not %s; a new one is built",
+                 path, recorded, ort.__version__)
+        return
+    model = os.path.abspath(path)
+    command = f"ortmem prepare {model}" + ("" if cache.root == cache_folder() / STORE_FOLDER else f" --cache {cache.root}")
+    log.warning("ortmem: the cache entry of %s was made with onnxruntime %s, not %s, and is not used: the cache "
+                "cannot be written, so every start converts the model (or loads it as given) until `%s` rebuilds "
+                "the entry with this onnxruntime", model, recorded, ort.__version__, command)
+
+
+def lookup(cache: Optional[Cache], path: Path, *, settings: OrtSettings, fp16_in_fp32: Optional[bool] = None,
+           converting: bool = True, prepacked: bool = False, packing: Packing = ({}, 0),
+           sess_options: Optional[object] = None) -> Start:
     """The verdict for the model file ``path`` before it is parsed: its converted entry (``converting``),
     pre-packed when ``prepacked`` (CPU EP with pre-packing on, and an ORT that saves pre-packed weights;
     saved now on the first hit), else its prepared entry (``prepacked``), else a miss. An entry found
