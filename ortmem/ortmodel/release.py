@@ -531,10 +531,10 @@ def _keep_answers(release: Release, path: Optional[Path], answers: dict[str, Any
     the runtime folder until the machine restarts, else nowhere but this process. One notice says where
     when the probe folder could not take them (a cache deployed read-only after an onnxruntime upgrade):
     a process that finds them in the runtime folder later says nothing and probes nothing."""
-    why = "no private probe folder" if path is None else _write_answers(path, answers)
+    why = "none could be made or trusted" if path is None else _write_answers(path, answers)
     if why is None:
         return
-    where = f"{path.parent} ({why})" if path is not None else why
+    where = f"{path.parent if path is not None else 'a private probe folder'} ({why})"
     runtime = runtime_probe_dir()
     kept = None if runtime is None else _write_answers(runtime_answers_path(runtime, release), answers)
     if runtime is not None and kept is None:
