@@ -352,7 +352,8 @@ class Cache:
             if not isinstance(m, dict) or not isinstance(m.get("onnxruntime"), str) or m["onnxruntime"] == here:
                 continue
             recorded = m.get("sources")
-            first = recorded[0].get("path") if isinstance(recorded, list) and recorded and isinstance(recorded[0], dict) else None
+            first = recorded[0] if isinstance(recorded, list) and recorded else None
+            first = first.get("path") if isinstance(first, dict) else None
             if wanted in (first, m.get("source")):
                 return m["onnxruntime"]
         return None

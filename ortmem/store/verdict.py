@@ -70,7 +70,8 @@ def say_stale(cache: Cache, path: Path) -> None:
                  path, recorded, ort.__version__)
         return
     model = os.path.abspath(path)
-    command = f"ortmem prepare {model}" + ("" if cache.root == cache_folder() / STORE_FOLDER else f" --cache {cache.root}")
+    default = cache.root == cache_folder() / STORE_FOLDER
+    command = f"ortmem prepare {model}" + ("" if default else f" --cache {cache.root}")
     log.warning("ortmem: the cache entry of %s was made with onnxruntime %s, not %s, and is not used: the cache "
                 "cannot be written, so every start converts the model (or loads it as given) until `%s` rebuilds "
                 "the entry with this onnxruntime", model, recorded, ort.__version__, command)
