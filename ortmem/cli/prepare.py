@@ -6,6 +6,11 @@ A QDQ model ortmem converts gets its converted cache entry and that entry's pre-
 ``ortmem.reach.genai.prepare_genai_folder``, which writes the prepared files inside the folder. The entries are
 those a default ``ortmem.InferenceSession(path, providers=["CPUExecutionProvider"])`` looks up, so
 serving processes only map, and may do so from a cache folder they cannot write.
+
+The exit status and the last line say what happened: 0 when everything is prepared or has nothing to
+prepare (ORT keeps nothing of it: a plain statement, and an entry records it), 1 when anything could
+not be prepared, the reason said once (a check that could not run records nothing: the next start or
+``ortmem prepare`` tries again).
 """
 from __future__ import annotations
 
@@ -13,6 +18,9 @@ import argparse
 import sys
 from pathlib import Path
 from typing import Callable
+
+#: What one model's preparation came to: entries a warm start maps, nothing to prepare, or a failure.
+PREPARED, NOTHING, FAILED = "prepared", "nothing to prepare", "failed"
 
 NAME = "prepare"
 HELP = "build the cache entries warm starts map (converted + pre-packed, or prepared), for a model or a folder"
@@ -35,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if not target.is_file():
         print(f"ortmem prepare: {target} is neither a model file nor a folder", file=sys.stderr)
         return 2
-    return 0 if _prepare_file(target, cache, say) else 1
+    return 1 if _prepare_file(target, cache, say) == FAILED else 0
 
 
 def _stage_printer() -> Callable[[str], None]:
@@ -50,24 +58,25 @@ def _prepare_folder(folder: Path, cache, say: Callable[[str], None]) -> int:
     from ..reach.genai import GENAI_CONFIG
 
     genai = sorted({p.parent for p in folder.rglob(GENAI_CONFIG) if not _hidden(p, folder)})
-    failed = 0
-    for g in genai:
-        failed += not _prepare_genai(g, say)
+    outcomes = [_prepare_genai(g, say) for g in genai]
     models = [p for p in sorted(folder.rglob("*.onnx"))
               if p.is_file() and not _hidden(p, folder) and not any(g == p.parent or g in p.parents for g in genai)]
     if not models and not genai:
         say(f"no .onnx model in {folder}")
-    for model in models:
-        failed += not _prepare_file(model, cache, say)
-    return 1 if failed else 0
+        return 0
+    outcomes += [_prepare_file(model, cache, say) for model in models]
+    if len(outcomes) > 1:  # one model's own last line already said it
+        say(f"{folder}: " + ", ".join(f"{outcomes.count(o)} {o}" for o in (PREPARED, NOTHING, FAILED) if o in outcomes))
+    return 1 if FAILED in outcomes else 0
 
 
 def _hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
-def _prepare_genai(folder: Path, say: Callable[[str], None]) -> bool:
-    """An onnxruntime-genai folder: its prepared files written inside it (``ortmem.reach.genai``). False: failed."""
+def _prepare_genai(folder: Path, say: Callable[[str], None]) -> str:
+    """An onnxruntime-genai folder: its prepared files written inside it (``ortmem.reach.genai``); one
+    line per file, then what the folder came to (:data:`PREPARED`, :data:`NOTHING`, :data:`FAILED`)."""
     from ..errors import OrtmemError
     from ..reach.genai import prepare_genai_folder
 
@@ -76,13 +85,22 @@ def _prepare_genai(folder: Path, say: Callable[[str], None]) -> bool:
         result = prepare_genai_folder(folder)
     except OrtmemError as exc:
         say(f"{folder}: not prepared: {exc}")
-        return False
-    say(f"{folder}: done{f' ({result})' if result is not None else ''}")
-    return True
+        return FAILED
+    for line in result.lines():
+        say(f"{folder}: {line}")
+    if result.failed:
+        say(f"{folder}: {len(result.failed)} file(s) not prepared (see above; nothing was recorded for them)")
+        return FAILED
+    if any(r.useful for r in result.prepared.values()):
+        say(f"{folder}: prepared ({result.seconds:.1f} s)")
+        return PREPARED
+    say(f"{folder}: nothing to prepare: onnxruntime keeps no pre-packed weights of its files (genai loads them as given)")
+    return NOTHING
 
 
-def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> bool:
-    """One model: its converted entry and pre-packed weights, else its prepared entry. False: failed."""
+def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> str:
+    """One model: its converted entry and pre-packed weights, else its prepared entry; what it came to
+    (:data:`PREPARED`, :data:`NOTHING`, :data:`FAILED`), said in its last line."""
     from ..convert import convert_cached
     from ..errors import OrtmemError
     from ..handoff.conversion import conversion_check
@@ -90,7 +108,7 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> bool:
     from ..ortmodel.release import capabilities
     from ..ortmodel.settings import session_settings
     from ..model_facts import min_prepared_bytes
-    from ..store.prepared_entries import describe, ensure_prepared, prepared_key
+    from ..store.prepared_entries import describe, ensure_prepared, is_marker, prepared_key
     from ..progress import progress_bar
 
     settings = session_settings(None)
@@ -100,7 +118,7 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> bool:
             converts, fault = conversion_check(model)
             if fault is not None:
                 say(f"{path}: {fault}: nothing prepared (sessions hand it to onnxruntime as given)")
-                return True
+                return NOTHING
             if converts:
                 with progress_bar(f"ortmem prepare: {path}: converting") as bar:
                     entry, hit, _ = convert_cached(model, settings, cache, progress=bar)
@@ -110,32 +128,38 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> bool:
             weights = model.weight_bytes
         if not capabilities().prepacked_save:
             say(f"{path}: this onnxruntime saves no pre-packed weights: nothing to prepare")
-            return True
+            return NOTHING
         if weights < min_prepared_bytes():
             say(f"{path}: {weights / 2**20:.1f} MiB of initializers, below {min_prepared_bytes() / 2**20:.0f} MiB: "
                 "nothing to prepare (plain onnxruntime costs as little; $ORTMEM_PREPARE_MIN_BYTES)")
-            return True
+            return NOTHING
         say(f"{path}: preparing (onnxruntime saves its pre-packed weights)")
         entry, built = ensure_prepared(cache, path, prepared_key(path, settings, {}, True))
-        say(f"{path}: prepared entry {entry.key} ({'built' if built else 'already there'}): {describe(entry)}")
-        return True
     except OrtmemError as exc:
-        say(f"{path}: failed: {exc}")
-        return False
+        say(f"{path}: not prepared: {exc}")
+        return FAILED
+    state = "built" if built else "already there"
+    if is_marker(entry):
+        say(f"{path}: nothing to prepare ({entry.manifest().get('why', 'onnxruntime packs nothing')}): sessions load "
+            f"it as given (entry {entry.key}, {state}, records this)")
+        return NOTHING
+    say(f"{path}: prepared entry {entry.key} ({state}): {describe(entry)}")
+    return PREPARED
 
 
-def _prepack(entry, cache, say: Callable[[str], None]) -> bool:
-    """The converted entry's pre-packed weights, saved under its creator lock unless already there."""
+def _prepack(entry, cache, say: Callable[[str], None]) -> str:
+    """The converted entry's pre-packed weights, saved under its creator lock unless already there (the
+    converted entry alone is what a warm start maps where ORT saves none: :data:`PREPARED` either way)."""
     from ..ortmodel.release import capabilities
     from ..store.prepacked import prepacked_model, save_prepacked
 
     if not capabilities().prepacked_save:
         say(f"{entry.path}: this onnxruntime saves no pre-packed weights")
-        return True
+        return PREPARED
     with cache.creating(entry.key):
         path = prepacked_model(entry.path, "full")
         if path is None:
             say(f"{entry.path}: saving onnxruntime's pre-packed weights")
             path = save_prepacked(entry.path)
     say(f"{entry.path}: {'pre-packed weights ready' if path is not None else 'nothing for onnxruntime to pre-pack'}")
-    return True
+    return PREPARED

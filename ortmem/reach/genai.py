@@ -58,7 +58,7 @@ from ..errors import OrtmemError
 from ..hygiene import allocator_hygiene
 from ..ortmodel.settings import OrtSettings
 from ..ortmodel.settings import packing_settings as ort_packing_settings
-from ..store.prepared import PreparedReport, prepare_model, prepared_problem
+from ..store.prepared import PrepareCheckError, PreparedReport, prepare_model, prepared_problem, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -239,20 +239,22 @@ def packing_settings(config: dict[str, Any], item: GenaiModelFile) -> tuple[OrtS
 # -------------------------------------------------------------------------------- preparing
 @dataclass
 class GenaiPrepareReport:
-    """What :func:`prepare_genai_folder` did: per config filename, the prepared file's report or why
-    it was skipped."""
+    """What :func:`prepare_genai_folder` did: per config filename, the prepared file's report, why it
+    was skipped, or why its check could not run (``failed``: nothing was written for it)."""
 
     folder: Path
     seconds: float = 0.0
     prepared: dict[str, PreparedReport] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
 
     def lines(self) -> list[str]:
         """One line per file, for ``ortmem prepare``'s output."""
         out = [f"{name}: {r.prepacked} pre-packed weights, {r.data_bytes / 2**20:.1f} MiB, {r.seconds:.1f} s"
-               + ("" if r.useful else " (nothing ORT packs: genai loads the source)")
-               for name, r in self.prepared.items()]
+               if r.useful else f"{name}: nothing prepared ({r.refusal or 'onnxruntime packs nothing'}): "
+               "genai loads the source" for name, r in self.prepared.items()]
         out += [f"{name}: skipped ({why})" for name, why in self.skipped.items()]
+        out += [f"{name}: not prepared: {why}" for name, why in self.failed.items()]
         return out
 
     def __str__(self) -> str:
@@ -265,6 +267,8 @@ def prepare_genai_folder(folder: Path) -> GenaiPrepareReport:
     genai refuses paths outside it. ``genai_config.json`` is left as it is (:func:`genai_config` or
     :func:`rewrite_config` make genai use the files). Run it where the folder will be served, as the
     user that serves it: the prepared files record the source's identity, the ORT build and the CPU.
+    A file whose check cannot run (:class:`ortmem.store.prepared.PrepareCheckError`) gets nothing
+    written and is listed in ``failed``; the other files are prepared all the same.
     """
     folder = Path(folder)
     config = read_config(folder)
@@ -282,7 +286,11 @@ def prepare_genai_folder(folder: Path) -> GenaiPrepareReport:
         if not source.is_file():
             raise GenaiFolderError(f"{GENAI_CONFIG} names an ONNX file that does not exist", file=source)
         settings, threads = packing_settings(config, item)
-        result = prepare_model(source, source.parent, stem=item.stem, settings=settings, threads=threads)
+        try:
+            result = prepare_model(source, source.parent, stem=item.stem, settings=settings, threads=threads)
+        except PrepareCheckError as exc:
+            report.failed[item.filename] = str(exc)
+            continue
         if not result.useful:  # keep the manifest only: genai loads the source, with no warning
             for suffix in (".onnx", ".data"):
                 (source.parent / f"{item.stem}{suffix}").unlink(missing_ok=True)
@@ -327,6 +335,9 @@ def _prepared_problem(folder: Path, item: GenaiModelFile, mode: str) -> tuple[Op
     if not manifest.exists():
         return None, f"{item.source} is not prepared (run `ortmem prepare {folder}`)"
     if not model.exists() and not model.is_symlink():
+        _, problem = read_manifest(target, item.stem)  # a manifest of another format decided by other rules
+        if problem:
+            return None, f"{item.source} is not prepared for this ortmem ({problem}): run `ortmem prepare {folder}`"
         return None, None  # prepared, and ORT packs nothing in it (prepare_genai_folder kept no files)
     problem = prepared_problem(target, item.stem, source=source, mode=mode)
     if problem:
@@ -435,7 +446,8 @@ def rewrite_config(folder: Path, *, backup: bool = True) -> list[str]:
     genai verifies nothing it maps: after this, no check runs on any start (a prepared ``.data``
     damaged later is used as read; ORT >= 1.32 refuses only damaged *pre-packed* blobs). Files
     that fail now are pointed back at their sources. ``backup``: the config as it was is kept in
-    ``genai_config.json.ortmem-backup`` (once: a later rewrite keeps the first backup).
+    ``genai_config.json.ortmem-backup`` (once: a later rewrite keeps the first backup). A folder
+    where either cannot be written raises :class:`GenaiFolderError` naming the file.
     """
     folder = Path(folder)
     path = folder / GENAI_CONFIG
@@ -455,9 +467,18 @@ def rewrite_config(folder: Path, *, backup: bool = True) -> list[str]:
     if reasons:
         log.warning("ortmem: genai folder %s: %s; those files stay as given", folder, "; ".join(reasons))
     if backup and not (folder / CONFIG_BACKUP).exists():
-        _write_atomic(folder / CONFIG_BACKUP, original, path.stat().st_mode & 0o777)
-    _write_atomic(path, json.dumps(config, indent=4) + "\n", path.stat().st_mode & 0o777)
+        _write_config(folder / CONFIG_BACKUP, original, path.stat().st_mode & 0o777)
+    _write_config(path, json.dumps(config, indent=4) + "\n", path.stat().st_mode & 0o777)
     return switched
+
+
+def _write_config(path: Path, text: str, mode: int) -> None:
+    """:func:`_write_atomic` for :func:`rewrite_config`: a folder it cannot write (read-only, full)
+    is a :class:`GenaiFolderError` naming the file, the config left as it was."""
+    try:
+        _write_atomic(path, text, mode)
+    except OSError as exc:
+        raise GenaiFolderError(f"cannot rewrite the config in this folder: {exc.strerror or exc}", file=path) from exc
 
 
 def restore_config(folder: Path) -> bool:

@@ -24,6 +24,12 @@ convolution weights, fused ones) are therefore *not* captured: a model whose onl
 such tensors (a Conv net: plain ``Conv`` does not pre-pack, the NCHWc one made at level 3 does) gets
 ``useful=False``.
 
+Before anything is published, :func:`worth_mapping` runs the source and the saved model on the same
+feeds (:func:`ortmem.measure.inputs.make_inputs`; a decoder's first step: empty KV cache, its head
+size and head count from ``genai_config.json`` or its attention nodes). A model those feeds cannot run
+is not judged at all: :class:`PrepareCheckError`, nothing is written, and a later preparation tries
+again (a verdict such as "ORT packs nothing" is recorded only where the check ran).
+
 What is checked, and when (:func:`prepared_path`, on every use)
 -------------------------------------------------------------
 ``<stem>.json`` is written last and atomically; it records what the blobs are valid for
@@ -40,6 +46,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
 import uuid
@@ -62,12 +69,19 @@ log = logging.getLogger(__name__)
 #: Bumped whenever what :func:`prepare_model` writes, or the rule deciding whether it is published,
 #: changes. 2: published only where :func:`worth_mapping` measured a gain (a format-1 entry may be one
 #: that holds more private memory than plain ORT; its key no longer matches, so it is never served).
-PREPARED_FORMAT = 2
+#: 3: the check runs decoders on their first step (format 2 ran them on made-up cache shapes ORT's attention
+#: refused, and recorded "packs nothing" for every such decoder).
+PREPARED_FORMAT = 3
 _WORK_PREFIX = ".prepare-"
 
 
 class PrepareError(CacheError):
     """ORT could not save the prepared model (names the source)."""
+
+
+class PrepareCheckError(PrepareError):
+    """The check that decides whether a prepared model may be used could not run (the source fails on
+    the feeds ortmem makes): no verdict, so nothing may be recorded of it (names the source)."""
 
 
 @dataclass
@@ -104,7 +118,8 @@ def prepare_model(source: Path, folder: Path, stem: str = "prepared", *, setting
     :func:`ortmem.ortmodel.settings.packing_settings`); ``prepacking`` False writes nothing (``useful`` False).
     ``threads``: intra-op threads of the throw-away session (0: ORT's default).
 
-    Raises :class:`PrepareError` when ORT fails to load or save the model; nothing is published then.
+    Raises :class:`PrepareError` when ORT fails to load or save the model, :class:`PrepareCheckError`
+    when the source cannot be run to check the saved model; nothing is published then.
     """
     import onnx
 
@@ -164,14 +179,20 @@ def worth_mapping(source: Path, prepared: Path, settings: OrtSettings, threads: 
     Both are asked of the installed ORT, not assumed: onnxruntime 1.28.0 reloads the saved blobs of a
     native MatMulNBits model as NaN (a silently wrong output had the entry been used), and a saved blob
     whose kernel is fused away at the session's optimization level is never mapped. Feeds are synthetic
-    (floats from a fixed seed, integers 0, symbolic dims 1): a model these cannot run is not prepared.
+    (floats from a fixed seed, integers 0, batch 1, sequence 8; a decoder's first step, its cache empty:
+    :func:`ortmem.measure.inputs.decoder_dims`), made once from the source and given to both.
+
+    Raises :class:`PrepareCheckError` when the source itself cannot be run on them: that is no verdict
+    on the prepared model, and the caller records none. ORT's own log stays quiet (the error says why).
     """
     from ..hygiene import trim
-    from ..measure.inputs import make_inputs
+    from ..measure.inputs import decoder_dims, make_inputs
+
+    feeds: dict[str, Any] = {}
 
     def run(path: Path) -> tuple[list[Any], int]:
         so = ort.SessionOptions()
-        so.log_severity_level = 3
+        so.log_severity_level = _ORT_QUIET
         for key, value in settings.session_config.items():
             so.add_session_config_entry(key, value)
         if threads:
@@ -179,7 +200,9 @@ def worth_mapping(source: Path, prepared: Path, settings: OrtSettings, threads: 
         trim()
         before = _rss_anon()
         session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        outputs = session.run(None, make_inputs(session, {"int_high": 1}))
+        if not feeds:
+            feeds.update(make_inputs(session, {"int_high": 1, "dims": decoder_dims(source)}))
+        outputs = session.run(None, feeds)
         trim()
         kept = _rss_anon() - before
         del session
@@ -187,9 +210,15 @@ def worth_mapping(source: Path, prepared: Path, settings: OrtSettings, threads: 
 
     try:
         expected, source_kept = run(source)
-        got, prepared_kept = run(prepared)
     except Exception as exc:  # noqa: BLE001 - ORT's own types: a model synthetic feeds cannot run
-        return f"its outputs could not be compared ({type(exc).__name__}: {str(exc)[:200]})"
+        shapes = ", ".join(f"{k} {list(np.shape(v))}" for k, v in feeds.items())
+        raise PrepareCheckError(f"the check of the prepared model could not run the source ({_ort_message(exc)}; "
+                                f"feeds: {shapes or 'none made'}); nothing recorded, a later start tries again",
+                                file=str(source)) from exc
+    try:
+        got, prepared_kept = run(prepared)
+    except Exception as exc:  # noqa: BLE001 - the source runs on these feeds, the saved model does not
+        return f"onnxruntime {ort.__version__} cannot run the prepared model ({_ort_message(exc)})"
     same = len(got) == len(expected) and all(
         np.asarray(a).shape == np.asarray(b).shape and np.array_equal(a, b, equal_nan=False) for a, b in zip(got, expected))
     if not same:
@@ -198,6 +227,17 @@ def worth_mapping(source: Path, prepared: Path, settings: OrtSettings, threads: 
         return (f"the prepared model keeps {prepared_kept / 2**20:.1f} MiB private against the source's "
                 f"{source_kept / 2**20:.1f} MiB: nothing ORT keeps is mapped")
     return None
+
+
+#: ``SessionOptions.log_severity_level`` of the sessions ortmem makes here: fatal only, so a failure is
+#: said once, by the error ortmem raises, not also by ORT's log.
+_ORT_QUIET = 4
+
+
+def _ort_message(exc: BaseException) -> str:
+    """ORT's message without its status prefix, on one line and short."""
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", " ".join(str(exc).split()))
+    return f"{type(exc).__name__}: {text[:300]}"
 
 
 def _rss_anon() -> int:
@@ -215,7 +255,7 @@ def _save(source: Path, work: Path, stem: str, settings: OrtSettings, threads: i
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.optimized_model_filepath = str(work / f"{stem}.onnx")
-    so.log_severity_level = 3
+    so.log_severity_level = _ORT_QUIET
     entries = {**dict(settings.session_config),
                "session.save_external_prepacked_constant_initializers": "1",
                "session.optimized_model_external_initializers_file_name": f"{stem}.data"}

@@ -6,8 +6,11 @@ cache's ``manifest.json``, so the cache's own checks apply to every byte (:meth:
 trust check and digest of every file, per ``verify=``) and the manifest records the source files
 (:func:`ortmem.store.sources.source_record`), so a changed source is never served stale
 (:meth:`ortmem.store.cache.Cache.lookup_sourced`). Where ORT packs nothing (``useful`` False: a Conv net, a model
-of element-wise ops) or cannot save the model, the entry is a *marker*: a manifest with no files and
-``"marker": true``, so later starts decide at once and ortmem costs nothing there.
+of element-wise ops), where the saved model is not worth mapping (``refusal``) or ORT cannot save the
+model, the entry is a *marker*: a manifest with no files and ``"marker": true``, so later starts decide
+at once and ortmem costs nothing there. A check that could not run
+(:class:`ortmem.store.prepared.PrepareCheckError`) decided nothing: no entry is published and the error
+reaches the caller, so the next start may try again.
 
 Key (:func:`prepared_key`): ``what="prepared"``, the source .onnx identity, the settings the session
 is created with (level, the config entries ortmem reads, disabled optimizers, the packing entries),
@@ -25,6 +28,7 @@ from typing import Any, Optional
 import onnxruntime as ort
 
 from .. import __version__
+from ..errors import resource_failure
 from .cache import Cache
 from .layout import Entry
 from .layout import MODEL_FILE
@@ -33,6 +37,7 @@ from ..ortmodel.settings import OrtSettings
 from .prepacked import prepacked_key_parts
 from .prepared import (
     PREPARED_FORMAT,
+    PrepareCheckError,
     PrepareError,
     PreparedReport,
     prepare_model,
@@ -108,17 +113,28 @@ def usable_prepared(cache: Cache, entry: Entry) -> Optional[Entry]:
 def build_prepared(cache: Cache, source: Path, key: str, *, packing: Optional[dict[str, str]] = None,
                    threads: int = 0) -> tuple[Entry, Optional[PreparedReport]]:
     """Build and publish the prepared entry ``key`` of ``source`` (the caller holds its creator lock);
-    (entry, report), the report None when ORT could not save the model (a marker then says so)."""
+    (entry, report), the report None when ORT could not save the model (a marker then says so).
+    Raises :class:`ortmem.store.prepared.PrepareCheckError`, publishing nothing, when the check of the
+    saved model could not run: a marker records only a decision. A failure of resources
+    (:func:`ortmem.errors.resource_failure`: ORT's ``bad_alloc``, no thread, no descriptor) is no
+    decision either: :class:`ortmem.store.prepared.PrepareError` is raised and nothing published."""
     reports: list[PreparedReport] = []
 
     def build(tmp: Path) -> dict[str, Any]:
         try:
             report = prepare_model(source, tmp, STEM, settings=OrtSettings(session_config=dict(packing or {})),
                                    threads=threads)
+        except PrepareCheckError:
+            raise  # no decision was made: nothing to record
         except PrepareError as exc:
+            if resource_failure(exc):  # says nothing about the model: no marker, a later start tries again
+                raise
             log.info("ortmem: %s; later starts load %s as given", exc, source)
             return {"kind": "prepared", "marker": True, "source": str(source), "why": str(exc),
                     **source_record(source_files(source))}
+        if not report.useful and resource_failure(report.refusal):
+            # the comparison ran short of memory, threads or descriptors: no verdict on the model either
+            raise PrepareError(f"the prepared model could not be judged: {report.refusal}", file=str(source))
         reports.append(report)
         manifest, problem = read_manifest(tmp, STEM)
         if manifest is None:
@@ -127,8 +143,8 @@ def build_prepared(cache: Cache, source: Path, key: str, *, packing: Optional[di
         if not report.useful:  # nothing ORT packs: keep the decision, not a copy of the weights
             for f in list(tmp.iterdir()):
                 f.unlink()
-            return {"kind": "prepared", "marker": True, "source": str(source), "why": "onnxruntime packs nothing",
-                    "report": manifest.get("report"), **record}
+            return {"kind": "prepared", "marker": True, "source": str(source),
+                    "why": report.refusal or "onnxruntime packs nothing", "report": manifest.get("report"), **record}
         return {"kind": "prepared", "source": str(source), "report": manifest.get("report"),
                 "digests": manifest.get("digests", {}), **record}
 
