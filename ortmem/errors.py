@@ -5,7 +5,9 @@ has a multi-GB model and needs to know exactly which initializer in which file i
 """
 from __future__ import annotations
 
+import errno
 import os
+import re
 from typing import Hashable, Mapping, Optional
 
 
@@ -75,3 +77,53 @@ class PlanError(OrtmemError):
     def __init__(self, message: str, *, needed: Mapping[Hashable, Optional[int]] | None = None):
         super().__init__(message)
         self.needed = dict(needed or {})
+
+
+#: What ORT's (and the C library's, and Python's) messages say when the process ran out of something
+#: rather than when ORT found fault with what it was given, lower-cased: ``std::bad_alloc`` (any failed
+#: C++ allocation, an address-space limit included), ``Cannot allocate memory`` (ENOMEM, as ORT words a
+#: failed ``mmap``), ``Too many open files`` (EMFILE, ENFILE), ``pthread_create`` (a thread pool that
+#: got no thread), ``Resource temporarily unavailable`` (EAGAIN), ``Failed to allocate`` (ORT's arena),
+#: ``out of memory`` (a device's), ``can't start new thread`` (Python's own).
+RESOURCE_FAILURE_PHRASES = (
+    "bad_alloc",
+    "cannot allocate memory",
+    "too many open files",
+    "pthread_create",
+    "resource temporarily unavailable",
+    "failed to allocate",
+    "out of memory",
+    "can't start new thread",
+)
+#: The same failures as error numbers: ``OSError.errno``, and in ORT's words, which name only the
+#: number ("pthread_create failed, error code: 12", "Load model from m.onnx failed:system error number 24").
+RESOURCE_ERRNOS = frozenset({errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EAGAIN})
+_ERROR_NUMBER = re.compile(r"(?:error code|error number|errno)\s*[:=]?\s*(\d+)", re.IGNORECASE)
+
+
+def resource_failure(failure: BaseException | str) -> bool:
+    """Whether ``failure`` (an exception, or its text) says the process ran out of memory, address
+    space, threads or file descriptors, not that ORT refused what it was given.
+
+    Why one function: ortmem discards a cache entry only when ORT refuses it for what it holds; a
+    failure of resources says nothing about the entry (a good one would be lost, and the next start
+    would pay for building it again), so the entry is kept and the start retries after freeing what
+    the failed attempt took. Every place that decides between those asks this. An exception's causes
+    and contexts are asked too (a ``CacheError`` raised from ORT's ``bad_alloc``)."""
+    seen: set[int] = set()
+    pending: list[BaseException | str | None] = [failure]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, BaseException):
+            if isinstance(current, MemoryError) or getattr(current, "errno", None) in RESOURCE_ERRNOS:
+                return True
+            pending += [current.__cause__, current.__context__]
+        text = str(current)
+        if any(phrase in text.lower() for phrase in RESOURCE_FAILURE_PHRASES):
+            return True
+        if any(int(number) in RESOURCE_ERRNOS for number in _ERROR_NUMBER.findall(text)):
+            return True
+    return False

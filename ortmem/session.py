@@ -8,12 +8,14 @@ whatever ORT borrows must outlive it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from typing import Any, Callable, Optional, Sequence, Union
 
 import onnxruntime as ort
 
+from .errors import resource_failure
 from .handoff.handoff import ENTRY_ACTIONS, Handoff
 from .handoff.prepare import ModelInput, prepare
 from .handoff.request import Request
@@ -111,12 +113,19 @@ class InferenceSession(ORT_SESSION):
                 pinned.close()
             try:
                 self._ortmem_handoff = self._ortmem_handoff.with_recompute(recompute, dims)
+                failure: Optional[str] = None
+                short_of_resources = False
                 try:
                     super().__init__(self._ortmem_handoff.model, sess_options, providers, provider_options, **kwargs)
                 except Exception as exc:  # noqa: BLE001 - ORT raises its own pybind types
                     if self._ortmem_handoff.fallback is None:
                         raise
-                    self._retry_with_fallback(exc, sess_options, providers, provider_options, **kwargs)
+                    failure, short_of_resources = str(exc), resource_failure(exc)
+                # Retried outside the except block: the exception's traceback holds ORT's failed
+                # session (its threads, its mappings of the files) until the block is left.
+                if failure is not None:
+                    self._retry_with_fallback(failure, short_of_resources,
+                                              sess_options, providers, provider_options, **kwargs)
             finally:
                 self._ortmem_handoff.after_create()
         if trim and unpinned:
@@ -160,19 +169,32 @@ class InferenceSession(ORT_SESSION):
         attribute test on every later run)."""
         if self._ortmem_later is not None:
             later, self._ortmem_later = self._ortmem_later, None
-            later.start()
+            try:
+                later.start()
+            except Exception as exc:  # noqa: BLE001 - no thread or process left: the run itself succeeded
+                log.warning("ortmem: could not start packing in the background (%s); a later start packs", exc)
         return result
 
-    def _retry_with_fallback(self, exc: Exception, *args: Any, **kwargs: Any) -> None:
-        """ORT refused a cache entry's pre-packed model, a prepared entry or a mapped skeleton: the
-        handoff's next step discards what it refused (no later start tries it again) and loads the
-        entry itself, or the model as given."""
+    def _retry_with_fallback(self, failure: str, short_of_resources: bool, *args: Any, **kwargs: Any) -> None:
+        """ORT failed on a cache entry's pre-packed model, a prepared entry or a mapped skeleton: load
+        the handoff's fallback (the entry itself, or the model as given). Where ORT refused what it was
+        given, the handoff's next step discards it (no later start tries it again); where the process
+        ran short of memory, threads or descriptors (:func:`ortmem.errors.resource_failure`) the entry
+        is kept, since it is as good as before. Either way what the failed attempt took is given back
+        first (its session collected, the heap trimmed), so the fallback needs no more than plain ORT
+        would; should it fail too, the caller gets ORT's own error on the fallback, nothing chained."""
         refused = self._ortmem_handoff
         what = {"prepared": "prepared model", "mapped": "skeleton of the mapped model"}.get(refused.action,
                                                                                            "pre-packed model")
-        log.warning("ortmem: onnxruntime could not load the %s %s (%s); using %s",
-                    what, refused.model, exc, refused.fallback)
-        self._ortmem_handoff = refused.refused()
+        gc.collect()  # ORT's half-made session, its thread pools and mappings, held by reference cycles
+        release_free_heap()
+        if short_of_resources:
+            log.warning("ortmem: onnxruntime ran short of resources loading the %s %s (%s); using %s "
+                        "(the entry is kept)", what, refused.model, failure, refused.fallback)
+        else:
+            log.warning("ortmem: onnxruntime could not load the %s %s (%s); using %s",
+                        what, refused.model, failure, refused.fallback)
+        self._ortmem_handoff = refused.refused(keep=short_of_resources)
         super().__init__(self._ortmem_handoff.model, *args, **kwargs)
 
     def _create_inference_session(self, providers, provider_options, disabled_optimizers=None):

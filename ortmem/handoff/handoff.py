@@ -3,7 +3,8 @@
 A :class:`Handoff` is made by :func:`ortmem.handoff.prepare.prepare` and never edited afterwards. The
 two things that change what ORT loads after it is made are steps that return a new handoff:
 :meth:`Handoff.with_recompute` (a recompute plan, or the settings a recompute-written model records)
-and :meth:`Handoff.refused` (ORT refused a pre-packed or prepared model or a mapped skeleton: discard it, load the fallback).
+and :meth:`Handoff.refused` (ORT refused a pre-packed or prepared model or a mapped skeleton: discard it,
+load the fallback; a failure of resources keeps it).
 The session only reads it (``ortmem.InferenceSession.ortmem_handoff``), and creates ORT's session with
 the options :meth:`Handoff.creation_options` yields.
 
@@ -91,9 +92,12 @@ class Handoff:
     #: Session changes of a recompute rewrite (``execution_order``, ``session_config``; :meth:`with_recompute`).
     recompute: Mapping[str, Any] = field(default_factory=_NOTHING)
 
-    def refused(self) -> "Handoff":
-        """ORT refused ``model``: discard it (no later start tries it again) and load ``fallback``."""
-        if self.start is not None:
+    def refused(self, *, keep: bool = False) -> "Handoff":
+        """ORT failed on ``model``: load ``fallback`` instead. ORT refused what ``model`` holds: discard it
+        (no later start tries it again). ``keep``: ORT ran out of resources (memory, threads, file
+        descriptors; :func:`ortmem.errors.resource_failure`), which says nothing about the entry: it
+        stays for later starts."""
+        if self.start is not None and not keep:
             self.start.refused()
         return dataclasses.replace(self, model=self.fallback, fallback=None, start=None,
                                    action="cache-hit" if self.action == "pre-packed" else "as-is")
