@@ -40,6 +40,7 @@ def report(*, refresh: bool = False) -> dict[str, Any]:
 
 def _cache_health() -> dict[str, Any]:
     from .store.cache import Cache, cache_root
+    from .store.layout import disk_use
     from .errors import CacheError
     from .helper_env import CACHE_DIR_ENV
 
@@ -55,11 +56,14 @@ def _cache_health() -> dict[str, Any]:
     except CacheError as exc:
         problems.append(str(exc))
         entries = []
+    use, _ = disk_use([e.path for e in entries])  # a hard-linked source counted once, and said to be shared
     return {"path": str(root), "usable": not problems, "problem": "; ".join(problems) or None,
-            "entries": len(entries), "bytes": sum(e.size_bytes() for e in entries)}
+            "entries": len(entries), "bytes": use.bytes, "shared_bytes": use.shared}
 
 
 def render(r: dict[str, Any]) -> str:
+    from .store.layout import DiskUse
+
     caps = r["capabilities"]
     lo, _ = caps["supported_range"]
     lines = [
@@ -81,7 +85,7 @@ def render(r: dict[str, Any]) -> str:
     lines += [f"  note: {n}" for n in caps["notes"]]
     c = r["cache"]
     if c.get("usable"):
-        lines.append(f"cache {c['path']}: {c['entries']} entries, {c['bytes'] / 2**20:.1f} MiB")
+        lines.append(f"cache {c['path']}: {c['entries']} entries, {DiskUse(c['bytes'], c.get('shared_bytes', 0)).text()}")
     else:
         lines.append(f"cache {c['path']}: NOT USABLE ({c['problem']}); sessions convert in memory or fall back to ORT")
     lines.append(f"allocator hygiene: {r['allocator_hygiene']}")

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..store.cache import Cache
-    from ..store.layout import PREPACKED_MANIFEST
+    from ..store.layout import PREPACKED_MANIFEST, disk_use
 
     cache = Cache(Path(args.cache) if args.cache else None)
     if args.action == "clear":
@@ -39,14 +39,17 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "verify":
         return _verify_cache(cache)
     rows = list(cache.entries())
-    print(f"{cache.root}: {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}")
+    total, sizes = disk_use([e.path for e in rows])
+    print(f"{cache.root}: {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}, {total.text()}")
     for e in rows:
         try:
             manifest = e.manifest()
         except (OSError, ValueError):
             manifest = {"source": "(unreadable manifest)"}
-        print(f"  {e.key}  {e.size_bytes() / 2**20:9.1f} MiB  {_kind(manifest)}  {manifest.get('source', '?')}"
-              + ("  (+ pre-packed weights)" if (e.path / PREPACKED_MANIFEST).exists() else ""))
+        size = sizes[e.path]
+        print(f"  {e.key}  {size.bytes / 2**20:9.1f} MiB  {_kind(manifest)}  {manifest.get('source', '?')}"
+              + ("  (+ pre-packed weights)" if (e.path / PREPACKED_MANIFEST).exists() else "")
+              + (f"  ({size.shared / 2**20:.1f} MiB of it shared with your model files)" if size.shared else ""))
     return 0
 
 

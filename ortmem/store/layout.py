@@ -19,7 +19,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from .trust import read_nofollow, replace_private
 
@@ -56,7 +56,8 @@ class Entry:
         return json.loads(read_nofollow(self.path / MANIFEST))
 
     def size_bytes(self) -> int:
-        return sum(f.lstat().st_size for f in self.path.iterdir() if f.is_file() and not f.is_symlink())
+        """Bytes of this entry's files, each once (:func:`disk_use`; hard-linked sources included)."""
+        return disk_use([self.path])[0].bytes
 
     def owned_bytes(self) -> int:
         """Disk this entry alone holds (:func:`reclaimable_bytes`)."""
@@ -86,3 +87,46 @@ def reclaimable_bytes(path: Path) -> int:
             return 0
         return sum(reclaimable_bytes(c) for c in children)
     return st.st_blocks * 512 if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
+
+
+@dataclass(frozen=True)
+class DiskUse:
+    """What entries hold on disk: each file's bytes once however many hard links it has (``bytes``),
+    and of those the bytes of files also linked from outside the entries counted (``shared``): a
+    source an entry hard-links stays the user's model file, its bytes were on disk before the entry."""
+
+    bytes: int = 0
+    shared: int = 0
+
+    def text(self) -> str:
+        """``1706.0 MiB, 822.0 MiB of it shared with your model files`` (the second part only when shared)."""
+        size = f"{self.bytes / 2**20:.1f} MiB"
+        return f"{size}, {self.shared / 2**20:.1f} MiB of it shared with your model files" if self.shared else size
+
+
+def disk_use(folders: Iterable[Path]) -> tuple[DiskUse, dict[Path, DiskUse]]:
+    """(all ``folders`` together, each folder): apparent sizes of their regular files (symbolic links
+    not followed), a file linked more than once counted once; ``shared``: files whose link count
+    is higher than the links found in all ``folders`` (a link outside them: the user's model file)."""
+    files: dict[Path, dict[tuple[int, int], os.stat_result]] = {}
+    seen: dict[tuple[int, int], int] = {}
+    for folder in folders:
+        inodes: dict[tuple[int, int], os.stat_result] = {}
+        for root, _, names in os.walk(folder):
+            for name in names:
+                try:
+                    st = os.lstat(os.path.join(root, name))
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    ident = (st.st_dev, st.st_ino)
+                    seen[ident] = seen.get(ident, 0) + 1
+                    inodes[ident] = st
+        files[Path(folder)] = inodes
+
+    def use(inodes: dict[tuple[int, int], os.stat_result]) -> DiskUse:
+        return DiskUse(sum(st.st_size for st in inodes.values()),
+                       sum(st.st_size for ident, st in inodes.items() if st.st_nlink > seen[ident]))
+
+    every = {ident: st for inodes in files.values() for ident, st in inodes.items()}
+    return use(every), {folder: use(inodes) for folder, inodes in files.items()}
