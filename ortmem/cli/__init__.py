@@ -28,19 +28,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """The ``ortmem`` command. ``ortmem run -- script.py args`` (no option) goes straight to the
     launcher: argparse's import, parser and message-catalogue probes cost 5-6 ms of every hooked
     process, whose cost over a plain run is held to 20 ms (docs/hook.md); what argparse would have
-    parsed there is every option's default and the program (tests/reach/test_session_hook.py compares)."""
+    parsed there is every option's default and the program (tests/reach/test_session_hook.py compares).
+
+    Where ``ortmem`` is not this installed package (a folder named ``ortmem`` in the current folder
+    shadows it), every command but ``run`` says so and returns 1; an ImportError ends in one line and 1,
+    not a traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["run"]:
+    if argv[:1] == ["run"]:  # a shadowed package: the program runs, its sessions plain (launcher.start)
         from ..reach import launcher
 
         program = launcher.bare_program(argv[1:])
         if program is not None:
             return launcher.start(None, program)
-    from .parser import build_parser, named_command
+    else:
+        from ..reach.own_package import problem
 
-    args = build_parser(named_command(argv)).parse_args(argv)
+        shadowed = problem()
+        if shadowed is not None:  # every command would fail on the package's own names (__version__...)
+            print(f"ortmem: error: {shadowed}; run ortmem from another folder, or rename that one", file=sys.stderr)
+            return 1
     try:
+        from .parser import build_parser, named_command
+
+        args = build_parser(named_command(argv)).parse_args(argv)
         return args.func(args)
     except OrtmemError as e:
         print(f"ortmem: error: {e}", file=sys.stderr)
+        return 1
+    except ImportError as e:  # a broken install, or an optional extra that is not installed
+        print(f"ortmem: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -13,9 +13,16 @@ running Python) get the hook too: the launcher puts ``$ORTMEM_HOOK=1``, the opti
 runs the ``sitecustomize`` it shadows). ``$ORTMEM_HOOK=0`` makes the launcher run the program plain.
 
 ``--report out.json`` writes, at exit, every session created (see ``ortmem.hook.sessions``) and the
-process's memory; ``--compare`` runs the program twice in fresh processes, truly plain (no ortmem, no
+process's memory (a relative path is taken from the folder the launcher started in, wherever the
+program moves to); ``--compare`` runs the program twice in fresh processes, truly plain (no ortmem, no
 onnx imported: :mod:`ortmem.reach.plain_run`) then hooked, and prints the difference in peak, private memory
 and wall time.
+
+The program imports what plain python would give it (:mod:`ortmem.reach.own_package`): a program
+whose folder holds its own ``ortmem`` gets that one, and the hook keeps using this one. Where this
+process's ``ortmem`` is not this installed package (a folder named ``ortmem`` in the current folder
+shadows it), the hook is not installed: the program runs with plain onnxruntime sessions and one
+line on stderr that names the folder.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from . import plain_run
 from ..helper_env import ENV_OPTIONS, ENV_SWITCH, SITE_DIR, helper_environment
 from .hook_options import HookOptions
 from .hook_site.sitecustomize import after_onnxruntime
+from .own_package import OWN_MODULES, leave_to_program, problem
 from .plain_run import process_memory, run_program
 
 if TYPE_CHECKING:  # the parser is built only where options are given (ortmem.cli.main)
@@ -107,18 +115,24 @@ def start(module: Optional[str], program: list[str], options: Optional[dict[str,
         after_onnxruntime(lambda: _install_hook(options if hooked else {"observe_only": True}))
     if hooked and children:
         _export_to_children(options)
-    if report:
-        atexit.register(write_report, Path(report), hooked, options, time.perf_counter())
-    return run_program(module, program)
+    if report:  # relative to where the user gave it: the program may change folder before exit
+        atexit.register(write_report, Path(report).absolute(), hooked, options, time.perf_counter())
+    return run_program(module, program, before=leave_to_program)
 
 
-def _install_hook(options: dict[str, Any]) -> None:
+def _install_hook(options: dict[str, Any]) -> Optional[str]:
     """Called as the program's ``import onnxruntime`` completes (:func:`after_onnxruntime`): the hook
     and onnxruntime are imported with the program's first use of ORT, so a program that never uses
-    it (a server's master process, a script that starts workers) pays for neither, as in a plain run."""
-    from .session_hook import hook
+    it (a server's master process, a script that starts workers) pays for neither, as in a plain run.
+    Returns why the hook was not installed (this process's ``ortmem`` is not this package), if so."""
+    with OWN_MODULES:
+        why = problem()
+        if why is not None:
+            return why
+        from .session_hook import hook
 
-    hook(**options, rebind=False)  # onnxruntime was imported just now: no module holds its class yet
+        hook(**options, rebind=False)  # onnxruntime was imported just now: no module holds its class yet
+    return None
 
 
 def _no_program(module: Optional[str], program: list[str]) -> bool:
@@ -148,18 +162,21 @@ def _export_to_children(options: dict[str, Any]) -> None:
 
 def write_report(path: Path, hooked: bool, options: dict[str, Any], started: float) -> None:
     """The sessions this process created and its memory, as JSON (called at exit). No session where
-    the program never imported onnxruntime (the hook was never installed)."""
+    the hook was never installed (the program never imported onnxruntime, or this process's
+    ``ortmem`` is not this package: ``hook`` is false then, and ``hook_problem`` says why)."""
     import json
 
     ort = sys.modules.get("onnxruntime")
     sessions: list[dict[str, Any]] = []
-    if ort is not None:
-        from .session_hook import report
-
-        sessions = report()
+    with OWN_MODULES:
+        why = problem()
+        recorder = sys.modules.get("ortmem.reach.session_hook")  # imported by the hook's installation
+        if recorder is not None:
+            sessions = recorder.report()
     data = {
         "onnxruntime": getattr(ort, "__version__", "not imported"),
-        "hook": hooked,
+        "hook": hooked and why is None,
+        "hook_problem": why,
         "options": options,
         "process": {"wall_seconds": round(time.perf_counter() - started, 3), **process_memory()},
         "sessions": sessions,

@@ -13,26 +13,33 @@ import runpy
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
     from types import TracebackType
 
 
-def run_program(module: Optional[str], program: list[str]) -> int:
+def run_program(module: Optional[str], program: list[str], before: Optional[Callable[[], Any]] = None) -> int:
     """Run ``script.py args`` or ``-m module args`` in this interpreter as ``python`` itself would: the
-    script's ``__file__`` absolute, ``sys.argv`` as given; a script it cannot open ends in python's
+    script's ``__file__`` absolute, ``sys.argv`` as given, ``sys.path[0]`` the script's folder or, for
+    a module, the current folder (:func:`program_path`); a script it cannot open ends in python's
     one line and status 2, a module it cannot find in python's line and 1; an exception the program
     raises is printed by ``sys.excepthook`` from the program's own frames (the launcher's and
-    runpy's left out: a script's traceback reads as under python) and ends in 1."""
+    runpy's left out: a script's traceback reads as under python) and ends in 1. ``before`` is called
+    once ``sys.path`` is the program's, before anything of the program is found or run."""
     try:
         if module is not None:
             sys.argv = [module, *program]
+            program_path(os.getcwd())
+            if before is not None:
+                before()
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
             script = os.path.abspath(program[0])
             sys.argv = list(program)
-            sys.path.insert(0, str(Path(script).resolve().parent))  # python resolves a linked script's folder
+            program_path(str(Path(script).resolve().parent))  # python resolves a linked script's folder
+            if before is not None:
+                before()
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         code = exc.code
@@ -53,6 +60,20 @@ def run_program(module: Optional[str], program: list[str]) -> int:
             return 2
         raise
     return 0
+
+
+def program_path(folder: str) -> None:
+    """Make ``sys.path[0]`` what python gives the program: ``folder`` in place of the entry python gave
+    this process's own main (the launcher's folder, the console script's, or the current folder), so
+    the program imports what it would under plain python, and nothing from beside the launcher
+    (a package named like one of the program's, in the folder the launcher was started from). Under
+    ``python -P`` (safe path) python adds no folder, and neither does this."""
+    if getattr(sys.flags, "safe_path", False):
+        return
+    if sys.path:
+        sys.path[0] = folder
+    else:
+        sys.path.insert(0, folder)
 
 
 def _program_frames(tb: Optional[TracebackType]) -> Optional[TracebackType]:
@@ -100,7 +121,7 @@ def write_plain_report(path: Path, started: float) -> None:
 
 def main(argv: list[str]) -> int:
     """``OUT.json -- script.py args`` or ``OUT.json -m module args``."""
-    out, rest = Path(argv[0]), argv[1:]
+    out, rest = Path(argv[0]).absolute(), argv[1:]  # where it was given, whatever folder the program moves to
     atexit.register(write_plain_report, out, time.perf_counter())
     if rest[:1] == ["-m"]:
         return run_program(rest[1], rest[2:])

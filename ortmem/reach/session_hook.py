@@ -14,7 +14,10 @@ and sessions created through ORT's C/C++ API (see docs/hook.md, where each path 
 Safety: a model ortmem cannot help with goes to ORT untouched (bytes under :data:`MIN_BYTES`, a
 provider for which ortmem makes no difference, session options ortmem cannot read, anything that is
 neither a path nor ``bytes`` — a ``bytearray`` stays ORT's ``TypeError``), and any exception from
-ortmem's side falls back to plain ORT. Every input plain ORT refuses is refused as plain ORT refuses
+ortmem's side falls back to plain ORT, its imports included: where ortmem itself cannot work in this
+process (its session path cannot be imported, or the ``ortmem`` this process imported is a folder
+that shadows the installed package: :mod:`ortmem.reach.own_package`), every session is plain ORT's,
+with one warning for the process that names the cause. Every input plain ORT refuses is refused as plain ORT refuses
 it: ortmem tries without ORT's EP fallback (no "EP Error" banner) and holds its own log records back
 until it has succeeded, and the fallback creates ORT's session outside the failed attempt, so the
 application sees ORT's own exception, unchained, and ORT's own output, once. The one warning is logged
@@ -39,6 +42,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_inference_collection as _collection
 
+from ..errors import OrtmemError
 from ..helper_env import ENV_OPTIONS, ENV_SWITCH, store_folder
 from ..hygiene import trim as trim_heap
 from ..logs import warning
@@ -47,6 +51,7 @@ from ..options import get_config
 from ..ort_original import ORT_SESSION
 from ..ortmodel.providers import FUSING_PROVIDERS, not_fusing, provider_names
 from .hook_options import HookOptions
+from .own_package import OWN_MODULES, problem
 from .plain_run import process_memory  # the standard library only: the hook stays light
 
 
@@ -109,6 +114,11 @@ class _Hook:
 
 _active: Optional[_Hook] = None
 _records: list[SessionRecord] = []
+#: Why ortmem cannot work in this process at all (None: it can), once asked (:func:`_process_problem`),
+#: and whether the one warning saying so has been logged.
+_broken: Optional[str] = None
+_broken_checked = False
+_broken_told = False
 
 
 class _Unhooker(AbstractContextManager):
@@ -210,29 +220,49 @@ def _create(args: tuple, kwargs: dict) -> Any:
     hooked = _active
     if hooked is None or getattr(_inside, "busy", False):
         return ORIGINAL(*args, **kwargs)
+    with OWN_MODULES:  # this package's modules, where the program has an ``ortmem`` of its own
+        return _create_hooked(hooked.options, args, kwargs)
+
+
+def _create_hooked(opts: HookOptions, args: tuple, kwargs: dict) -> Any:
     if not args and "path_or_bytes" in kwargs:  # ORT's keyword name; ortmem's is positional
         kwargs = dict(kwargs)
         args = (kwargs.pop("path_or_bytes"),)
     model = args[0] if args else None
-    if hooked.options.observe_only:
+    if opts.observe_only:
         return _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: "plain onnxruntime (hook off)")
+    broken = _process_problem()
+    if broken is not None:
+        if opts.strict:
+            raise OrtmemError(broken)
+        return _plain_for_process(model, args, kwargs, broken)
     why = _untouched_reason(model, args, kwargs)
     if why is not None:
         return _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: f"untouched: {why}")
-    opts = hooked.options
     try:
         light = _light_route(model, args, kwargs, opts)
     except Exception:  # noqa: BLE001 - a file the walk cannot read: the session path (or ORT) judges it
         light = None
     if light is not None:
         return light
-    refused = _options_refused(args[1] if len(args) > 1 else kwargs.get("sess_options"), kwargs)
+    failure = None
+    try:
+        refused = _options_refused(args[1] if len(args) > 1 else kwargs.get("sess_options"), kwargs)
+        # Imported only now, for a model that needs ortmem: the session path (3.5 MiB private, about
+        # 0.05 s; onnx, the loader and the passes only for a model it loads or converts), which a
+        # model left to ORT never pays.
+        from ..session import InferenceSession
+    except Exception as exc:  # noqa: BLE001 - ortmem's own code before ORT is called: ORT takes over
+        if opts.strict:
+            raise
+        failure = _one_line(exc)
+        if isinstance(exc, ImportError):  # a broken install: no later session can go through ortmem either
+            _set_broken(f"ortmem cannot be imported ({failure})")
+    if failure is not None:  # outside the except block: ORT's own exception, if any, is unchained
+        broken = _process_problem()
+        return _plain_for_process(model, args, kwargs, broken) if broken else _fall_back(model, args, kwargs, failure)
     if refused is not None:
         return _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: f"untouched: {refused}")
-    # Imported only now, for a model that needs ortmem: the session path (3.5 MiB private, about 0.05 s;
-    # onnx, the loader and the passes only for a model it loads or converts), which a model left to ORT
-    # never pays.
-    from ..session import InferenceSession
 
     own = {"convert": opts.convert, "cache": opts.cache, "trim": opts.trim, "prepacked": opts.prepacked}
 
@@ -356,6 +386,38 @@ def _quiet_attempt(make: Callable[[], Any], kwargs: dict) -> Any:
 
         for record in held:
             logging.getLogger(record.name).handle(record)
+    return session
+
+
+def _process_problem() -> Optional[str]:
+    """Why no session of this process can go through ortmem, if so: the ``ortmem`` it imported is not
+    this package (asked once), or ortmem's session path failed to import (:func:`_set_broken`)."""
+    global _broken, _broken_checked
+    if not _broken_checked:
+        found = problem()
+        with _state_lock:
+            if not _broken_checked:
+                _broken = _broken or found
+                _broken_checked = True
+    return _broken
+
+
+def _set_broken(why: str) -> None:
+    global _broken
+    with _state_lock:
+        _broken = _broken or why
+
+
+def _plain_for_process(model: Any, args: tuple, kwargs: dict, why: str) -> Any:
+    """Plain ORT's session where ortmem cannot work in this process at all (``why``). One warning for
+    the whole process, logged once ORT has made a session (as :func:`_fall_back`'s); every session is
+    recorded with the cause as its action."""
+    global _broken_told
+    session = _record(model, lambda: ORIGINAL(*args, **kwargs), lambda s: f"fallback: {why}")
+    with _state_lock:
+        tell, _broken_told = not _broken_told, True
+    if tell:
+        warning(__name__, "ortmem: %s; sessions run as plain onnxruntime", why)
     return session
 
 

@@ -19,8 +19,9 @@ import sys
 def after_onnxruntime(install):
     """Call ``install()`` (which installs the hook) once this interpreter has imported onnxruntime: now
     if it has, else right after it does, before the importer gets the module (so no name is bound to
-    ORT's class yet). An exception from ``install`` is printed in one line, never raised into the
-    program's ``import onnxruntime``."""
+    ORT's class yet). ``install`` returns None, or why it installed nothing (printed in one line); an
+    exception from it is printed in one line too, never raised into the program's ``import
+    onnxruntime``: either way the program's sessions are plain onnxruntime's."""
     if "onnxruntime" in sys.modules:
         _install(install)
     else:
@@ -29,15 +30,24 @@ def after_onnxruntime(install):
 
 def _install(install) -> None:
     try:
-        install()
+        why = install()
     except Exception as exc:  # noqa: BLE001 - a broken hook must never stop the program
-        print(f"ortmem: hook not installed in this process ({type(exc).__name__}: {exc})", file=sys.stderr)
+        why = f"hook not installed in this process ({type(exc).__name__}: {exc})"
+    if why:
+        print(f"ortmem: {why}; sessions run as plain onnxruntime", file=sys.stderr)
 
 
-def _hook_from_environment() -> None:
+def _hook_from_environment():
+    """The hook of a child interpreter; why not, where its ``ortmem`` is not this package."""
+    from ortmem.reach.own_package import problem
+
+    why = problem()
+    if why is not None:
+        return why
     from ortmem.reach.session_hook import hook_from_environment
 
     hook_from_environment()
+    return None
 
 
 class _AfterOnnxruntime:
