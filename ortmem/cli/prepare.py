@@ -78,7 +78,7 @@ def _prepare_genai(folder: Path, say: Callable[[str], None]) -> str:
     """An onnxruntime-genai folder: its prepared files written inside it (``ortmem.reach.genai``); one
     line per file, then what the folder came to (:data:`PREPARED`, :data:`NOTHING`, :data:`FAILED`)."""
     from ..errors import OrtmemError
-    from ..reach.genai import prepare_genai_folder
+    from ..reach.genai import GENAI_CONFIG, prepare_genai_folder
 
     say(f"{folder}: onnxruntime-genai folder")
     try:
@@ -94,7 +94,10 @@ def _prepare_genai(folder: Path, say: Callable[[str], None]) -> str:
     if any(r.useful for r in result.prepared.values()):
         say(f"{folder}: prepared ({result.seconds:.1f} s)")
         return PREPARED
-    say(f"{folder}: nothing to prepare: onnxruntime keeps no pre-packed weights of its files (genai loads them as given)")
+    why = ("onnxruntime keeps no pre-packed weights of its files" if result.prepared
+           else "no file of it runs on the CPU execution provider with pre-packing" if result.skipped
+           else f"its {GENAI_CONFIG} names no ONNX file")
+    say(f"{folder}: nothing to prepare: {why} (genai loads them as given)")
     return NOTHING
 
 

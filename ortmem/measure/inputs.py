@@ -94,7 +94,6 @@ def _axis_roles(name: str, rank: int) -> list[Optional[str]]:
     if is_cache_input(name) and rank >= 4:
         roles[-4:] = ["batch", KV_HEADS, "past", HEAD_SIZE]
     elif "mask" in name.lower() and rank >= 1:
-        roles[0] = "batch"
         roles[-1] = "total"
     return roles
 
