@@ -174,7 +174,9 @@ class Cache:
 
         ``mode`` (default: the cache's ``verify``): "always" digests every byte of every file, "full" too
         unless this boot already did with the file unchanged (:mod:`ortmem.store.stamps`),
-        "sampled" the first and last page of every weight span, "off" checks sizes and the skeleton.
+        "sampled" the first and last page of every weight span of ``weights.bin`` and every small file
+        in full (a prepared entry's data file is sampled by :mod:`ortmem.store.prepared_entries`, which
+        knows its spans), "off" checks sizes and the skeleton.
         Every file in the entry's folder, listed in its manifest or not (pre-packed weights, and any
         file a later kind of entry adds), passes :func:`ortmem.store.trust.cache_file_problem`: one symbolic link, file of
         another user or file others may write, and the whole entry is refused. Names starting with "."
@@ -209,7 +211,8 @@ class Cache:
             if name not in present:
                 return f"{name} missing"
         for name in present:
-            full = name in files and (mode in digest.FULL_MODES or name == MODEL_FILE)
+            full = name in files and (mode in digest.FULL_MODES or name == MODEL_FILE or (
+                mode == "sampled" and name != WEIGHTS_FILE and _small(files.get(name))))
             problem = cache_file_problem(e.path / name, size=files.get(name),
                                          recorded=digests.get(name, "") if full else None,
                                          owner_only=not name.startswith(SOURCE_LINK_PREFIX), matches=digest.matcher(mode))
@@ -612,6 +615,12 @@ def _ort_version() -> str:
     import onnxruntime as ort
 
     return ort.__version__
+
+
+def _small(size: object) -> bool:
+    """Whether a file of the recorded ``size`` is digested in full even by ``verify="sampled"`` (a
+    manifest, the prepared model's own ``model.json``: what says which pages the samples are)."""
+    return isinstance(size, int) and size <= digest.SAMPLED_FULL_BYTES
 
 
 def _pid_alive(pid: int) -> bool:

@@ -25,10 +25,13 @@ PathLike = Union[str, os.PathLike]
 
 #: ``verify=`` values: every byte of every file on every start; every byte of every file once per boot
 #: and again whenever the file changes (:mod:`ortmem.store.stamps`); the first/last page of each span
-#: (plus sizes and the skeleton in full); sizes and the skeleton only.
+#: (plus sizes, and small files such as the skeleton in full); sizes and the skeleton only.
 VERIFY_MODES = ("always", "full", "sampled", "off")
 #: The modes that check every byte (the others check samples or sizes).
 FULL_MODES = ("always", "full")
+#: ``verify="sampled"`` digests a cache file of at most this size in full (a skeleton, a manifest): it is
+#: read in one go, and it may be what says which pages of the large ones are the samples.
+SAMPLED_FULL_BYTES = 1 << 20
 #: Default chosen by measurement: a full check costs 0.05 s/GB of hashing plus the read from the
 #: page cache (docs/cache-security.md), small beside ORT's own session creation on the same bytes.
 DEFAULT_VERIFY = "full"

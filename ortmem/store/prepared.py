@@ -148,6 +148,9 @@ def prepare_model(source: Path, folder: Path, stem: str = "prepared", *, setting
                                 refusal or "")
         manifest = {"format": PREPARED_FORMAT, "key_parts": prepacked_key_parts(), "created": time.time(),
                     "files": files, "digests": {n: digest.file_digest(work / n) for n in names}, **record}
+        if f"{stem}.data" in files:  # what verify="sampled" reads: the first and last page of every span
+            spans = data_spans(saved, f"{stem}.data")
+            manifest.update(spot_spans=spans, spot_digest=digest.sampled_digest(work / f"{stem}.data", spans))
         _publish(work, folder, stem, names)
         report.seconds = time.perf_counter() - start
         manifest["report"] = asdict(report)
@@ -315,11 +318,17 @@ def prepared_problem(folder: Path, stem: str = "prepared", *, source: Optional[P
     for name, size in files.items():
         if name not in (f"{stem}.onnx", f"{stem}.data"):
             return f"{stem}.json names {name!r}"
-        full = mode in digest.FULL_MODES or name.endswith(".onnx")  # the graph is small: always digested
+        # the graph is small: always digested; so is a data file whose spans are not recorded
+        full = mode in digest.FULL_MODES or name.endswith(".onnx") or (
+            mode == "sampled" and not isinstance(manifest.get("spot_spans"), list))
         problem = cache_file_problem(folder / name, size=size, recorded=digests.get(name, "") if full else None,
                                      matches=digest.matcher(mode))
         if problem:
             return problem
+        if mode == "sampled" and not full:
+            problem = _sampled_problem(folder / name, manifest["spot_spans"], manifest.get("spot_digest"))
+            if problem:
+                return problem
     if source is not None:
         recorded = manifest.get("sources") or [{}]
         if recorded[0].get("path") != str(Path(source).resolve()):
@@ -330,11 +339,45 @@ def prepared_problem(folder: Path, stem: str = "prepared", *, source: Optional[P
     return None
 
 
+def data_spans(saved: Any, location: str) -> list[tuple[int, int]]:
+    """Every span of ``location`` a model ORT saved with its pre-packed weights names, in file order:
+    each initializer's bytes and each of its pre-packed blobs (``prepacked_<i>``: ``key|offset;length;
+    checksum|...``). ``verify="sampled"`` reads the first and last page of each."""
+    from ..onnx_walk import external_data_dict
+
+    spans: set[tuple[int, int]] = set()
+    for t in saved.graph.initializer:
+        ext = external_data_dict(t)
+        if ext.get("location") != location:
+            continue
+        if int(ext.get("length") or 0):
+            spans.add((int(ext.get("offset") or 0), int(ext["length"])))
+        for key, value in ext.items():
+            if key.startswith("prepacked"):
+                for blob in value.split("|")[1:]:
+                    offset, length = blob.split(";")[:2]
+                    if int(length):
+                        spans.add((int(offset), int(length)))
+    return sorted(spans)
+
+
+def _sampled_problem(path: Path, spans: Any, recorded: Any) -> Optional[str]:
+    """Why the sampled pages of ``path`` (:func:`ortmem.store.digest.sampled_digest` of ``spans``) are not
+    those recorded, or None."""
+    try:
+        if digest.sampled_digest(path, [(int(o), int(n)) for o, n in spans]) == recorded:
+            return None
+    except (OSError, TypeError, ValueError) as exc:
+        return f"{path.name} unreadable: {exc}"
+    return f"{path.name} content changed (sampled digest)"
+
+
 def prepared_path(folder: Path, stem: str = "prepared", *, source: Optional[Path] = None,
                   mode: str = "full") -> Optional[Path]:
     """``folder/<stem>.onnx`` when ``<stem>.json``, ``<stem>.onnx`` and ``<stem>.data`` all pass
     :func:`ortmem.store.trust.cache_file_problem` (owner, mode, no symlink, size, and the full digest when
-    ``mode == "full"``; ``"sampled"``/``"off"`` check the data file's size only), the manifest's key
+    ``mode`` is "full" or "always"; ``"sampled"`` digests the first and last page of every span of the data
+    file, each initializer and each pre-packed blob; ``"off"`` checks its size only), the manifest's key
     parts equal this ORT and CPU's, and (``source`` given) the source is unchanged; else None (logged)."""
     problem = prepared_problem(folder, stem, source=source, mode=mode)
     if problem is None:

@@ -102,7 +102,9 @@ def usable_prepared(cache: Cache, entry: Entry) -> Optional[Entry]:
     discarded and None."""
     if is_marker(entry):
         return entry
-    problem = prepared_problem(entry.path, STEM, mode="off")  # the bytes were just checked by the lookup
+    # The lookup just checked every file's bytes as ``verify`` asks, except that the cache knows no spans
+    # in a prepared model's data file: "sampled" reads their first and last pages here.
+    problem = prepared_problem(entry.path, STEM, mode="sampled" if cache.verify_mode == "sampled" else "off")
     if problem is None:
         return entry
     log.warning("ortmem: cache entry %s is unusable (%s); rebuilding", entry.path, problem)
