@@ -77,6 +77,32 @@ def test_a_file_found_whole_is_not_read_again_until_it_changes(tmp_path, stamp_d
     assert_same_outputs(third.run(None, FEEDS), run_plain(model, FEEDS))
 
 
+def test_an_edit_in_place_with_its_times_set_back_is_read_again(tmp_path, stamp_dir, reads, model):
+    """Size, inode, atime and mtime can all be kept by whoever edits a file; its ctime cannot: the stamp
+    must name it, or a damaged weights.bin would be served unread (a silently wrong output)."""
+    cold = _session(model, tmp_path)
+    weights = Path(cold.ortmem_handoff.model).parent / "weights.bin"
+    _session(model, tmp_path)  # read in full, stamped
+    reads.clear()
+    assert _session(model, tmp_path).ortmem_action == "cache-hit" and "weights.bin" not in reads
+    before = os.stat(weights)
+    with open(weights, "r+b") as f:
+        f.seek(4096)
+        b = f.read(1)
+        f.seek(4096)
+        f.write(bytes([b[0] ^ 0x5A]))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(weights)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    reads.clear()
+
+    again = _session(model, tmp_path)
+
+    assert "weights.bin" in reads
+    assert again.ortmem_action == "converted"  # found damaged, discarded, rebuilt
+    assert_same_outputs(again.run(None, FEEDS), run_plain(model, FEEDS))
+
+
 def test_always_reads_every_byte_on_every_start(tmp_path, stamp_dir, reads, model):
     _session(model, tmp_path)
     _session(model, tmp_path)

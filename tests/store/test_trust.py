@@ -629,6 +629,38 @@ def test_a_sticky_world_writable_cache_dir_is_used_through_a_private_folder(tmp_
     assert_same_outputs(again.run(None, FEEDS), run_plain(path, FEEDS))
 
 
+@pytest.mark.parametrize("mode", [0o757, 0o775], ids=oct)
+def test_a_cache_dir_others_or_group_may_write_without_the_sticky_bit_is_not_used(mode, tmp_path, monkeypatch, caplog):
+    """Others (0o757: not the group) or the group alone (0o775) may rename what is in the folder: it is
+    not used, one warning names the sticky bit, and the session converts without it."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, mode)
+    monkeypatch.setenv("ORTMEM_CACHE_DIR", str(root))
+    path = tiny_decoder(tmp_path / "m", storage="external")
+    with caplog.at_level(logging.WARNING, logger="ortmem"):
+        sess = ortmem.InferenceSession(path)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "without the sticky bit" in warnings[0], warnings
+    assert not sess.ortmem_cache_hit and list(root.iterdir()) == []
+    assert_same_outputs(sess.run(None, FEEDS), run_plain(path, FEEDS))
+    with pytest.raises(UntrustedCacheError, match="sticky"):
+        Cache(root / "converted")
+
+
+def test_a_sticky_cache_dir_others_may_write_is_used(tmp_path, monkeypatch):
+    """0o1757: others may write, the sticky bit keeps them from renaming ortmem's folder."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, 0o1757)
+    monkeypatch.setenv("ORTMEM_CACHE_DIR", str(root))
+    path = tiny_decoder(tmp_path / "m", storage="external")
+    ortmem.InferenceSession(path)
+    again = ortmem.InferenceSession(path)
+    assert again.ortmem_cache_hit and _entry_dir(again).parent == root / "converted"
+    assert_same_outputs(again.run(None, FEEDS), run_plain(path, FEEDS))
+
+
 def _hold_lock(cache_dir: Path, key: str) -> subprocess.Popen:
     """A process that takes ``key``'s creator lock as a creator does and keeps it until stopped."""
     Cache(cache_dir)
