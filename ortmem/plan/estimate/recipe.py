@@ -52,6 +52,12 @@ class Weight:
     outer_use: bool = False  # read from a subgraph: ORT never drops it
     read_at_create: bool = False  # touched during creation even if not packed (MatMulNBits scales at acc 4)
     gather_rows_touched: int | None = None  # for a Gather table: bytes read by one run
+    folded_uses: int = 0  # uses by nodes constant folding removes: read once at load, never by a kernel
+
+    @property
+    def kept_uses(self) -> int:
+        """Uses left once constant folding ran: a weight whose kept uses are all packed is dropped."""
+        return len(self.uses) - self.folded_uses
 
 
 @dataclass
@@ -187,7 +193,8 @@ def plan_model(root: og.OrtGraph, skeleton: onnx.ModelProto, shapes: shp.Shapes,
                     new.append(nw)
     # originals whose every use was folded are dropped
     for w in ws.values():
-        if w.uses and all(id(n) in folded_nodes for _, n, _ in w.uses):
+        w.folded_uses = sum(1 for _, n, _ in w.uses if id(n) in folded_nodes)
+        if w.uses and not w.kept_uses:
             w.dropped_by = "fold"
     for nw in folds:  # a folded tensor consumed only by other folded nodes is itself transient
         g_path, name = nw.key
