@@ -2,11 +2,10 @@
 
 Why: pip compiles every module of a wheel it installs (numpy's, onnxruntime's and onnx's ``.pyc`` are in
 site-packages), but an editable install (``pip install -e .``, the README's) gets ortmem's bytecode only
-when Python writes it on import, and never where ``PYTHONDONTWRITEBYTECODE`` is set (this VM, many
-container images): every fresh process then compiles ortmem's session path from source while plain ORT
-compiles nothing. Measured on onnxruntime 1.32.0, 2-core VM, five fresh processes each: ``import
-ortmem.session`` 0.10-0.16 s from source against 0.05-0.06 s from bytecode, the conversion's imports
-0.14-0.15 s against 0.09-0.11 s. A deployment runs an installed ortmem, so the measuring commands
+when Python writes it on import, and never where ``PYTHONDONTWRITEBYTECODE`` is set (many container
+images): every fresh process then compiles ortmem's session path from source while plain ORT compiles
+nothing, which roughly doubles the import time of ortmem's session path and adds to the conversion's
+imports. A deployment runs an installed ortmem, so the measuring commands
 (``ortmem bench``, ``ortmem run --compare``, ``bench/model_classes.py``) measure that, and say so
 (:func:`ensure_bytecode`'s line, also in the bench report's environment).
 """

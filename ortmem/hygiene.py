@@ -9,20 +9,8 @@ it is freed (up to 32 MiB on 64-bit), and sets ``M_TRIM_THRESHOLD`` to twice the
 ONNX Runtime creates a session it allocates and frees many multi-MiB buffers (protobuf copies,
 ``Initializer`` copies, transposed and pre-packed weights), so after the first few frees every later
 transient buffer lands in a heap arena, and arenas return memory to the OS only from their top.
-Measured on a QDQ int4 model (16 x 4096x4096, block 32, 160 MiB of weights as external data,
-onnxruntime 1.31.1 defaults, glibc 2.36; process totals in MiB, imports included, medians of 3-7
-fresh processes; ``pytest tests/test_hygiene.py -m slow -s`` reproduces it):
-
-=============================================  ==========  ==============  ================
-case                                           peak        after creation  after trim
-=============================================  ==========  ==============  ================
-plain ORT                                      493 (-514)  493 (-514)      299
-ORT inside ``allocator_hygiene()``             309         299             299
-native MatMulNBits twin, plain                 309         301             298
-=============================================  ==========  ==============  ================
-
-Creation itself gets slightly slower under hygiene (0.58 -> 0.63 s median of 7; 114k -> 150k minor
-page faults), because each transient buffer is now a fresh mapping instead of reused heap.
+Figures: docs/hygiene.md (``pytest tests/test_hygiene.py -m slow -s`` checks the effect). Creation
+is slightly slower under hygiene: each transient buffer is a fresh mapping instead of reused heap.
 
 :func:`allocator_hygiene` pins both thresholds for the duration of a ``with`` block, restores the
 process's configured values, then calls ``malloc_trim(0)``. :func:`trim` is the trim alone.
@@ -47,14 +35,12 @@ sources that can be known:
    dynamic adjustment, so its restore is exact;
 3. else the ceiling the dynamic adjustment itself climbs to: 32 MiB (``DEFAULT_MMAP_THRESHOLD_MAX``
    on 64-bit) and 64 MiB for trimming. Session creation frees multi-MiB blocks, so this is where an
-   unconfigured glibc ends up after ORT anyway; what changes is only that it now stays there.
+   unconfigured glibc ends up after ORT anyway; the only difference is that it stays there.
 
 Why not glibc's starting values (128 KiB, 128 KiB) for 3: with the dynamic adjustment off they make
-every later malloc/free of 128 KiB or more an ``mmap``/``munmap`` plus fresh page faults. Measured
-(2-core VM, fresh processes, medians of 3, glibc 2.36, ORT 1.31.1): ORT with its CPU arena is
-unaffected, but ORT without its arena ran 20 elementwise ops on 1 MiB tensors in 1.88 instead of
-0.45 ms, and numpy ``a * 2.0 + 1.0`` on 1 MiB arrays took ~500 instead of ~38 us. A library that
-slows its users' numpy code by 10x after creating a session would be a bad default. Whoever wants
+every later malloc/free of 128 KiB or more an ``mmap``/``munmap`` plus fresh page faults. ORT with
+its CPU arena is unaffected, but ORT without its arena and numpy code on MiB-sized arrays become
+several times slower (docs/hygiene.md), which is a bad default for a library. Whoever wants
 the strict setting (as memory-conscious deployments do, e.g. Dask's ``MALLOC_TRIM_THRESHOLD_=65536``)
 sets it once, at start-up or with ``set_malloc_thresholds(mmap_threshold=128 << 10,
 trim_threshold=128 << 10)``, and that value is then what is restored, exactly. Memory freed by ORT

@@ -1,8 +1,8 @@
 """Log calls for the modules every hooked process imports, without importing :mod:`logging` there.
 
 Why: ``python -m ortmem run`` imports the hook, the file-facts reader and the allocator hygiene into
-every program it runs, including those whose models ortmem leaves to ORT, where its cost is held to
-20 ms over a plain run (docs/hook.md); importing ``logging`` alone takes about 6 ms of that. A
+every program it runs, including those whose models ortmem leaves to ORT, where its cost must stay
+within the budget docs/hook.md states; importing ``logging`` alone would take a large share of it. A
 *debug* record made while nothing has imported ``logging`` has no listener (configuring logging means
 importing it), so it is dropped without being made; a *warning* imports ``logging``, since Python's
 last-resort handler shows it even where nobody configured anything. Records go to the logger named

@@ -1,9 +1,8 @@
 """What a model file needs from ortmem, decided from its bytes alone (no onnx, no passes, no loader).
 
-Why a module of its own: importing onnx, ortmem's passes and the loader costs a process about 8 MiB
-of private memory and 0.1 s, and the session path itself another 3.5 MiB (onnxruntime 1.32.0, from
-bytecode, ``python -m bench.estimator.fixed_costs``; docs/hook.md), more than ortmem saves on a model it
-leaves to ORT. So the hook asks this module first and imports the session path only for a model that
+Why a module of its own: importing onnx, ortmem's passes and the loader, and the session path
+itself, costs a process private memory and time (``python -m bench.estimator.fixed_costs``;
+docs/estimator.md), more than ortmem saves on a model it leaves to ORT. So the hook asks this module first and imports the session path only for a model that
 needs it, and the session path asks it before it loads a model (``handoff.prepare``). Everything here
 uses the standard library and :mod:`ortmem.protowire` (a wire-format reader that needs no onnx,
 imported by the first walk):
@@ -47,18 +46,15 @@ EXTERNAL_LOCATION = b"\x0a\x08location"
 #: Bytes read per ``pread`` by the search: the search never holds more of the file than this.
 SEARCH_CHUNK = 1 << 20
 #: The largest file whose walk :func:`read_facts` stops at the first weight outside the main graph
-#: (then searching the whole file, about 1.4 ms per MiB on this VM: 3.3 of the 3.6 ms a stopped walk
-#: of silero-vad's 2.3 MB took, against 7.1 ms for its whole walk).
+#: (then searching the whole file, whose cost grows with the file's size: below this size a stopped
+#: walk plus the search is quicker than the whole walk, above it slower).
 STOPPED_SEARCH_MAX_BYTES = 4 << 20
 
 #: Initializer bytes below which a model gets no prepared entry and no background process (overridden
 #: by :data:`MIN_BYTES_ENV`). What a process saves is about the bytes ORT packs (for fp32 MatMul, its
-#: weight bytes); what preparing costs once is the helper process (0.56 s of CPU, 67 MiB peak just to
-#: start Python, onnxruntime and onnx) and a second copy of the weights on disk. Measured on onnxruntime
-#: 1.32.0, fp32 MLPs, RssAnon after the first run, fresh processes, ortmem imported in each: 4 x
-#: 512x512 (4 MiB) 39 MiB unprepared, 34 prepared; 4 x 1024x1024 (16 MiB) 51 unprepared, 34-35
-#: prepared; 12 x 2048x2048 (192 MiB) 227 unprepared (plain ORT 216), 35 prepared. From 16 MiB a
-#: single worker's lifelong saving is of the order of the helper's one-time transient.
+#: weight bytes); what preparing costs once is the helper process (a second of CPU and tens of MiB
+#: just to start Python, onnxruntime and onnx) and a second copy of the weights on disk. From 16 MiB
+#: a single worker's lifelong saving is of the order of the helper's one-time transient.
 MIN_PREPARED_BYTES = 16 * 1024 * 1024
 #: Environment variable overriding :data:`MIN_PREPARED_BYTES` (bytes; "0": every model).
 MIN_BYTES_ENV = "ORTMEM_PREPARE_MIN_BYTES"

@@ -2,7 +2,7 @@
 
 :mod:`ortmem.reach.session_hook` replaces ``onnxruntime.InferenceSession`` by a factory while the hook is on;
 ``ortmem.InferenceSession`` must derive from ORT's class whenever its module is first imported, which
-the hook now defers until a model needs ortmem (:mod:`ortmem.model_facts`). Both take the class from
+the hook defers until a model needs ortmem (:mod:`ortmem.model_facts`). Both take the class from
 here, and the hook imports this module before it patches anything.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ not enough, so ortmem asks the build it runs on: for each variant it builds a DQ
 This module is the child program (:func:`main` prints one JSON object); it runs in a subprocess
 because older releases crash the process on some malformed graphs, and a crash must cost a probe, not
 the user's program. :mod:`ortmem.ortmodel.release` runs it by module name once per ORT build and CPU and
-caches the answer. About 130 tiny sessions: 2-5 s on a 2-core VM.
+caches the answer (about 130 tiny sessions, a few seconds).
 
 Why here and not in ``ortmodel``: the questions are put to ortmem's own converter, pre-packer and
 session path, which sit above ``ortmodel``; the release model only names the variants

@@ -1,8 +1,7 @@
 """Short names derived from content: cache keys, stamp names, release-probe ids.
 
-Why not ``hashlib``: importing it loads OpenSSL's libcrypto, 3.6 MiB of resident memory (0.5 of it
-private; measured after numpy and onnxruntime, ``import hashlib; hashlib.sha256(b"")``), which every
-start paid for a 32-character name. xxhash, already the full digests' hash (:mod:`ortmem.store.digest`)
+Why not ``hashlib``: importing it loads OpenSSL's libcrypto, a few MiB of resident memory that
+every start would pay for a 32-character name. xxhash, already the full digests' hash (:mod:`ortmem.store.digest`)
 and a dependency, names them as well: a name identifies content, it guards nothing (the cache's
 ownership and mode checks do, docs/cache-security.md). Where xxhash is missing, sha256 names them
 (hashlib imported then), so the names differ between such environments, never within one.

@@ -147,7 +147,7 @@ class SynthConfig:
     @classmethod
     def demo(cls, **kw) -> "SynthConfig":
         """0.24 GB of int4 codes (0.30 GB with fp32 block-32 scales) + 0.26 GB fp32 embedding
-        (first row of ort-facts.md's baseline table)."""
+        (the demo model of docs/hygiene.md)."""
         return cls(**{"hidden": 2048, "intermediate": 5632, "layers": 8, "vocab": 32000, "heads": 16,
                       "name": "demo", **kw})
 

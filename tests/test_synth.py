@@ -169,7 +169,7 @@ def test_dims_and_dtypes_follow_config(kw):
 
 
 def test_presets_sizes():
-    """Preset sizes match ort-facts.md's baseline table (no generation: accounting only)."""
+    """Preset sizes match the sizes the docs quote (docs/hygiene.md, docs/benchmarks.md; accounting only)."""
     gb = lambda c, k: model_weight_bytes(c)[k] / 1e9  # noqa: E731
     for cfg, codes, emb in ((SynthConfig.demo(), 0.24, 0.26), (SynthConfig.llama_0_6gb(), 0.60, 0.26),
                             (SynthConfig.llama_1_6gb(), 1.64, 0.39)):

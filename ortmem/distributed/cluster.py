@@ -8,7 +8,7 @@ every alive node one CPU device whose budget is the node's Ray ``memory`` resour
 reserve there: ``ray start --memory``, by default the node's available memory).
 
 Budgets here are what the plan charges (weights, activations, per-session overhead above a process
-baseline); the actor's own Python and Ray worker (about 60-80 MiB) come on top, as they do for
+baseline); the actor's own Python and Ray worker (tens of MiB) come on top, as they do for
 :class:`ortmem.reach.pipeline.PipelineSession`'s process.
 """
 from __future__ import annotations

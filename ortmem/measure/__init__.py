@@ -13,9 +13,9 @@ Why the names are lazy: the measured child imports ``ortmem.measure.procfs`` and
 parent's machinery (subprocess, tempfile, json, the probe) into every child's baseline, standard
 library an ortmem session would otherwise have paid for inside its own creation.
 
-``probe`` names both a module and its main function. An eager ``__init__`` bound the function last;
-lazily, the import system binds the *module* to the package whenever ``ortmem.measure.probe`` is first
-imported, so :class:`_Package` turns that binding into the function, as before.
+``probe`` names both a module and its main function: ``ortmem.measure.probe`` is the function. Lazily,
+the import system binds the *module* to the package whenever ``ortmem.measure.probe`` is first
+imported, so :class:`_Package` turns that binding into the function.
 """
 import sys
 import types

@@ -196,13 +196,12 @@ def _interleaved(probes: Callable[[int, int], BenchReport], whole: Callable[[int
                  repeat: int) -> tuple[BenchReport, list[WholeProcessReport]]:
     """``--cross-check``: round by round, the probes' round then the whole processes' round.
 
-    Why: run as two blocks (every probe round, then every whole-process round), the two modes met
-    ORT at different moments: its init on the 0.6 GB QDQ model drifted from 3.9 to 3.3 s between the
-    blocks while every other strategy agreed in seconds, so the ratios to ORT disagreed by 10-22%
-    (docs/benchmarks.md). The strategies' "once" preparations are made before the first round and
-    serve every round of both methods (:func:`~ortmem.measure.probe.prepare_once`; before, each round
-    made them twice, about 22 of a 90 s round on the 0.6 GB model, and the warm start's probes and whole
-    processes read different entries); "each" ones still run before every probe."""
+    Why: run as two blocks (every probe round, then every whole-process round), the two modes would
+    meet ORT at different moments, and ORT's init drifts within a run while the other strategies
+    hold, so the ratios to ORT would disagree. The strategies' "once" preparations are made before
+    the first round and serve every round of both methods (:func:`~ortmem.measure.probe.prepare_once`),
+    so no round pays for them twice and the warm start's probes and whole processes read the same
+    entries; "each" ones still run before every probe."""
     report, wholes = probes(1, 0), whole(1, 0)
     for r in range(1, repeat):
         report.extend(probes(1, r))

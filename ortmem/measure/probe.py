@@ -3,7 +3,7 @@
 Why a fresh process per measurement: glibc keeps freed memory in its arenas and raises its mmap
 threshold after large frees, ORT caches allocators and thread pools, and the OS page cache and
 already-faulted library pages all carry over. A second session in the same process measures the
-first one's leftovers. See ``/work/shared/ort-facts.md`` ("Measuring memory honestly").
+first one's leftovers. See docs/measurement.md.
 
 What is counted (all bytes):
 
@@ -28,8 +28,8 @@ What is counted (all bytes):
 The child resets ``VmHWM`` twice (after imports, after creation), which also lowers the kernel's
 lifetime ``ru_maxrss``: an outside ``/usr/bin/time -v`` then misses a creation peak that exceeded
 the first run's peak. ``peak_bytes`` (the max of both phases) is the lifetime peak after imports.
-Checked against ``/usr/bin/time -v`` on the same child with ``options={"run": False}`` (one reset):
-equal within 0.11 MiB on a 65 MiB model, embedded and external.
+Checked against ``/usr/bin/time -v`` on the same child with ``options={"run": False}`` (one reset),
+embedded and external (docs/measurement.md).
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ class ProbeResult:
     background_peak_bytes: int | None = None
     started_unix: float | None = None  # wall-clock start of the child, to check run order
     #: The bench's round this probe ran in (``stats.schedule``), pairing it with the reference's probe
-    #: of the same round (``stats.RatioStat``); None outside a bench and in reports written before.
+    #: of the same round (``stats.RatioStat``); None outside a bench and in reports that lack it.
     round: int | None = None
     heap_jitter_bytes: int = 0  # heap padding before imports (see probe())
     #: Modules first imported during creation, by package (``onnx``, ``ortmem.session``, ...): the lazy

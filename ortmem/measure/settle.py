@@ -1,10 +1,10 @@
 """Every measured process starts from the same machine state: writes flushed, no earlier helper running.
 
 Why flush (``os.sync``) right before each measured process: a cold start writes its cache entry
-(about 0.7 GB on the 0.6 GB int4 model) and the kernel writes those pages back over the next seconds
-(``vm.dirty_expire_centisecs``, 30 s by default), on the same two cores and disk a later probe uses.
-Without a flush, whichever strategy runs after a writer pays for the writer's I/O (measured: a warm
-start after a cold one took 6.7-11.6 s instead of ~4.4 s). The flush is made after any preparation
+(about the model's size) and the kernel writes those pages back over the next seconds
+(``vm.dirty_expire_centisecs``, 30 s by default), on the same cores and disk a later probe uses.
+Without a flush, whichever strategy runs after a writer pays for the writer's I/O (a warm start right
+after a cold one can take twice as long). The flush is made after any preparation
 step, which may itself write (``ortmem-start2`` prepares with a whole cold start).
 
 Why wait for leftovers, and how they are found: a strategy may leave processes running after its

@@ -4,9 +4,9 @@ Order (:func:`schedule`): repeats run in rounds, every strategy once per round, 
 strategies rotated by ``r`` (A B C, B C A, C A B, ...). Why rounds: the machine drifts (page cache,
 other tenants), and rounds spread the drift over every strategy. Why rotate: with a fixed order each
 strategy always follows the same one, so one strategy always starts after another's writes or its
-background work, and any effect with period two in consecutive fresh processes (onnxruntime 1.32's init
-on the 0.6 GB QDQ model alternated between ~1.65 and ~2.9 s in consecutive processes on a 2-core VM)
-lands on the same strategies every round. Rotating moves every strategy through every position.
+background work, and any effect with period two in consecutive fresh processes (ORT's init on a large
+QDQ model can alternate between two modes from one process to the next) lands on the same strategies
+every round. Rotating moves every strategy through every position.
 
 Summary (:class:`Stat`): median, fastest (``min``) and slowest, per metric. The fastest is the least
 disturbed sample of a time (noise only ever adds), the median what a user typically gets; the bench
@@ -15,20 +15,19 @@ reports both because a median of three lands on either mode of a bimodal distrib
 Bimodal (:func:`split_modes`): sort the samples and find the largest gap between neighbours; the
 distribution is flagged bimodal when that gap exceeds ``BIMODAL_GAP[metric]`` of the median and
 ``BIMODAL_MIN_GAP[metric]`` in absolute terms. 3 % (and 2 MiB) for memory: glibc's heap layout moves a
-peak by whole weight tensors, a few percent each; the old rule, max/min > 1.03, flagged the same
-two-sample splits. 20 % (and 50 ms) for times: plain scheduling noise on a busy 2-core machine stays
-under ~10 % between neighbouring samples of a second-long init, the two ORT modes above are 75 % apart,
-and a 10 ms init on a tiny model jitters by more than 20 % without any second mode. It is a flag for
+peak by whole weight tensors, a few percent each. 20 % (and 50 ms) for times: plain scheduling noise
+on a busy small machine stays well under that between neighbouring samples of a second-long init,
+ORT's two init modes are much further apart, and a 10 ms init on a tiny model jitters by more than
+20 % without any second mode. It is a flag for
 the reader, not a test: with two samples any large gap is flagged.
 
 Ratios of times (:class:`RatioStat`): the fastest over the reference's fastest, and the median of the
 rounds' own ratios (each round's sample over the reference's sample of the same round: an alternating
-pair). Why pairs and not median over median: the machine drifts within a run (ORT's init on the 0.6 GB
-QDQ model fell from 5.8 to 3.4 s over five rounds of one cross-check, docs/benchmarks.md), and two
-processes of one round meet the same machine; the median over the reference's median moved with
-whichever of ORT's modes came up more often. Two methods that time the same strategies (the bench's
-probes and whole processes) therefore agree on the paired median where they did not on the median
-of medians.
+pair). Why pairs and not median over median: the machine drifts within a run (ORT's init can fall
+by a third over a few rounds), and two processes of one round meet the same machine; the median over
+the reference's median moves with whichever of ORT's modes comes up more often. Two methods that time
+the same strategies (the bench's probes and whole processes) therefore agree on the paired median
+where they need not on the median of medians.
 
 Noise (:func:`agreement`): a run of N rounds is a sample, so two methods can disagree by chance. The
 rounds are resampled with replacement (a bootstrap, seeded: the same report always gives the same
@@ -136,7 +135,7 @@ class RatioStat:
         return cls(min(mine.values()) / min(ref.values()), statistics.median(paired), len(rounds))
 
 
-#: How far two methods' ratios may differ and still agree (issue 23: within 10 %).
+#: How far two methods' ratios may differ and still agree (within 10 %).
 AGREE_WITHIN = 0.10
 #: Resamples of the rounds for the noise band, and the band's percentiles: 95 %, so that of the 18
 #: ratios a six-strategy cross-check compares about one, not two, is called NO by chance alone.

@@ -19,12 +19,12 @@ process's page faults wait on (unlike ``smaps_rollup``), so the wall time is not
 peaks are sampled (a spike shorter than the period can be missed) and are the measured process's
 own: a conversion helper it starts is in ``peak`` (the largest of the tree), not in them.
 
-Why through a small launcher (:data:`LAUNCHER`, ``python -I -S``, ~8 MiB) and not spawned from the
+Why through a small launcher (:data:`LAUNCHER`, ``python -I -S``, a few MiB) and not spawned from the
 bench itself: at ``exec`` Linux folds the high-water mark of the memory the new program replaces into
 the process's ``ru_maxrss`` (``exec_mmap``: ``setmax_mm_hiwater_rss``), and that memory is a copy of the
-spawning process's (``fork``) or the spawner's own (``vfork``/``posix_spawn``). Spawned straight from a
-300 MiB parent, ``python -c "import onnxruntime"`` reported 311 MiB; from the launcher, 45 MiB, as
-``/usr/bin/time`` (itself a tiny process) reports 46. The launcher times spawn to reap with
+spawning process's (``fork``) or the spawner's own (``vfork``/``posix_spawn``): spawned straight from
+a large parent, ``python -c "import onnxruntime"`` reports the parent's size; from the launcher, what
+``/usr/bin/time`` (itself a tiny process) reports. The launcher times spawn to reap with
 ``perf_counter`` and writes wall, user, sys, ``ru_maxrss`` and the exit code to a file.
 
 Every run starts from the same state (:mod:`ortmem.measure.settle`): a strategy's preparation step
@@ -35,8 +35,8 @@ always measured in the same run, as the reference of every ratio, and so is a ba
 (``init~``), the number to hold against the bench's own ``init`` column. The order is the bench's
 (:func:`ortmem.measure.stats.schedule`: rounds, each rotated by one), so pairs alternate
 ``ort, ortmem | ortmem, ort | ...`` rather than strictly ``ort, ortmem, ort, ortmem``: strict
-alternation would put each strategy on the same parity of consecutive processes, where this VM's
-two-mode ORT init was seen to alternate.
+alternation would put each strategy on the same parity of consecutive processes, where ORT's
+two-mode init can alternate.
 """
 from __future__ import annotations
 

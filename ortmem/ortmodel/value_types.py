@@ -8,9 +8,8 @@ its com.microsoft schemas (onnx cannot infer contrib ops) and, in newer releases
 shape values. onnx's inference differs in ways the rules can see: it invents ``unk__N`` names for
 unknown dims (two of them then compare equal where ORT has two unknown dims), and its data propagation
 is not ORT's. It also costs memory nothing gives back: the first call builds onnx's operator schema
-registry in this process, 4.5 MiB private + 2.8 MiB shared that stay for the life of the process
-(``python -m bench.cold_fixed_costs``), while ORT's own registry is resident anyway for the session
-about to be created. That registry was most of what a cold start held above the native twin.
+registry in this process, several MiB that stay for the life of the process, while ORT's own
+registry is resident anyway for the session about to be created.
 
 How
 ---
@@ -27,8 +26,8 @@ What falls back to onnx
 Values *inside* subgraphs (If/Loop/Scan bodies): ORT cannot expose them, so they are typed by onnx
 shape inference, run once and only when such a value is asked about. The whole model falls back the
 same way when ORT refuses the copy (an op domain it knows only through the user's custom-op library,
-a name that moving subgraph tensors up would shadow): what the model declares plus onnx's inference,
-as before ORT was asked.
+a name that moving subgraph tensors up would shadow): what the model declares plus onnx's
+inference.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Why a module of its own, without onnx: a cold start converts in a helper process
 (:mod:`ortmem.handoff.conversion_process`) and the session's process receives the report; unpickling it
-from :mod:`.conversion_plan`, which imports onnx, put onnx's import (11 MiB of RSS) back into the very
-process the helper keeps it out of.
+from :mod:`.conversion_plan`, which imports onnx, would put onnx's import back into the very process
+the helper keeps it out of.
 """
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ expensive step is a byte transpose ``[K, N/p] -> [N/p, K]`` (p = 8/bits), done a
 uint64 words, then transpose uint64 words in strips" (see :func:`_tile_transpose`). The lane shuffle that
 turns "p columns x p rows" bytes into "p rows x p columns" bytes is a SWAR transpose on uint16 (4-bit) or
 uint32 (2-bit) words: one or two masked XOR-swaps per word instead of any per-element unpacking; the
-signed re-bias is one XOR per word. Measured on the shared 2-core dev box, 4096x4096 int4: ~5.5-7 ms,
-1.2-1.5 GB/s of input (about half byte transpose, half shuffle and copy-out); measure with
+signed re-bias is one XOR per word. The byte transpose and the shuffle with copy-out take about
+half the time each; measure with
 ``python -c "from ortmem.passes.nbits_reference import benchmark_pack_B as b; print(b(4096, 4096, 4))"``.
 Sizes whose rows are not byte aligned (``N*bits % 8 != 0``) take a slower generic path that unpacks
 codes one byte each.

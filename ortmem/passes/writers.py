@@ -72,12 +72,10 @@ def conversion_threads(intra_op_num_threads: int = 0) -> int:
     Why: ORT transposes the weights it fuses on the session's intra-op thread pool
     (``MlasQDQTransposeBlockwiseQuantized`` with ``intra_op_thread_pool``, ``qdq_actions.cc``), whose
     size is the caller's ``intra_op_num_threads`` or, by default (0), one thread per physical core.
-    A conversion on a fixed two threads (ortmem before session 14) would make a cold start on a
-    many-core machine slower than ORT's own. Physical cores are counted among the CPUs this process
-    may run on (a container's CPU set, ``taskset``), one per set of hyper-thread siblings. On the
-    2-core dev VM that is 2, as before; a third thread converted the 0.6 GB model no faster
-    (``python -m bench.cold_entry --repeat 10 --size 0.6 --threads 2,3``: fastest 0.779 s against
-    0.784, medians 1.20 against 1.15 on a noisy sitting). Many-core machines are not measured here."""
+    A conversion on a fixed number of threads would make a cold start on a many-core machine slower
+    than ORT's own. Physical cores are counted among the CPUs this process may run on (a container's
+    CPU set, ``taskset``), one per set of hyper-thread siblings, as ORT
+    sizes its default pool."""
     if intra_op_num_threads > 0:
         return min(intra_op_num_threads, MAX_THREADS)
     return max(1, min(physical_cores(), MAX_THREADS))

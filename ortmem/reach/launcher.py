@@ -191,8 +191,8 @@ def compare(args: argparse.Namespace, program: list[str]) -> int:
     The plain side is a truly plain process: ``python plain_run.py`` runs the program with nothing of
     ortmem or onnx imported (the file is run by path, the standard library only), in the environment
     of ortmem's helpers (no hook exported to it), and writes its memory at exit. Run under the launcher
-    with the hook off instead, it carried ortmem's imports and reported 0.97x peak where a plain run
-    gave 1.07x (issue 23). Its sessions are not recorded: recording them takes the hook's machinery."""
+    with the hook off instead, it would carry ortmem's imports and so understate what the hook costs
+    against a plain run. Its sessions are not recorded: recording them takes the hook's machinery."""
     import json  # --compare's own modules: a hooked run imports none of them
     import subprocess
     import tempfile
@@ -210,7 +210,7 @@ def compare(args: argparse.Namespace, program: list[str]) -> int:
                 out = Path(tmp) / f"{label}-{i}.json"
                 cmd = [*off_cmd, str(out), *target] if label == "off" else [*on_cmd, "--report", str(out), *target]
                 env = helper_environment() if label == "off" else {**os.environ, ENV_SWITCH: "1"}
-                os.sync()  # each side starts with nothing the other wrote still to flush (issue 23)
+                os.sync()  # each side starts with nothing the other wrote still to flush
                 start = time.perf_counter()
                 code = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL).returncode
                 wall = time.perf_counter() - start

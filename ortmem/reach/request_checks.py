@@ -3,8 +3,8 @@ deployment (``ortmem.distributed.serving``).
 
 Why a module of its own: a server must answer a client's mistake with a 4xx and the reason, never a
 500 and a traceback in its log, and it must refuse a request too big to run *before* ORT allocates
-for it (one ``[64, 512]`` request took 37 s and left its worker at 2.4 GiB for
-good: glibc keeps what ORT freed). Both servers read the same kind of body, so the checks are
+for it (an oversized request can take many seconds and leave its worker GiBs larger for good:
+glibc keeps what ORT freed). Both servers read the same kind of body, so the checks are
 written once.
 
 Status codes (one rule, both servers):
@@ -12,8 +12,7 @@ Status codes (one rule, both servers):
 * **400** the request is not a request for this model: the body is empty, not UTF-8, not JSON,
   nested deeper than Python's parser goes, not an object; ``inputs`` is not an object of inputs;
   an input is malformed (no ``dtype``/``shape``/``b64``, bad base64, bytes that do not fill dtype x
-  shape); an unknown, extra or missing input name; an unknown output name. (The Ray deployment has
-  answered 400 for unknown names since it was written; its tests hold it.)
+  shape); an unknown, extra or missing input name; an unknown output name.
 * **413** too big: the body (``max_body_bytes``, checked on ``Content-Length`` and while reading),
   one input's element count (``max_input_elements``), all inputs' (``max_total_elements``), or the
   outputs' predicted from the model's declared output shapes with the request's dims

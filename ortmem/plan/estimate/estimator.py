@@ -8,11 +8,11 @@ measures them:
 
 * ``session_peak_bytes``: the high-water mark of session creation;
 * ``steady_bytes``: resident memory after the first run;
-* both with and without allocator hygiene (``ortmem.hygiene``, issue 8): without it glibc keeps part
+* both with and without allocator hygiene (``ortmem.hygiene``): without it glibc keeps part
   of what ORT frees, with it resident memory is memory in use;
 * ``activation_peak_bytes``: what the run itself holds at its worst, and a per-node table.
 
-How (each term measured on ORT 1.31.1 and cited in ``docs/estimator.md``):
+How (each term is checked against measurements in ``docs/estimator.md``):
 
 1. **What ORT does with each initializer**, decided from the graph and tensor metadata only:
    embedded bytes are parsed into the protobuf and copied once more into an OrtValue (tensor by
@@ -30,7 +30,7 @@ How (each term measured on ORT 1.31.1 and cited in ``docs/estimator.md``):
    in during creation, run-time thread and arena overhead) come from ``calibration.json``, measured by
    ``bench/estimator/calibrate.py``; so do **ortmem's own fixed costs**, which its sides add to ORT's
    work on the graph it hands over: the session path a first ``ortmem.InferenceSession`` imports (no
-   onnx, ~7 MiB), and on a cold start the conversion's imports (onnx, the loader, the passes, ~11 MiB),
+   onnx), and on a cold start the conversion's imports (onnx, the loader, the passes),
    the source digest, the weightless copy's type resolution and the entry's writers
    (:func:`cold_start`). The background packer a cold start leaves is a process of its own and in no
    side. ortmem's DQ -> Gather rewrite (GatherBlockQuantized) is applied on its sides: that DQ never

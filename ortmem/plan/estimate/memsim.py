@@ -5,9 +5,9 @@ allocated. glibc serves a request of at least ``M_MMAP_THRESHOLD`` bytes with it
 back on ``free``) and raises that threshold to the size of any mmapped block it frees (up to 32 MiB,
 trim threshold twice that). So ORT's first large frees (the protobuf copies of an embedded model)
 decide that every later transient buffer lives in the heap, where a hole in the middle is never given
-back and is reused only by a request that fits in it. Measured on ORT 1.31.1: a conv net's reordered
-weights freed after an embedded load stay resident (+50 MiB), the same net from external data keeps
-nothing (the copies were mmapped because nothing large had been freed yet). A factor cannot express
+back and is reused only by a request that fits in it: a conv net's reordered weights freed after an
+embedded load stay resident, while the same net from external data keeps nothing (its copies are
+mmapped because nothing large has been freed yet). A factor cannot express
 that; an address-level heap with best-fit reuse, coalescing and top trimming does.
 
 With allocator hygiene (``ortmem.hygiene``: both thresholds pinned at 128 KiB, ``malloc_trim(0)``

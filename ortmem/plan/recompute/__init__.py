@@ -1,5 +1,5 @@
 """Trade compute for memory on inference graphs: recompute long-lived cheap tensors, and pick a node order
-that lowers the activation peak (issue 7).
+that lowers the activation peak.
 
 ONNX Runtime's memory optimizer (``orttraining/core/optimizer/memory_optimizer``) recomputes cheap
 activations, but only in training graphs. Inference graphs have the same problem in another form: a
