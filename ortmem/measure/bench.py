@@ -255,7 +255,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(default_strategies()) + ")",
     )
     parser.add_argument("--repeat", "-n", type=int, default=3, help="fresh processes per strategy (default 3; 0: only the worker table)")
-    parser.add_argument("--json", metavar="FILE", help="write the report (schema ortmem.bench/2)")
+    parser.add_argument("--json", metavar="FILE", help="write the report (schema ortmem.bench/2): every measurement")
+    parser.add_argument("--wide", action="store_true",
+                        help="every column: sampled private and shared peaks, first run, fastest init, their ratios "
+                        "(default: strategy, peak, private and shared after the first run, init, ratios, output)")
     parser.add_argument("--plot", metavar="FILE.png", help="plot resident memory over time")
     parser.add_argument("--memray", action="store_true", help="one extra probe per strategy under memray")
     parser.add_argument("--dim", action="append", type=_kv, default=[], metavar="NAME=N",
@@ -360,7 +363,7 @@ def main(args: argparse.Namespace) -> int:
         report.workers = run_workers(args.models[0], worker_strategies, counts, together=args.together,
                                      options=options, timeout=args.timeout, guard=not args.no_memory_guard,
                                      budget=args.memory_budget, say=say)
-    print(render_table(report))
+    print(render_table(report, wide=args.wide))
     if args.cross_check and report.whole_process:
         print()
         print(render_cross_check(report))

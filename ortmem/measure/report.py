@@ -390,59 +390,74 @@ def _ratio(ratios: dict[str, dict[str, float]], ref: str, metric: str) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def render_table(report: BenchReport) -> str:
+#: Every column of a model's table, by header (``{ref}``: the reference's name), as ``--wide`` prints them.
+WIDE_COLUMNS = ("strategy", "private pk", "shared pk", "private run", "shared run", "peak MiB", "init s", "first run s",
+                "private run/{ref}", "private pk/{ref}", "shared pk/{ref}", "peak/{ref}", "init/{ref}", "init fastest s",
+                "init fastest/{ref}", "out", "flags")
+#: The columns of the default table: what a user reads first (the JSON report holds everything).
+FIRST_COLUMNS = ("strategy", "peak MiB", "private run", "shared run", "init s", "peak/{ref}", "private run/{ref}",
+                 "init/{ref}", "out", "flags")
+
+
+def _strategy_flags(sr: StrategyResult) -> list[str]:
+    """What the row's numbers need said beside them: modes, failures, how the start went."""
+    flags = _mode_flags(sr)
+    if sr.errors:
+        flags.append(f"{len(sr.errors)} failed")
+    if any(not r.hwm_reset for r in sr.runs):
+        flags.append("hwm not reset")
+    if any(r.helper_pids for r in sr.runs):
+        flags.append("helpers")
+    actions = sorted({r.ortmem_action for r in sr.runs if r.ortmem_action})
+    if actions:  # what the ortmem session gave ORT: a warm strategy that missed its entry shows
+        flags.append("/".join(actions))
+    background = [r for r in sr.runs if r.background_wall_s is not None]
+    if background:  # a cold start's packer, after the measured phases (ortmem.store.packer)
+        flags.append(f"packer {statistics.median(r.background_wall_s for r in background):.1f} s "
+                     f"{statistics.median(r.background_peak_bytes or 0 for r in background) / 2**20:.0f} MiB")
+    return flags
+
+
+def _strategy_cells(mr: ModelReport, name: str, ref: str) -> dict[str, str]:
+    """Every column of one strategy's row, by header (:data:`WIDE_COLUMNS`)."""
+    sr = mr.strategies[name]
+    ratios = mr.ratios(name)
+    fastest = mr.ratios_fastest(name)
+    same = mr.same_output_as_ort(name)
+    return {
+        "strategy": name,
+        "private pk": _mib(sr.stat("peak_anon_bytes")),
+        "shared pk": _mib(sr.stat("peak_file_bytes")),
+        "private run": _mib_range(sr.stat("anon_after_run_bytes")),
+        "shared run": _mib(sr.stat("file_after_run_bytes")),
+        "peak MiB": _mib_range(sr.stat("peak_bytes")),
+        "init s": _s_range(sr.stat("create_wall_s")),
+        "first run s": _s_range(sr.stat("run_wall_s")),
+        f"private run/{ref}": _ratio(ratios, ref, "anon_after_run_bytes"),
+        f"private pk/{ref}": _ratio(ratios, ref, "peak_anon_bytes"),
+        f"shared pk/{ref}": _ratio(ratios, ref, "peak_file_bytes"),
+        f"peak/{ref}": _ratio(ratios, ref, "peak_bytes"),
+        f"init/{ref}": _ratio(ratios, ref, "create_wall_s"),
+        "init fastest s": _fastest(sr.stat("create_wall_s")),
+        f"init fastest/{ref}": _ratio(fastest, ref, "create_wall_s"),
+        "out": "-" if same is None else ("=ort" if same else "DIFF"),
+        "flags": ", ".join(_strategy_flags(sr)),
+    }
+
+
+def render_table(report: BenchReport, *, wide: bool = False) -> str:
     """Plain-text table per model: private and shared memory apart, medians with (min-max), and
-    ratios of each to the twin (to ``ort`` when there is no twin); then the worker table if any."""
+    ratios to the twin (to ``ort`` when there is no twin); then the worker table if any. By default
+    the columns a user reads first (:data:`FIRST_COLUMNS`); ``wide``: every column, sampled peaks,
+    the first run and the fastest init included."""
     blocks = []
     for mr in report.models:
         ref = "twin" if "twin" in mr.strategies else "ort"
-        header = [
-            "strategy", "private pk", "shared pk", "private run", "shared run", "peak MiB", "init s",
-            "first run s", f"private run/{ref}", f"private pk/{ref}", f"shared pk/{ref}", f"peak/{ref}",
-            f"init/{ref}", "init fastest s", f"init fastest/{ref}", "out", "flags",
-        ]
-        rows = [header]
-        for name, sr in mr.strategies.items():
-            ratios = mr.ratios(name)
-            fastest = mr.ratios_fastest(name)
-            same = mr.same_output_as_ort(name)
-            flags = _mode_flags(sr)
-            if sr.errors:
-                flags.append(f"{len(sr.errors)} failed")
-            if any(not r.hwm_reset for r in sr.runs):
-                flags.append("hwm not reset")
-            if any(r.helper_pids for r in sr.runs):
-                flags.append("helpers")
-            actions = sorted({r.ortmem_action for r in sr.runs if r.ortmem_action})
-            if actions:  # what the ortmem session gave ORT: a warm strategy that missed its entry shows
-                flags.append("/".join(actions))
-            background = [r for r in sr.runs if r.background_wall_s is not None]
-            if background:  # a cold start's packer, after the measured phases (ortmem.store.packer)
-                flags.append(f"packer {statistics.median(r.background_wall_s for r in background):.1f} s "
-                             f"{statistics.median(r.background_peak_bytes or 0 for r in background) / 2**20:.0f} MiB")
-            rows.append(
-                [
-                    name,
-                    _mib(sr.stat("peak_anon_bytes")),
-                    _mib(sr.stat("peak_file_bytes")),
-                    _mib_range(sr.stat("anon_after_run_bytes")),
-                    _mib(sr.stat("file_after_run_bytes")),
-                    _mib_range(sr.stat("peak_bytes")),
-                    _s_range(sr.stat("create_wall_s")),
-                    _s_range(sr.stat("run_wall_s")),
-                    _ratio(ratios, ref, "anon_after_run_bytes"),
-                    _ratio(ratios, ref, "peak_anon_bytes"),
-                    _ratio(ratios, ref, "peak_file_bytes"),
-                    _ratio(ratios, ref, "peak_bytes"),
-                    _ratio(ratios, ref, "create_wall_s"),
-                    _fastest(sr.stat("create_wall_s")),
-                    _ratio(fastest, ref, "create_wall_s"),
-                    "-" if same is None else ("=ort" if same else "DIFF"),
-                    ", ".join(flags),
-                ]
-            )
-        lines = [f"{mr.name}  ({mr.model}), {report.repeat} fresh process(es) per strategy, medians (min-max) "
-                 "and fastest"]
+        header = [c.format(ref=ref) for c in (WIDE_COLUMNS if wide else FIRST_COLUMNS)]
+        rows = [header] + [[cells[c] for c in header]
+                           for cells in (_strategy_cells(mr, name, ref) for name in mr.strategies)]
+        lines = [f"{mr.name}  ({mr.model}), {report.repeat} fresh process(es) per strategy, medians (min-max)"
+                 + (" and fastest" if wide else "")]
         lines += align(rows)
         for name, sr in mr.strategies.items():
             if sr.memray_run and sr.memray_run.memray:
@@ -450,15 +465,18 @@ def render_table(report: BenchReport) -> str:
         blocks.append("\n".join(lines))
     legend = (
         "private: anonymous memory (RssAnon+RssShmem), what each process costs alone; shared: file-backed "
-        "(RssFile), page cache counted once per machine and reclaimable. pk: sampled peak over creation and "
-        "first run; run: after the first run. peak: VmHWM (private + shared) over creation and first run "
+        "(RssFile), page cache counted once per machine and reclaimable. "
+        + ("pk: sampled peak over creation and first run; " if wide else "")
+        + "run: after the first run. peak: VmHWM (private + shared) over creation and first run "
         "(+helpers). Ratios: memory, medians over the reference's medians; init, the median of each round's "
-        "init over the reference's in the same round (pairs); init fastest/ref: fastest over fastest. "
-        "bimodal: samples split at a gap over 3% and 2 MiB (memory) or 20% and 50 ms (time) of the median, "
+        "init over the reference's in the same round (pairs)"
+        + ("; init fastest/ref: fastest over fastest. " if wide else ". ")
+        + "bimodal: samples split at a gap over 3% and 2 MiB (memory) or 20% and 50 ms (time) of the median, "
         "modes' medians "
         "(counts). packer: a cold start's background "
         "packing of ORT's weights after the first run (ortmem.store.packer), s from the run's end and its "
         "sampled peak, outside every column."
+        + ("" if wide else " --wide adds the sampled private and shared peaks, the first run, the fastest init and their ratios.")
     )
     out = blocks + ([legend] if report.models else [])
     if report.workers is not None:

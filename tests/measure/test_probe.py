@@ -284,11 +284,12 @@ def test_bench_json_round_trip(bench_report, tmp_path: Path) -> None:
 
 @slow
 def test_table_and_plot(bench_report, tmp_path: Path) -> None:
-    table = render_table(bench_report)
-    lines = table.splitlines()
+    lines = render_table(bench_report).splitlines()
     assert lines[1].startswith("strategy") and "peak MiB" in lines[1]
-    assert "private run/ort" in lines[1] and "shared pk" in lines[1]
+    assert "private run/ort" in lines[1] and "shared run" in lines[1] and "shared pk" not in lines[1]
     assert any(line.startswith("ort-noopt") for line in lines)
+    wide = render_table(bench_report, wide=True).splitlines()
+    assert "shared pk" in wide[1] and "init fastest/ort" in wide[1] and any(w.startswith("ort-noopt") for w in wide)
     png = tmp_path / "bench.png"
     plot(bench_report, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
