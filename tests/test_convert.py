@@ -573,8 +573,8 @@ def test_gbq_first_run_does_not_dequantize_the_table(tmp_path):
 
 def test_zero_point_shared_with_a_dq_that_stays_is_carried(tmp_path):
     """ORT's rule lets a fused DQ share its zero point (check 8 covers weight and scale only); the DQ
-    that stays still reads it, so it must be carried into the converted model (it used to be left
-    behind: 'External data path does not exist')."""
+    that stays still reads it, so it must be carried into the converted model (left behind, ORT
+    fails with 'External data path does not exist')."""
     from onnx import TensorProto as T
     from onnx import helper as H
     from onnx import numpy_helper as nh

@@ -69,7 +69,7 @@ def test_helper_environment_starts_an_unhooked_interpreter_from_a_hooked_one(tmp
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SITE_DIR), str(tmp_path)]))
     hooked = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, check=True,
                             cwd=tmp_path)
-    assert json.loads(hooked.stdout)[:2] == ["ortmem.reach.session_hook", True]  # what a helper used to get
+    assert json.loads(hooked.stdout)[:2] == ["ortmem.reach.session_hook", True]  # what a helper would get without it
     for private in (None, str(tmp_path / "own-cache")):
         env = helper_environment(cache_dir=private)
         assert ENV_SWITCH not in env and ENV_OPTIONS not in env

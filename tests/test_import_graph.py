@@ -2,9 +2,9 @@
 from another module, no import pointing up the declared layers, and no constant defined in two modules.
 
 Every import counts, one inside a function included (a lazy import is still a dependency); one under
-``if TYPE_CHECKING:`` does not. Why a test: these rules keep the layers readable and were broken before
-(``ortmodel`` imported the session path, the hook reached the passes through one constant, ``MiB`` was
-defined in six modules); this makes a regression fail CI.
+``if TYPE_CHECKING:`` does not. Why a test: these rules keep the layers readable, and each is easy to
+break by one import or one copied constant without anything else failing; this makes such a change
+fail CI.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""ortmem never changes the caller's ``SessionOptions`` (issue 20, item 1).
+"""ortmem never changes the caller's ``SessionOptions``.
 
-Before: a conversion done in memory (``cache=False``, a cache that cannot be used, any bytes model)
-registered its buffers on the caller's options object. Reused for a plain-ORT session of another
-model whose data file had the same name (``model.onnx.data``), ORT silently returned the *first*
-model's outputs; a second ortmem session on the same options raised ORT's "An entry for this name has
-already been added". Each test below reuses one options object across ortmem and plain ORT sessions
+Why: a conversion done in memory (``cache=False``, a cache that cannot be used, any bytes model)
+registers its buffers on an options object. Were that the caller's, a plain-ORT session of another
+model whose data file has the same name (``model.onnx.data``) reusing it would silently return the
+*first* model's outputs, and a second ortmem session on the same options would raise ORT's "An entry
+for this name has already been added". Each test below reuses one options object across ortmem and plain ORT sessions
 of two different models with same-named data files, through one conversion path, and compares every
 output with plain ORT on fresh options. Tolerance: bit-identical (same accuracy level, same ORT).
 """

@@ -1,14 +1,14 @@
-"""Tests for the regressions the suite let through (issue 20, item 9): each one holds a behaviour that a
-small bug in the core broke without failing any other test. Real ORT sessions, real files, real
+"""Tests for small faults in the core that no other test would catch: each one holds a behaviour that a
+one-line mistake would break. Real ORT sessions, real files, real
 processes; outputs are compared with ORT's own run of the same model.
 
-The escapes, and the test that now holds each:
+The faults, and the test that holds each:
 
 1. The pre-packed validity check compares only the ORT version (CPU flags, machine and format ignored):
    ``test_prepacked_weights_saved_for_another_cpu_machine_or_format_are_not_mapped`` (a real packer run
    in a process that sees other CPU flags, another machine, format or ORT; the warm start here must
    never map its blobs). It also holds each part of the pre-packed key by behaviour, the CPU flags
-   included (escape 7, second half): a key without one of them lets the foreign blobs be mapped.
+   included: a key without one of them lets the foreign blobs be mapped.
 2. ``ctime`` dropped from a source's identity:
    ``test_a_source_edited_in_place_with_its_mtime_restored_is_never_served_stale``.
 3. The background packer does not take the creator lock:

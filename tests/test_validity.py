@@ -1,4 +1,4 @@
-"""Mutation fuzzing (issue 13): ortmem.load gives a model or an OrtmemError; ortmem's session accepts
+"""Mutation fuzzing: ortmem.load gives a model or an OrtmemError; ortmem's session accepts
 exactly the models plain ORT accepts and agrees with it on outputs. The default run is a few
 thousand cases (seconds); ``python -m bench.fuzz`` is the long run (1e5 loads, 5e3 sessions).
 """

@@ -1,4 +1,4 @@
-"""Stages on a Ray cluster (issue 16): a synthetic int4 Llama split over three nodes of a local Ray
+"""Stages on a Ray cluster: a synthetic int4 Llama split over three nodes of a local Ray
 cluster (three raylets on 127.0.0.1, each with its own memory budget and object store) runs through
 ``RayPipeline`` bit-identical to the unpartitioned model; each stage actor stays under its node's
 budget; killed actors are restarted (or fail by name); a plan that no longer matches is refused.

@@ -340,7 +340,7 @@ PLAIN = {
 @slow
 def test_bench_init_agrees_with_a_plain_fresh_process(tiny: str) -> None:
     """Fastest of 3 against fastest of 3, within 30 % or 50 ms. ortmem's first call imports its
-    session path (onnx included): a bench that imported it before the clock reported a fraction of it."""
+    session path (onnx included): a bench that imported it before the clock would report a fraction of it."""
     # Two attempts at most: a burst of load from outside (another process on a small machine) can slow
     # one side's three samples; a bench that really disagrees disagrees in both.
     for _attempt in range(2):

@@ -1,4 +1,4 @@
-"""Hostile and odd models (issue 13, findings 5, 6, 7, 10 and the loader gaps of 11): ortmem raises
+"""Hostile and odd models (external-data references, inline tensors, the loader's edge cases): ortmem raises
 an OrtmemError naming tensor and file, or does exactly what plain ORT does, and never changes
 whether a model is valid."""
 from __future__ import annotations

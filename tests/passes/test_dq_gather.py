@@ -1,4 +1,4 @@
-"""ortmem's DQ+Gather -> GatherBlockQuantized rewrite never changes whether a run is valid (issue 20).
+"""ortmem's DQ+Gather -> GatherBlockQuantized rewrite never changes whether a run is valid.
 
 ORT's Gather fails a run with ``INVALID_ARGUMENT`` for an index outside ``[-n, n)``; its
 GatherBlockQuantized kernel writes a row of zeros instead. The rewrite therefore passes the indices

@@ -1,4 +1,4 @@
-"""Running a partitioned model (issue 6 item 3): ``PipelineSession`` behaves like the unpartitioned
+"""Running a partitioned model: ``PipelineSession`` behaves like the unpartitioned
 InferenceSession and gives bit-identical outputs."""
 from __future__ import annotations
 

@@ -156,7 +156,7 @@ def test_gunicorn_uvicorn_workers_serve_what_ort_computes(model: str, preload: b
             assert info["created_pid"] == info["pid"]
 
 
-# -- client errors (issue 20 item 6) ----------------------------------------------------------------
+# -- client errors ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def quantized_model(tmp_path_factory: pytest.TempPathFactory) -> str:

@@ -1,4 +1,4 @@
-"""A hook that costs nothing where it does nothing (issue 23): a hooked process whose model ortmem
+"""A hook that costs nothing where it does nothing: a hooked process whose model ortmem
 leaves to ORT (or maps from its own file) imports neither onnx nor ortmem's passes, and pays at most a
 few MiB of peak and private memory over a plain process; the default ``trim`` leaves no more private
 memory at exit than plain ORT. Every figure comes from a fresh process's /proc/self/status."""
@@ -77,8 +77,8 @@ def test_a_model_left_to_ort_imports_no_onnx_and_costs_no_memory(models: dict[st
 def test_trim_leaves_no_more_private_memory_than_plain(models: dict[str, Path]) -> None:
     """The hook's default trim (``malloc_trim`` after creation, glibc's thresholds left alone) against
     the same hooked process without it and against plain ORT, at the end of a process that created
-    and ran the session. Pinned thresholds restored to glibc's dynamic ceiling left 96 MiB against
-    85 plain (89 without trim) on a real client (issue 23)."""
+    and ran the session. Why trim rather than pin the thresholds: pinned thresholds restored to
+    glibc's dynamic ceiling leave more private memory at exit than plain ORT does."""
     plain, untrimmed, trimmed = (_run(models["mapped"], side) for side in ("plain", "hooked-notrim", "hooked"))
     assert trimmed["private"] <= untrimmed["private"] + 0.5, (untrimmed, trimmed)
     assert trimmed["private"] <= plain["private"] + MARGIN_MIB, (plain, trimmed)

@@ -155,7 +155,7 @@ def _run(folder: Path, hooked: bool, session_path: bool = True) -> dict:
 @pytest.mark.parametrize("session_path", [True, False], ids=["session-path", "light-route"])
 def test_hook_refuses_what_ort_refuses_exactly_as_ort_does(tmp_path, rng, session_path):
     """Both ways a hooked creation can go: ortmem's session path, and the light route that hands a
-    model needing nothing to ORT's own class (issue 23)."""
+    model needing nothing to ORT's own class."""
     _prepare(tmp_path, rng)
     plain, hooked = _run(tmp_path, hooked=False), _run(tmp_path, hooked=True, session_path=session_path)
     assert plain.keys() == hooked.keys()

@@ -213,7 +213,7 @@ def test_real_ortmem_prepacked_warm_start(tmp_path, monkeypatch):
     assert r.anon_after_run_bytes - r.baseline_anon_bytes < saved // 2
 
 MiB = 1 << 20
-#: the estimator's promise on small models (issue 23): within max(10% of the measured process, 6 MiB)
+#: the estimator's promise on small models (docs/estimator.md): within max(10% of the measured process, 6 MiB)
 SMALL_MODEL_SLACK = 6 * MiB
 
 

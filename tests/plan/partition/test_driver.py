@@ -1,4 +1,4 @@
-"""Partitioning (issue 6 items 2-4): stages, crossing tensors, the shared weights file, the plan file,
+"""Partitioning: stages, crossing tensors, the shared weights file, the plan file,
 the report, ORT's own settings and the CLI. Running the stages is tested in tests/reach/test_pipeline.py."""
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_cut_post_pass_finds_the_fewest_crossing_tensors(tiny):
 
 
 def test_cut_between_nodes_moves_the_fewest_bytes(tiny):
-    """Between two nodes (issue 16) the post-pass ranks cuts by the bytes alive across them (what the
+    """Between two nodes the post-pass ranks cuts by the bytes alive across them (what the
     network carries) before the tensor count; on one node it keeps ranking by count first."""
     with ortmem.load(tiny) as model:
         G = P.PartitionGraph(model)
@@ -427,7 +427,7 @@ def test_cli_writes_a_plan_and_reports_failures(tiny, tmp_path, capsys):
 
 
 def test_devices_on_named_nodes(tiny, tmp_path):
-    """``node:<NODE>/<device>`` (issue 16): the provider from the local part, the node in plan.json
+    """``node:<NODE>/<device>``: the provider from the local part, the node in plan.json
     for each stage and device, and the bytes each node sends each other node per request."""
     from ortmem.plan.partition import split_node
 
