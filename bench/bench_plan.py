@@ -1,4 +1,4 @@
-"""Planning time on a 10,000-node graph (issue 6: under a second).
+"""Planning time on a 10,000-node graph (the target: under a second).
 
 Run with ``pytest bench/bench_plan.py --benchmark-only``. The graph is a synthetic Llama-shaped ONNX
 graph named the way exporters name nodes (``/model/layers.3/self_attn/q_proj/MatMul``), about

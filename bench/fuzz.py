@@ -1,4 +1,4 @@
-"""The long fuzz run (issue 13): mutated models through ``ortmem.load`` and through both sessions.
+"""The long fuzz run: mutated models through ``ortmem.load`` and through both sessions.
 
     python -m bench.fuzz                         # 100,000 loads + 5,000 sessions (about 10 minutes)
     python -m bench.fuzz --loads 2000 --sessions 200 --seed 3

@@ -1,4 +1,4 @@
-"""Random malformed requests against a live ``ortmem.reach.serve`` (issue 20): every one must get 4xx, never 500.
+"""Random malformed requests against a live ``ortmem.reach.serve``: every one must get 4xx, never 500.
 
     python -m bench.fuzz_serve                          # a tiny synthetic model, 20,000 requests (under a minute)
     python -m bench.fuzz_serve --model m.onnx --requests 20000 --seed 3

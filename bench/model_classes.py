@@ -1,6 +1,6 @@
-"""Warm starts per model class: plain ORT against ortmem's prepared entry, in one run (issue 22).
+"""Warm starts per model class: plain ORT against ortmem's prepared entry, in one run.
 
-    ORTMEM_CACHE_DIR=/tmp/cache-classes python -m bench.model_classes [--llama demo] [-n 3] [--out DIR]
+    ORTMEM_CACHE_DIR=$(mktemp -d) python -m bench.model_classes [--llama demo] [-n 3] [--out DIR]
 
 For each class the model is built or found, then measured as ``ortmem bench MODEL -s ort -s
 ortmem-prepared-warm -n N --workers 4`` measures it (the same functions: fresh processes, strategies
@@ -19,7 +19,7 @@ Per class the table gives what ORT pre-packs at the source graph's level (asked 
 ``ortmem.store.prepared.prepare_model`` into a scratch folder), what the ortmem start gave ORT
 (``session.ortmem_action``), private memory after the first run (``RssAnon``, medians), the totals
 of 4 workers' PSS, init fastest and median, and whether every output hashed equal to plain ORT's.
-The targets of issue 22 are checked, not tuned for: private <= 0.15x plain ORT's, 4 workers <= 1.2x
+The targets are checked, not tuned for: private <= 0.15x plain ORT's, 4 workers <= 1.2x
 one worker's total PSS. Writes ``model-classes.json``, one bench JSON per class and
 ``model-classes.png`` under ``--out``.
 """
@@ -49,8 +49,8 @@ from tests.support.bert import build_bert, read_safetensors
 from tests.support.genai_folder import build_genai_folder
 
 MiB = 2**20
-PRIVATE_TARGET = 0.15  # warm private after the first run over plain ORT's (issue 22)
-WORKERS_TARGET = 1.2  # 4 workers' total PSS over one worker's (issue 22)
+PRIVATE_TARGET = 0.15  # warm private after the first run over plain ORT's
+WORKERS_TARGET = 1.2  # 4 workers' total PSS over one worker's
 WORKERS = 4
 PLAIN, WARM = "ort", "ortmem-prepared-warm"
 

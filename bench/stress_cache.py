@@ -1,4 +1,4 @@
-"""The cache stress run (issue 20's audit, kept running): every start must give ORT's own outputs.
+"""The cache stress run: every start must give ORT's own outputs.
 
     python -m bench.stress_cache                         # all cases, about 5 minutes on 2 cores
     python -m bench.stress_cache --only kill --kills 80  # one case, more of it

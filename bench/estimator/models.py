@@ -1,6 +1,6 @@
 """Build the estimator's calibration and validation models (``python -m bench.estimator.models OUT``).
 
-Every model is deterministic (seeded) and modest (< 0.6 GB) so the whole set fits the 2-core
+Every model is deterministic (seeded) and modest (< 0.6 GB) so the whole set fits a small
 machine. Kinds, one folder each under OUT (``<name>/model.onnx`` [+ ``model.onnx.data``]):
 
 * synthetic Llama-shaped int4 decoders (``ortmem.synth``): QDQ and native MatMulNBits, a ~0.14 GB

@@ -1,6 +1,6 @@
 // Malloc trace shim used for docs/estimator.md (NCHWc / load-buffer sequence): logs every block >= 64 KiB.
-// gcc -O2 -shared -fPIC -o /tmp/mtrace.so bench/estimator/mtrace.c
-// MTRACE_SO=/tmp/mtrace.so MTRACE_FILE=/tmp/conv_emb.log LD_PRELOAD=/tmp/mtrace.so python -m bench.estimator.mtrace_run MODEL.onnx
+// gcc -O2 -shared -fPIC -o $WORK/mtrace.so bench/estimator/mtrace.c
+// MTRACE_SO=$WORK/mtrace.so MTRACE_FILE=$WORK/conv_emb.log LD_PRELOAD=$WORK/mtrace.so python -m bench.estimator.mtrace_run MODEL.onnx
 #define _GNU_SOURCE
 #include <stddef.h>
 #include <stdint.h>

@@ -10,7 +10,7 @@ from typing import Any
 
 def create_ort_hygiene(model_path: str, options: dict) -> Any:
     """Plain ORT inside ``ortmem.hygiene.allocator_hygiene()``: resident memory ~ memory in use,
-    which is what the estimator's "with hygiene" figures predict (issue 8 item 4)."""
+    which is what the estimator's "with hygiene" figures predict."""
     from ortmem.hygiene import allocator_hygiene
     from ortmem.measure.strategies import create_ort
 

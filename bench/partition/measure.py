@@ -1,7 +1,7 @@
 """Partition a synthetic Llama model for budgets "as if separate devices", check the pipeline's outputs
 against the unpartitioned model, and measure each stage's session in a fresh process.
 
-    python -m bench.partition.measure /tmp/ortmem-part --config p100 --dims batch=1,seq=64 \\
+    python -m bench.partition.measure $WORK --config p100 --dims batch=1,seq=64 \\
         --device dev0=52MiB --device dev1=48MiB --device cpu=400MiB --json bench/partition/results.json
 
 For every stage, one probe (``ortmem.measure.probe``) creates that stage's ``ortmem.InferenceSession``

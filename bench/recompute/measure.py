@@ -1,7 +1,7 @@
 """Predicted vs measured activation savings of ``ortmem recompute`` (docs/recompute.md's table).
 
-    python -m bench.recompute.models /tmp/ortmem-rc/models
-    python -m bench.recompute.measure /tmp/ortmem-rc/models bench/recompute/results.jsonl --repeat 3 --runs 5
+    python -m bench.recompute.models $WORK/models
+    python -m bench.recompute.measure $WORK/models bench/recompute/results.jsonl --repeat 3 --runs 5
     python -m bench.recompute.measure --table bench/recompute/results.jsonl
 
 Per model and variant (``recompute``: cheap ops, no budget; ``order``: recompute plus the

@@ -1,6 +1,6 @@
 """Build the models of docs/recompute.md's table into a folder, with a manifest of the dims to plan at.
 
-    python -m bench.recompute.models /tmp/ortmem-rc/models
+    python -m bench.recompute.models $WORK/models
 
 Models (fp32, deterministic): the Llama-shaped decoder whose mask and rotary tables are shared by all
 layers (:func:`tests.support.recompute_models.llama_shared_mask`) with 1, 2 and 4 heads; a T5-shaped
