@@ -136,7 +136,7 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> str:
             say(f"{path}: {weights / 2**20:.1f} MiB of initializers, below {min_prepared_bytes() / 2**20:.0f} MiB: "
                 "nothing to prepare (plain onnxruntime costs as little; $ORTMEM_PREPARE_MIN_BYTES)")
             return NOTHING
-        say(f"{path}: preparing (onnxruntime saves its pre-packed weights)")
+        say(f"{path}: finishing (onnxruntime saves the model it finishes, with its pre-packed weights)")
         entry, built = ensure_prepared(cache, path, prepared_key(path, settings, {}, True))
     except OrtmemError as exc:
         say(f"{path}: not prepared: {exc}")

@@ -46,6 +46,9 @@ CONVERTED_TEMPORARY = "converted-temporary"
 #: copies none of those weights to its heap but its packed ones, so its creation needs no allocator
 #: pin (``ortmem.InferenceSession`` trims after it instead).
 ENTRY_ACTIONS = HIT_KINDS | {PREPARED, CONVERTED, CONVERTED_TEMPORARY}
+#: The actions whose model is ORT's finished model (:mod:`ortmem.store.prepared`): ORT uses it as it
+#: was saved, so its session is created with graph optimizations off (for that call only).
+FINISHED_ACTIONS = frozenset({PREPARED})
 #: The default of the handoff's read-only mappings: an empty read-only view (of one shared empty dict
 #: nothing else holds, so nothing can fill it).
 _NOTHING = functools.partial(MappingProxyType, {})
@@ -139,8 +142,9 @@ class Handoff:
     @contextmanager
     def creation_options(self, user_options: Optional[ort.SessionOptions]) -> Iterator[ort.SessionOptions]:
         """The options ORT's session is created with: the caller's (or fresh ones) carrying this
-        handoff's config entries and recompute settings for the duration of the call only; in-memory
-        files are registered only on options ortmem made itself (:mod:`ortmem.options`)."""
+        handoff's config entries and recompute settings for the duration of the call only (a finished
+        model's ``ORT_DISABLE_ALL`` too: the caller's object reads back unchanged); in-memory files are
+        registered only on options ortmem made itself (:mod:`ortmem.options`)."""
         config = dict(self.config)
         for key, value in (self.recompute.get("session_config") or {}).items():
             from ..plan.recompute import merge_config_value
@@ -149,13 +153,16 @@ class Handoff:
         with scoped_config(user_options, config) as options:
             if options is not user_options and self.memory is not None:
                 self.memory.register(options)
-            previous_order = options.execution_order
+            previous_order, previous_level = options.execution_order, options.graph_optimization_level
             if "execution_order" in self.recompute:
                 options.execution_order = getattr(ort.ExecutionOrder, str(self.recompute["execution_order"]))
+            if self.action in FINISHED_ACTIONS:
+                options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             try:
                 yield options
             finally:
                 options.execution_order = previous_order
+                options.graph_optimization_level = previous_level
 
     def after_create(self) -> None:
         """ORT has mapped what it needs: give back our own mappings, pages ORT no longer reads, and

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 from ..ortmodel.providers import cpu_only, fusing_only, runs_fp16_on_gpu, session_provider_names
 from ..ortmodel.release import capabilities
-from ..ortmodel.settings import OrtSettings, Packing, packing_settings, session_settings
+from ..ortmodel.settings import OrtSettings, Packing, caller_config, session_settings
 from ..store.cache import Cache, open_cache
 
 if TYPE_CHECKING:  # the passes are imported only by a start that converts
@@ -35,14 +35,15 @@ class Request:
     progress: Optional[Progress] = None
     #: None: ask ORT's CPU EP; False when a GPU EP runs fp16 natively.
     fp16_in_fp32: Optional[bool] = None
-    #: Load ORT's pre-packed weights from the cache (converted entries' pre-packed files, prepared
-    #: entries): CPU EP only, only when ORT pre-packs at all, and only where this ORT saves pre-packed
+    #: Load ORT's pre-packed weights from the cache (converted entries' pre-packed files, finished
+    #: entries): CPU EP only, only when ORT pre-packs at all, only where this ORT saves pre-packed
     #: weights (``capabilities().prepacked_save``, asked by :meth:`for_session`; the store takes this
-    #: answer and never asks the release). See ortmem.store.prepacked.
+    #: answer and never asks the release), and only where every config entry the caller may have set
+    #: can be read (:func:`ortmem.ortmodel.settings.caller_config`).
     prepacked: bool = False
-    #: What the packing sessions take of the caller's options (config entries, intra-op threads;
-    #: :func:`ortmem.ortmodel.settings.packing_settings`), for the packing of ORT's weights the store
-    #: leaves to the background after the first run.
+    #: What the finishing sessions take of the caller's options (every config entry it set that this
+    #: ORT defines, intra-op threads; :func:`ortmem.ortmodel.settings.packing_settings`): part of a
+    #: finished entry's key, and what the background job after the first run makes it with.
     packing: Packing = (MappingProxyType({}), 0)
     #: The caller's ``SessionOptions`` (never changed; the packing sessions copy its MLAS settings).
     sess_options: Optional[Any] = None
@@ -54,14 +55,17 @@ class Request:
         """The request of an ``ortmem.InferenceSession(...)`` call (its arguments mean what they mean there)."""
         settings = session_settings(sess_options, disabled_optimizers=disabled_optimizers)
         names = session_provider_names(providers)
+        config = caller_config(sess_options)
+        threads = int(sess_options.intra_op_num_threads or 0) if sess_options is not None else 0
         return cls(
             converting=convert and fusing_only(names),
             settings=settings,
             cache=None if cache is False else open_cache(None if cache is True else Path(cache), verify=verify),
             progress=progress,
             fp16_in_fp32=False if providers and runs_fp16_on_gpu(names) else None,
-            prepacked=prepacked and settings.prepacking and cpu_only(names) and capabilities().prepacked_save,
-            packing=packing_settings(sess_options),
+            prepacked=(prepacked and settings.prepacking and cpu_only(names) and config is not None
+                       and capabilities().prepacked_save),
+            packing=(MappingProxyType(config or {}), threads),
             sess_options=sess_options,
         )
 

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -454,13 +455,14 @@ def probe_dir() -> Optional[Path]:
         return None
 
 
-def runtime_probe_dir() -> Optional[Path]:
+def runtime_probe_dir(*, create: bool = True) -> Optional[Path]:
     """Where probe answers go when :func:`probe_dir` cannot take them: a private folder of this user,
     ``$XDG_RUNTIME_DIR/ortmem-probes``, else ``ortmem-probes-<uid>`` in the system temp folder, created
     0700 and used only while it passes the cache's trust check (this user's, no link, nobody else may
     write it or rename it away: :mod:`ortmem.store.trust`). Answers in it are named with the boot id
     (:func:`runtime_answers_path`), so they hold until the machine restarts at most. None: no such
-    folder (the answers then last as long as the process)."""
+    folder (the answers then last as long as the process). ``create`` False: only an existing folder
+    (reading answers makes no folder)."""
     candidates = []
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isabs(runtime):
@@ -469,7 +471,7 @@ def runtime_probe_dir() -> Optional[Path]:
     candidates.append(Path(tempfile.gettempdir()) / f"{RUNTIME_PROBE_FOLDER}-{uid}")
     for path in candidates:
         try:  # a folder this process may not even examine (another user's runtime folder) is skipped too
-            if not path.is_dir() and path.parent.is_dir() and parent_untrusted_reason(path) is None:
+            if create and not path.is_dir() and path.parent.is_dir() and parent_untrusted_reason(path) is None:
                 make_private_dir(path)
             if untrusted_reason(path) is None and parent_untrusted_reason(path) is None:
                 return path
@@ -569,7 +571,7 @@ def capabilities(*, refresh: bool = False) -> Capabilities:
     path = folder / f"{release.key()}.json" if folder else None
     answers = None if (refresh or path is None) else _read_answers(path)
     if answers is None and not refresh:
-        runtime = runtime_probe_dir()
+        runtime = runtime_probe_dir(create=False)
         answers = None if runtime is None else _read_answers(runtime_answers_path(runtime, release))
     probed_now = answers is None
     if answers is None:
@@ -593,3 +595,97 @@ def capabilities(*, refresh: bool = False) -> Capabilities:
 @functools.lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
     warnings.warn("ortmem: " + message, RuntimeWarning, stacklevel=3)
+
+
+# ------------------------------------------------------------------------------------ config keys
+#: Prefixes of the session config keys an ORT library defines (its ``onnxruntime_session_options_config_keys.h``
+#: and the EPs' own): ``session.*``, ``optimization.*``, ``mlas.*`` and ``ep.*``.
+CONFIG_KEY_PREFIXES = (b"session.", b"optimization.", b"mlas.", b"ep.")
+_CONFIG_KEY = re.compile(rb"(?:session|optimization|mlas|ep)\.[a-z0-9_.]*[a-z0-9_]")
+#: Bumped whenever :func:`config_keys` reads the library differently.
+CONFIG_KEYS_FORMAT = 1
+#: The name of a build's config keys in a probe folder: its release key, then this.
+CONFIG_KEYS_SUFFIX = "-config-keys.json"
+
+
+def library_files() -> list[Path]:
+    """The native files of the installed ORT that hold its code: the Python module and any
+    ``libonnxruntime.so*`` beside it."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as native
+
+    module = Path(native.__file__)
+    return [module, *sorted(p for p in module.parent.glob("libonnxruntime.so*") if p.is_file())]
+
+
+def scan_config_keys(files: list[Path]) -> tuple[str, ...]:
+    """Every string in ``files`` that is a whole C string shaped like a session config key (one of
+    :data:`CONFIG_KEY_PREFIXES`, lower-case words joined by dots): what this build reads from
+    ``SessionOptions``' config entries, taken from the library itself instead of a list kept here."""
+    keys: set[str] = set()
+    for path in files:
+        data = path.read_bytes()
+        for prefix in CONFIG_KEY_PREFIXES:
+            at = data.find(prefix)
+            while at >= 0:
+                if at == 0 or data[at - 1] == 0:
+                    m = _CONFIG_KEY.match(data, at)
+                    if m is not None and data[m.end():m.end() + 1] == b"\x00":
+                        keys.add(m.group().decode())
+                at = data.find(prefix, at + 1)
+    return tuple(sorted(keys))
+
+
+_config_keys: Optional[tuple[str, ...]] = None
+
+
+def config_keys() -> Optional[tuple[str, ...]]:
+    """The session config keys the installed ORT build defines (:func:`scan_config_keys`), read once per
+    build and kept with the probe's answers (the probe folder, else the runtime folder, else this
+    process); None when the library cannot be read or holds none (a caller's entry ortmem cannot read
+    then means no finished entry, never a wrong one)."""
+    global _config_keys
+    if _config_keys is not None:
+        return _config_keys or None
+    release = installed()
+    name = f"{release.key()}{CONFIG_KEYS_SUFFIX}"
+    primary = probe_dir()
+    keys = None if primary is None else _read_keys(primary / name, release)
+    runtime = None
+    if keys is None and (primary is None or not os.access(primary, os.W_OK)):
+        runtime = runtime_probe_dir()  # a read-only cache: where an earlier process kept them
+        keys = None if runtime is None else _read_keys(runtime / name, release)
+    if keys is not None:
+        _config_keys = keys
+        return keys or None
+    try:
+        keys = scan_config_keys(library_files())
+    except (OSError, ImportError, AttributeError, TypeError) as exc:
+        log.info("ortmem: the session config keys of onnxruntime %s cannot be read (%s)", release.version, exc)
+        keys = ()
+    _config_keys = keys
+    record = {"format": CONFIG_KEYS_FORMAT, "release": release.key(), "keys": list(keys)}
+    for folder in (primary, runtime):
+        if folder is not None and _write_answers(folder / name, record) is None:
+            break
+    return keys or None
+
+
+def _read_keys(path: Path, release: Release) -> Optional[tuple[str, ...]]:
+    """The keys kept at ``path`` for ``release`` (a private file of this user), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        if not _private(os.fstat(fd)):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            record = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if (not isinstance(record, dict) or record.get("format") != CONFIG_KEYS_FORMAT
+            or record.get("release") != release.key() or not isinstance(record.get("keys"), list)):
+        return None
+    return tuple(str(k) for k in record["keys"])

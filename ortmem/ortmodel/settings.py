@@ -19,9 +19,11 @@ ExecutionOrder = Literal["DEFAULT", "PRIORITY_BASED"]
 FUSION_CONFIG_KEYS = ("session.qdq_matmulnbits_accuracy_level", "session.qdq_matmulnbits_block_size",
                       "session.disable_quant_qdq")
 
-#: Config entries that may change how a kernel packs its weights: the sessions that pack ortmem's
-#: cache entries (:mod:`ortmem.store.prepacked`) copy them from the caller's options.
-PACKING_CONFIG_KEYS = ("mlas.enable_gemm_fastmath_arm64_bfloat16", "mlas.use_kleidiai")
+#: Config entries ortmem sets itself on the session that saves a finished model (what it writes and where):
+#: a caller's value of any of them is overridden there.
+SAVE_CONFIG_KEYS = ("session.optimized_model_external_initializers_file_name",
+                    "session.optimized_model_external_initializers_min_size_in_bytes",
+                    "session.save_external_prepacked_constant_initializers")
 
 
 @dataclass(frozen=True)
@@ -100,15 +102,30 @@ def session_settings(sess_options: Optional[Any] = None, *, accuracy_level: Opti
     return OrtSettings(level, config, frozenset(disabled_optimizers or ()), order, prepacking)
 
 
-#: What the packing sessions take of the caller's options: (config entries, intra-op threads).
+#: What the finishing sessions take of the caller's options: (config entries, intra-op threads).
 Packing = tuple[Mapping[str, str], int]
 
 
+def caller_config(user: Optional[Any]) -> Optional[dict[str, str]]:
+    """Every session config entry the caller set (not empty) among the keys the installed ORT build
+    defines (:func:`ortmem.ortmodel.release.config_keys`, read from the library itself): what may change
+    the model ORT finishes, its kernels or their packing, so what a finished model is keyed by and made
+    with. None when this build's keys cannot be read: no finished model may then be used or made."""
+    from .release import config_keys
+
+    keys = config_keys()
+    if keys is None:
+        return None
+    if user is None:
+        return {}
+    return {k: v for k in keys if (v := get_config(user, k))}
+
+
 def packing_settings(user: Optional[Any]) -> Packing:
-    """What of the caller's options the packing sessions take: the config entries that may change
-    how a kernel packs, and the intra-op thread count (0: ORT's default). Read once, with the rest of
-    the caller's settings, by whoever builds a start's request (:class:`ortmem.handoff.request.Request`)."""
+    """What of the caller's options the finishing sessions take: every config entry it set that this
+    ORT defines (:func:`caller_config`; none where the keys cannot be read) and the intra-op thread
+    count (0: ORT's default; it changes no saved byte). Read once, with the rest of the caller's
+    settings, by whoever builds a start's request (:class:`ortmem.handoff.request.Request`)."""
     if user is None:
         return {}, 0
-    config = {k: v for k in PACKING_CONFIG_KEYS if (v := get_config(user, k))}
-    return config, int(user.intra_op_num_threads or 0)
+    return caller_config(user) or {}, int(user.intra_op_num_threads or 0)

@@ -252,7 +252,8 @@ def _prepare(cache: Cache, job: PrepackLater) -> Optional[Path]:
     if prepared_key(source, settings, job.config, converting) != job.key:
         log.info("ortmem: %s changed since its start; not preparing it under the old key", source)
         return None
-    entry, _ = build_prepared(cache, source, job.key, packing=job.config, threads=job.intra_op_num_threads)
+    entry, _ = build_prepared(cache, source, job.key, packing=job.config, threads=job.intra_op_num_threads,
+                              settings=settings)
     return entry.path
 
 

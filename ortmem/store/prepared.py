@@ -1,43 +1,50 @@
-"""ORT's own pre-packed weights for any model, saved beside a copy of it that ORT maps as is.
+"""ORT's finished model: the graph as ORT optimized it for the caller's settings, every weight it holds
+(the optimizer-made and constant-folded ones included) and its pre-packed buffers, saved in a file ORT maps.
 
 Why
 ---
-Every kernel that pre-packs a constant input (MatMul/Gemm in fp32 and fp16, MatMulNBits, the int8
-QOperator kernels, LSTM/GRU, attention...) keeps its packed copy on the heap, one per process. ORT
-can save those packed buffers (``session.save_external_prepacked_constant_initializers``) beside the
-model's initializers; a later session maps them from the file. Measured on onnxruntime 1.32.0 (fp32
-MLP, 12 x MatMul 2048x2048, 192 MiB of weights): a fresh process loading the saved model with default
-options, inside :func:`ortmem.hygiene.allocator_hygiene`, holds 23 MiB private (RssAnon) after
-creation and its first run (an empty interpreter with ORT imported: 21) against plain ORT's 216 on
-the source, with bit-identical outputs. Which kernels pack is asked of the installed ORT (it saves
-what it packs), never listed here.
+A session ORT creates from a source model runs the graph optimizers at its level, and every weight
+they make (NCHWc-reordered convolution filters, folded Transposes of tied embeddings, fused weights, the
+int8 kernels' packed B) and every pre-packed buffer lands on that process's private heap. ORT can save
+the model as it finished it (``optimized_model_filepath`` with
+``session.optimized_model_external_initializers_file_name`` and
+``session.save_external_prepacked_constant_initializers``); a session on that save with graph
+optimizations off maps all of it. Measured on onnxruntime 1.32.0, fresh processes, private memory
+after creation and one run: a conv net 94 -> 33 MiB, an fp32 encoder 68 -> 28, its ``quantize_dynamic``
+int8 copy 40 -> 30, a 0.6 GB native int4 decoder 891 -> 42 (an empty interpreter: 21.5), outputs identical.
 
 How
 ---
-A throw-away session over the source with ``ORT_DISABLE_ALL`` writes ``<stem>.onnx`` (the source
-graph, every initializer external in ``<stem>.data``) plus the ``prepacked_<i>`` blobs. The saved
-graph is the source graph: nothing the user's options might switch off is baked in; the user's own
-session still optimizes at its level and maps each saved blob only where its kernel's fresh packing
-hashes to the saved key (ORT >= 1.32 also re-packs and compares on reload), so the files are safe
-whatever the caller's ``SessionOptions`` hold. Initializers created by ORT's own optimizers (NCHWc
-convolution weights, fused ones) are therefore *not* captured: a model whose only packing happens on
-such tensors (a Conv net: plain ``Conv`` does not pre-pack, the NCHWc one made at level 3 does) gets
-``useful=False``.
+A throw-away session over the source at the caller's effective settings (``settings``: optimization level,
+disabled optimizers, and every config entry the caller set that this ORT defines,
+:func:`ortmem.ortmodel.settings.caller_config`) writes ``<stem>.onnx`` and ``<stem>.data``: every
+initializer of :data:`EXTERNAL_MIN_BYTES` or more in the data file (smaller ones stay in the graph: ORT's
+shape inference reads an axes or shape input only from the graph, and ORT keeps such a tensor in its
+proto, not on the heap), then the ``prepacked_<i>`` blobs. onnxruntime 1.32.0 has no option that aligns
+the offsets of a saved model's external initializers (only the compile API does): ORT maps each tensor
+from the page its offset falls in, so an unaligned one shares its first and last page with its
+neighbours. The model is loaded with ``ORT_DISABLE_ALL`` set on the caller's options for the creation
+call only (:meth:`ortmem.handoff.handoff.Handoff.creation_options`); pre-packing stays on (the saved
+blobs are used only by a session that pre-packs), and the save's own opset imports name every domain
+its nodes use (``com.microsoft.nchwc`` included).
 
-Before anything is published, :func:`worth_mapping` runs the source and the saved model on the same
-feeds (:func:`ortmem.measure.inputs.make_inputs`; a decoder's first step: empty KV cache, its head
-size and head count from ``genai_config.json`` or its attention nodes). A model those feeds cannot run
-is not judged at all: :class:`PrepareCheckError`, nothing is written, and a later preparation tries
-again (a verdict such as "ORT packs nothing" is recorded only where the check ran).
+Before anything is published, :func:`worth_mapping` runs the source at the caller's settings and the
+finished model at ``ORT_DISABLE_ALL`` on the same feeds (:func:`ortmem.measure.inputs.make_inputs`; a
+decoder's first step: empty KV cache, its head size and head count from ``genai_config.json`` or its
+attention nodes) and requires identical outputs, the source's graph inputs and outputs (no free dimension
+baked in) and measurably less private memory. A model those feeds cannot run is not judged at all:
+:class:`PrepareCheckError`, nothing is written, and a later preparation tries again (a verdict such as
+"nothing ORT keeps is mapped" is recorded only where the check ran). A release that cannot save or
+reload a finished model correctly gives other outputs or fails, and publishes nothing.
 
 What is checked, and when (:func:`prepared_path`, on every use)
 -------------------------------------------------------------
-``<stem>.json`` is written last and atomically; it records what the blobs are valid for
-(:func:`ortmem.store.prepacked.prepacked_key_parts`: ORT release, CPU, format), the source's identity (the
+``<stem>.json`` is written last and atomically; it records what the finished model is valid for
+(:func:`finished_key_parts`: ORT release and build, CPU, format, and the settings it was finished at), the source's identity (the
 .onnx and each external data file: :func:`ortmem.store.sources.source_record`) and a full digest of each
 written file. Before use, every file passes the cache's one trust check
 (:func:`ortmem.store.trust.cache_file_problem`: owner, mode, no symbolic link, size and, in ``"full"``
-mode, every byte), the key parts must equal this ORT and CPU's and (``source`` given) the source must
+mode, every byte), the key parts must equal this ORT's, CPU's and settings' and (``source`` given) the source must
 be unchanged. This module knows nothing of the cache: :mod:`ortmem.store.prepared_entries` keeps these files
 in cache entries; onnxruntime-genai folders keep them inside the folder.
 """
@@ -66,12 +73,36 @@ from .prepacked import prepacked_key_parts
 
 log = logging.getLogger(__name__)
 
+
+def finished_key_parts(settings: Optional[OrtSettings] = None) -> dict[str, Any]:
+    """What a finished model depends on beyond its source: the ORT release and build (its version, its
+    build info and its native module's identity), the CPU's features and this format, and (``settings``
+    given) the optimization level, disabled optimizers and config entries it was finished at."""
+    from ..ortmodel.release import installed
+
+    parts: dict[str, Any] = {**prepacked_key_parts(), "finished_format": PREPARED_FORMAT, "build": installed().build,
+                             "build_info": getattr(ort, "get_build_info", lambda: "")()}
+    if settings is not None:
+        parts["settings"] = settings_parts(settings)
+    return parts
+
+
+def settings_parts(settings: OrtSettings) -> dict[str, Any]:
+    """The parts of ``settings`` a finished model depends on (level, disabled optimizers, every config
+    entry), as JSON."""
+    return {"level": int(settings.graph_optimization_level), "disabled": sorted(settings.disabled_optimizers),
+            "config": dict(sorted(settings.session_config.items()))}
+
 #: Bumped whenever what :func:`prepare_model` writes, or the rule deciding whether it is published,
 #: changes. 2: published only where :func:`worth_mapping` measured a gain (a format-1 entry may be one
 #: that holds more private memory than plain ORT; its key no longer matches, so it is never served).
 #: 3: the check runs decoders on their first step (format 2 ran them on made-up cache shapes ORT's attention
 #: refused, and recorded "packs nothing" for every such decoder).
-PREPARED_FORMAT = 3
+#: 4: ORT's finished model at the caller's settings (format 3 saved the source graph at ORT_DISABLE_ALL).
+PREPARED_FORMAT = 4
+#: Initializers of at least this many bytes go to the data file (ORT keeps smaller ones in its proto
+#: rather than on the heap, and its shape inference reads an axes or shape input only from the graph).
+EXTERNAL_MIN_BYTES = 128
 _WORK_PREFIX = ".prepare-"
 
 
@@ -91,9 +122,21 @@ class PreparedReport:
     seconds: float
     prepacked: int  # initializers ORT saved pre-packed blobs for
     data_bytes: int  # size of <stem>.data
-    useful: bool  # prepacked > 0 and worth_mapping: mapping saves heap (False: the caller keeps no files)
+    useful: bool  # worth_mapping: identical outputs, and mapping saves heap (False: the caller keeps no files)
     #: Why a model with pre-packed blobs is still not worth mapping (:func:`worth_mapping`), else "".
     refusal: str = ""
+
+
+#: Why a finished model in which ORT made no weight and packed none is not kept: it maps what the source
+#: maps already.
+NOTHING_MADE = "onnxruntime makes no weight of it and packs none: nothing to map"
+
+
+def _initializer_names(source: Path) -> set[str]:
+    """The names of the source's initializers (its graph only: what ORT may replace or add to)."""
+    import onnx
+
+    return {t.name for t in onnx.load(str(source), load_external_data=False).graph.initializer}
 
 
 def source_files(source: Path) -> list[Path]:
@@ -113,9 +156,10 @@ def source_files(source: Path) -> list[Path]:
 def prepare_model(source: Path, folder: Path, stem: str = "prepared", *, settings: Optional[OrtSettings] = None,
                   threads: int = 0) -> PreparedReport:
     """Write ``folder/<stem>.onnx``, ``folder/<stem>.data`` and, last and atomically,
-    ``folder/<stem>.json`` (see the module docstring). ``settings``: its ``session_config`` entries go
-    to the throw-away session (pass those ORT's packing depends on,
-    :func:`ortmem.ortmodel.settings.packing_settings`); ``prepacking`` False writes nothing (``useful`` False).
+    ``folder/<stem>.json`` (see the module docstring). ``settings``: what the caller's session asks of
+    ORT (optimization level, disabled optimizers, and every config entry it set that this ORT defines,
+    :func:`ortmem.ortmodel.settings.caller_config`): the model is finished at those; ``prepacking``
+    False writes nothing (``useful`` False).
     ``threads``: intra-op threads of the throw-away session (0: ORT's default).
 
     Raises :class:`PrepareError` when ORT fails to load or save the model, :class:`PrepareCheckError`
@@ -137,16 +181,16 @@ def prepare_model(source: Path, folder: Path, stem: str = "prepared", *, setting
         _save(source, work, stem, settings, threads)
         saved = onnx.load(str(work / f"{stem}.onnx"), load_external_data=False)
         prepacked = sum(any(k.startswith("prepacked") for k in external_data_dict(t)) for t in saved.graph.initializer)
-        refusal = worth_mapping(source, work / f"{stem}.onnx", settings, threads) if prepacked else None
+        made = prepacked or bool({t.name for t in saved.graph.initializer} - _initializer_names(source))
+        refusal = worth_mapping(source, work / f"{stem}.onnx", settings, threads) if made else NOTHING_MADE
         if refusal:
             log.info("ortmem: %s is not prepared: %s", source, refusal)
         names = [n for n in (f"{stem}.onnx", f"{stem}.data") if (work / n).exists()]
         for name in names:
             os.chmod(work / name, PRIVATE_FILE_MODE)
         files = {n: (work / n).stat().st_size for n in names}
-        report = PreparedReport(0.0, prepacked, files.get(f"{stem}.data", 0), prepacked > 0 and refusal is None,
-                                refusal or "")
-        manifest = {"format": PREPARED_FORMAT, "key_parts": prepacked_key_parts(), "created": time.time(),
+        report = PreparedReport(0.0, prepacked, files.get(f"{stem}.data", 0), refusal is None, refusal or "")
+        manifest = {"format": PREPARED_FORMAT, "key_parts": finished_key_parts(settings), "created": time.time(),
                     "files": files, "digests": {n: digest.file_digest(work / n) for n in names}, **record}
         if f"{stem}.data" in files:  # what verify="sampled" reads: the first and last page of every span
             spans = data_spans(saved, f"{stem}.data")
@@ -176,60 +220,74 @@ MEASURABLE_BYTES = 4 << 20
 
 
 def worth_mapping(source: Path, prepared: Path, settings: OrtSettings, threads: int = 0) -> Optional[str]:
-    """None when the prepared model gives the source's outputs bit for bit and keeps measurably less
-    private memory; else why not (the caller then keeps no files).
+    """None when the finished model at ``ORT_DISABLE_ALL`` gives the source's outputs at ``settings`` bit
+    for bit, has the source's graph inputs and outputs, and keeps measurably less private memory; else
+    why not (the caller then keeps no files).
 
-    Both are asked of the installed ORT, not assumed: onnxruntime 1.28.0 reloads the saved blobs of a
-    native MatMulNBits model as NaN (a silently wrong output had the entry been used), and a saved blob
-    whose kernel is fused away at the session's optimization level is never mapped. Feeds are synthetic
+    Each is asked of the installed ORT, not assumed: onnxruntime 1.28.0 reloads the saved blobs of a
+    native MatMulNBits model as NaN (a silently wrong output had the entry been used). Feeds are synthetic
     (floats from a fixed seed, integers 0, batch 1, sequence 8; a decoder's first step, its cache empty:
     :func:`ortmem.measure.inputs.decoder_dims`), made once from the source and given to both.
 
     Raises :class:`PrepareCheckError` when the source itself cannot be run on them: that is no verdict
-    on the prepared model, and the caller records none. ORT's own log stays quiet (the error says why).
+    on the finished model, and the caller records none. ORT's own log stays quiet (the error says why).
     """
     from ..hygiene import trim
     from ..measure.inputs import decoder_dims, make_inputs
 
     feeds: dict[str, Any] = {}
 
-    def run(path: Path) -> tuple[list[Any], int]:
-        so = ort.SessionOptions()
-        so.log_severity_level = _ORT_QUIET
-        for key, value in settings.session_config.items():
-            so.add_session_config_entry(key, value)
-        if threads:
-            so.intra_op_num_threads = threads
+    def run(path: Path, finished: bool) -> tuple[list[Any], int, list[tuple[Any, ...]]]:
+        so = session_options(settings, threads, finished=finished)
         trim()
         before = _rss_anon()
-        session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"],
+                                       disabled_optimizers=None if finished else sorted(settings.disabled_optimizers))
         if not feeds:
             feeds.update(make_inputs(session, {"int_high": 1, "dims": decoder_dims(source)}))
+        signature = [(v.name, v.type, tuple(v.shape)) for v in (*session.get_inputs(), *session.get_outputs())]
         outputs = session.run(None, feeds)
         trim()
         kept = _rss_anon() - before
         del session
-        return outputs, kept
+        return outputs, kept, signature
 
     try:
-        expected, source_kept = run(source)
+        expected, source_kept, source_signature = run(source, False)
     except Exception as exc:  # noqa: BLE001 - ORT's own types: a model synthetic feeds cannot run
         shapes = ", ".join(f"{k} {list(np.shape(v))}" for k, v in feeds.items())
-        raise PrepareCheckError(f"the check of the prepared model could not run the source ({_ort_message(exc)}; "
+        raise PrepareCheckError(f"the check of the finished model could not run the source ({_ort_message(exc)}; "
                                 f"feeds: {shapes or 'none made'}); nothing recorded, a later start tries again",
                                 file=str(source)) from exc
     try:
-        got, prepared_kept = run(prepared)
+        got, prepared_kept, signature = run(prepared, True)
     except Exception as exc:  # noqa: BLE001 - the source runs on these feeds, the saved model does not
-        return f"onnxruntime {ort.__version__} cannot run the prepared model ({_ort_message(exc)})"
+        return f"onnxruntime {ort.__version__} cannot run the finished model ({_ort_message(exc)})"
+    if signature != source_signature:
+        return "the finished model's graph inputs or outputs are not the source's"
     same = len(got) == len(expected) and all(
         np.asarray(a).shape == np.asarray(b).shape and np.array_equal(a, b, equal_nan=False) for a, b in zip(got, expected))
     if not same:
-        return f"onnxruntime {ort.__version__} gives other outputs on the prepared model than on the source"
+        return f"onnxruntime {ort.__version__} gives other outputs on the finished model than on the source"
     if source_kept >= MEASURABLE_BYTES and prepared_kept > GAIN_FRACTION * source_kept:
-        return (f"the prepared model keeps {prepared_kept / 2**20:.1f} MiB private against the source's "
+        return (f"the finished model keeps {prepared_kept / 2**20:.1f} MiB private against the source's "
                 f"{source_kept / 2**20:.1f} MiB: nothing ORT keeps is mapped")
     return None
+
+
+def session_options(settings: OrtSettings, threads: int = 0, *, finished: bool = False) -> ort.SessionOptions:
+    """Fresh options for a session at ``settings`` (level, config entries; disabled optimizers are
+    ``InferenceSession``'s keyword), or, ``finished``, for a session on a finished model
+    (``ORT_DISABLE_ALL``: ORT uses it as it was saved). Quiet: a failure is said by ortmem's error."""
+    so = ort.SessionOptions()
+    so.log_severity_level = _ORT_QUIET
+    for key, value in settings.session_config.items():
+        so.add_session_config_entry(key, value)
+    so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_DISABLE_ALL if finished
+                                   else ort.GraphOptimizationLevel(min(int(settings.graph_optimization_level), 99)))
+    if threads:
+        so.intra_op_num_threads = threads
+    return so
 
 
 #: ``SessionOptions.log_severity_level`` of the sessions ortmem makes here: fatal only, so a failure is
@@ -253,26 +311,23 @@ def _rss_anon() -> int:
 
 
 def _save(source: Path, work: Path, stem: str, settings: OrtSettings, threads: int) -> None:
-    """The throw-away session that writes ``work/<stem>.onnx`` and ``.data`` (freed before return:
-    saving keeps every initializer alive in it)."""
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    """The throw-away session that finishes the source at ``settings`` and writes ``work/<stem>.onnx`` and
+    ``.data`` (freed before return: saving keeps every initializer alive in it)."""
+    from ..ortmodel.settings import SAVE_CONFIG_KEYS
+
+    so = session_options(settings, threads)
     so.optimized_model_filepath = str(work / f"{stem}.onnx")
-    so.log_severity_level = _ORT_QUIET
-    entries = {**dict(settings.session_config),
-               "session.save_external_prepacked_constant_initializers": "1",
-               "session.optimized_model_external_initializers_file_name": f"{stem}.data"}
-    for key, value in entries.items():
+    own = dict(zip(SAVE_CONFIG_KEYS, (f"{stem}.data", str(EXTERNAL_MIN_BYTES), "1")))
+    for key, value in own.items():  # after the caller's: ortmem's own override any it set
         so.add_session_config_entry(key, value)
-    if threads:
-        so.intra_op_num_threads = threads
     try:
-        session = ort.InferenceSession(str(source), so, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(source), so, providers=["CPUExecutionProvider"],
+                                       disabled_optimizers=sorted(settings.disabled_optimizers) or None)
         del session
     except Exception as exc:  # noqa: BLE001 - ORT raises its own pybind types
-        raise PrepareError(f"onnxruntime could not save the prepared model: {exc}", file=str(source)) from exc
+        raise PrepareError(f"onnxruntime could not save the finished model: {exc}", file=str(source)) from exc
     if not (work / f"{stem}.onnx").exists():
-        raise PrepareError("onnxruntime saved no prepared model", file=str(source))
+        raise PrepareError("onnxruntime saved no finished model", file=str(source))
 
 
 def _publish(work: Path, folder: Path, stem: str, names: list[str]) -> None:
@@ -303,15 +358,18 @@ def read_manifest(folder: Path, stem: str = "prepared") -> tuple[Optional[dict[s
 
 
 def prepared_problem(folder: Path, stem: str = "prepared", *, source: Optional[Path] = None,
-                     mode: str = "full") -> Optional[str]:
+                     mode: str = "full", settings: Optional[OrtSettings] = None) -> Optional[str]:
     """Why ``folder/<stem>.onnx`` may not be used now, or None (:func:`prepared_path`)."""
     mode = digest.check_mode(mode)
     folder = Path(folder)
     manifest, problem = read_manifest(folder, stem)
     if manifest is None:
         return problem
-    if manifest.get("key_parts") != prepacked_key_parts():
-        return "saved for another onnxruntime version, CPU or format"
+    parts = manifest.get("key_parts")
+    if not isinstance(parts, dict) or {k: v for k, v in parts.items() if k != "settings"} != finished_key_parts():
+        return "saved for another onnxruntime version or build, CPU or format"
+    if settings is not None and parts.get("settings") != settings_parts(settings):
+        return "finished at other session settings"
     files, digests = manifest.get("files"), manifest.get("digests")
     if not isinstance(files, dict) or not isinstance(digests, dict) or f"{stem}.onnx" not in files:
         return f"{stem}.json lists no files"
@@ -373,13 +431,14 @@ def _sampled_problem(path: Path, spans: Any, recorded: Any) -> Optional[str]:
 
 
 def prepared_path(folder: Path, stem: str = "prepared", *, source: Optional[Path] = None,
-                  mode: str = "full") -> Optional[Path]:
+                  mode: str = "full", settings: Optional[OrtSettings] = None) -> Optional[Path]:
     """``folder/<stem>.onnx`` when ``<stem>.json``, ``<stem>.onnx`` and ``<stem>.data`` all pass
     :func:`ortmem.store.trust.cache_file_problem` (owner, mode, no symlink, size, and the full digest when
     ``mode`` is "full" or "always"; ``"sampled"`` digests the first and last page of every span of the data
     file, each initializer and each pre-packed blob; ``"off"`` checks its size only), the manifest's key
-    parts equal this ORT and CPU's, and (``source`` given) the source is unchanged; else None (logged)."""
-    problem = prepared_problem(folder, stem, source=source, mode=mode)
+    parts equal this ORT's (release and build) and CPU's, and ``settings``' where given, and (``source``
+    given) the source is unchanged; else None (logged)."""
+    problem = prepared_problem(folder, stem, source=source, mode=mode, settings=settings)
     if problem is None:
         return Path(folder) / f"{stem}.onnx"
     log.info("ortmem: not using the prepared model in %s (%s)", folder, problem)

@@ -34,7 +34,6 @@ from .layout import Entry
 from .layout import MODEL_FILE
 from .sources import entry_key, onnx_version, private_mode, source_record
 from ..ortmodel.settings import OrtSettings
-from .prepacked import prepacked_key_parts
 from .prepared import (
     PREPARED_FORMAT,
     PrepareCheckError,
@@ -42,6 +41,7 @@ from .prepared import (
     PreparedReport,
     prepare_model,
     prepared_problem,
+    finished_key_parts,
     read_manifest,
     source_files,
 )
@@ -64,8 +64,14 @@ def prepared_key(model_path: Path, settings: OrtSettings, packing: dict[str, str
         "ortmem": __version__,
         "onnxruntime": ort.__version__,
         "onnx": onnx_version(),
-        "blobs": prepacked_key_parts(),
+        "blobs": finished_key_parts(),
     })
+
+
+def finishing_settings(settings: OrtSettings, packing: Optional[dict[str, str]]) -> OrtSettings:
+    """What a model is finished at: the caller's optimization level and disabled optimizers, and every
+    config entry it set that this ORT defines (``packing``, :func:`ortmem.ortmodel.settings.caller_config`)."""
+    return OrtSettings(settings.graph_optimization_level, dict(packing or {}), settings.disabled_optimizers)
 
 
 def settings_record(settings: OrtSettings, converting: bool) -> dict[str, Any]:
@@ -113,9 +119,11 @@ def usable_prepared(cache: Cache, entry: Entry) -> Optional[Entry]:
 
 
 def build_prepared(cache: Cache, source: Path, key: str, *, packing: Optional[dict[str, str]] = None,
-                   threads: int = 0) -> tuple[Entry, Optional[PreparedReport]]:
+                   threads: int = 0, settings: Optional[OrtSettings] = None) -> tuple[Entry, Optional[PreparedReport]]:
     """Build and publish the prepared entry ``key`` of ``source`` (the caller holds its creator lock);
-    (entry, report), the report None when ORT could not save the model (a marker then says so).
+    (entry, report), the report None when ORT could not save the model (a marker then says so). The
+    model is finished at ``settings``' level and disabled optimizers with ``packing``'s config entries
+    (:func:`finishing_settings`; ORT's defaults when None).
     Raises :class:`ortmem.store.prepared.PrepareCheckError`, publishing nothing, when the check of the
     saved model could not run: a marker records only a decision. A failure of resources
     (:func:`ortmem.errors.resource_failure`: ORT's ``bad_alloc``, no thread, no descriptor) is no
@@ -124,7 +132,7 @@ def build_prepared(cache: Cache, source: Path, key: str, *, packing: Optional[di
 
     def build(tmp: Path) -> dict[str, Any]:
         try:
-            report = prepare_model(source, tmp, STEM, settings=OrtSettings(session_config=dict(packing or {})),
+            report = prepare_model(source, tmp, STEM, settings=finishing_settings(settings or OrtSettings(), packing),
                                    threads=threads)
         except PrepareCheckError:
             raise  # no decision was made: nothing to record
@@ -155,7 +163,8 @@ def build_prepared(cache: Cache, source: Path, key: str, *, packing: Optional[di
 
 
 def ensure_prepared(cache: Cache, source: Path, key: str, *, packing: Optional[dict[str, str]] = None,
-                    threads: int = 0, timeout: Optional[float] = None) -> tuple[Entry, bool]:
+                    threads: int = 0, timeout: Optional[float] = None,
+                    settings: Optional[OrtSettings] = None) -> tuple[Entry, bool]:
     """(entry, built): the prepared entry ``key``, looked up or built under its creator lock
     (``timeout`` as :meth:`ortmem.store.cache.Cache.creating`; raises ``LockBusyError`` past it)."""
     entry = lookup_prepared(cache, key)
@@ -165,7 +174,7 @@ def ensure_prepared(cache: Cache, source: Path, key: str, *, packing: Optional[d
         entry = lookup_prepared(cache, key)  # built while we waited?
         if entry is not None:
             return entry, False
-        entry, _ = build_prepared(cache, source, key, packing=packing, threads=threads)
+        entry, _ = build_prepared(cache, source, key, packing=packing, threads=threads, settings=settings)
     return entry, True
 
 
@@ -178,5 +187,5 @@ def describe(entry: Entry) -> str:
     if m.get("marker"):
         return f"nothing to map ({m.get('why', 'onnxruntime packs nothing')})"
     report = m.get("report") or {}
-    return (f"{report.get('prepacked', '?')} pre-packed initializers, "
+    return (f"onnxruntime's finished model: {report.get('prepacked', '?')} pre-packed initializers, "
             f"{(report.get('data_bytes') or 0) / 2**20:.1f} MiB mapped from {STEM}.data")

@@ -64,6 +64,20 @@ def conv(path: Path) -> Path:
     return path
 
 
+def elementwise(path: Path, *, external: bool = True) -> Path:
+    """``x * w + b`` over [1, 32, 16, 16]: ORT makes no weight of it and packs none (nothing to finish)."""
+    rng = np.random.default_rng(2)
+    w = numpy_helper.from_array(rng.standard_normal((1, 32, 16, 16)).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal((1, 32, 16, 16)).astype(np.float32), "b")
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])],
+                              "scale", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 16, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w, b])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    proto.ir_version = 8
+    onnx.save_model(proto, str(path), save_as_external_data=external, location=path.name + ".data", size_threshold=0)
+    return path
+
+
 def mlp_feeds(dim: int = 1024) -> dict:
     return {"x": np.random.default_rng(7).standard_normal((2, dim)).astype(np.float32)}
 
@@ -91,23 +105,26 @@ MODELS = {
     "native-int4": (lambda d: write_model(SynthConfig.tiny(form="native", storage="external"), d / "native.onnx"),
                     lambda: {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}, "prepared"),
     "int8-qoperator": (_int8, lambda: mlp_feeds(512), "prepared"),
+    # plain Conv packs nothing: the NCHWc Conv ORT makes at ORT_ENABLE_ALL does, and its filters are finished weights
     "conv": (conv, lambda: {"x": np.random.default_rng(3).standard_normal((1, 32, 16, 16)).astype(np.float32)},
-             "mapped"),  # ORT packs nothing at the source graph's level: a marker entry, today's start
+             "prepared"),
 }
 
 
 def ort_reload_is_identical(model: Path, feeds: dict, folder: Path) -> bool:
-    """Plain ORT's own answer, without ortmem: a model saved with its pre-packed weights
-    (ORT_DISABLE_ALL, as ortmem.store.prepared saves it) and reloaded gives the source's outputs
-    (onnxruntime 1.28.0 reloads a native MatMulNBits model's blobs as NaN; ortmem must then refuse it)."""
+    """Plain ORT's own answer, without ortmem: the model ORT finishes at its default level, saved with its
+    pre-packed weights and reloaded with optimizations off, gives the source's outputs (onnxruntime
+    1.28.0 reloads a native MatMulNBits model's blobs as NaN; ortmem must then refuse it)."""
     folder.mkdir()
     so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.optimized_model_filepath = str(folder / "saved.onnx")
     so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "saved.data")
     ort.InferenceSession(str(model), so, providers=CPU)
-    return np.array_equal(run_plain(folder / "saved.onnx", feeds)[0], run_plain(model, feeds)[0])
+    off = ort.SessionOptions()
+    off.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    got = ort.InferenceSession(str(folder / "saved.onnx"), off, providers=CPU).run(None, feeds)[0]
+    return np.array_equal(got, run_plain(model, feeds)[0])
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -128,8 +145,11 @@ def test_cold_prepared_and_warm_starts_equal_plain_ort(name, tmp_path, any_size)
     if warm_action == "prepared" and not ort_reload_is_identical(model, feeds, tmp_path / "ort-save"):
         warm_action = cold.ortmem_action  # this ORT reloads it wrong: a marker, today's start again
     assert marker == (warm_action != "prepared")
-    if not marker:  # the entry itself, loaded with plain ORT
-        assert np.array_equal(run_plain(entry / "model.onnx", feeds)[0], expected)
+    if not marker:  # the entry itself, loaded by plain ORT with optimizations off
+        off = ort.SessionOptions()
+        off.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        assert np.array_equal(ort.InferenceSession(str(entry / "model.onnx"), off, providers=CPU).run(None, feeds)[0],
+                              expected)
     before = len(prepack_later.started_packers())
     warm = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     assert warm.ortmem_action == warm_action
@@ -249,7 +269,7 @@ def test_prepare_a_folder_converts_qdq_and_prepares_the_rest(tmp_path, any_size,
     before = len(prepack_later.started_packers())
     assert ortmem.InferenceSession(fp32, providers=CPU, cache=cache).ortmem_action == "prepared"
     assert ortmem.InferenceSession(qdq, providers=CPU, cache=cache).ortmem_action == "pre-packed"
-    assert ortmem.InferenceSession(cnv, providers=CPU, cache=cache).ortmem_action == "mapped"  # its marker
+    assert ortmem.InferenceSession(cnv, providers=CPU, cache=cache).ortmem_action == "prepared"  # NCHWc, finished
     assert len(prepack_later.started_packers()) == before
     assert "prepared entry" in capsys.readouterr().err
     assert cli_main(["prepare", str(folder), "--cache", str(cache)]) == 0  # again: all there already
@@ -367,15 +387,15 @@ def test_a_prepared_model_that_differs_or_saves_nothing_is_not_worth_mapping(tmp
 
 
 def test_a_settled_model_with_external_data_goes_to_ort_unloaded(tmp_path, any_size):
-    """A model whose prepared entry is a marker (ORT packs nothing of it) was loaded once, converted
+    """A model whose finished entry is a marker (ORT makes and packs nothing of it) was loaded once, converted
     nothing, and its files are unchanged: later starts give ORT the file as it is, without the loader
     or onnx (the store's ``"unconverted"`` verdict), in a fresh process, with plain ORT's outputs. An
     edit of its external data undoes that: the loader checks the files again."""
     folder = tmp_path / "model"
     folder.mkdir()
-    model = conv(folder / "conv.onnx")
-    onnx.save_model(onnx.load(str(model)), str(model), save_as_external_data=True, location="conv.data",
-                    size_threshold=0)
+    model = elementwise(folder / "scale.onnx", external=False)
+    proto = onnx.load(str(model))
+    onnx.save_model(proto, str(model), save_as_external_data=True, location="conv.data", size_threshold=0)
     feeds = {"x": np.random.default_rng(3).standard_normal((1, 32, 16, 16)).astype(np.float32)}
     cache = tmp_path / "cache"
     assert cli_main(["prepare", str(model), "--cache", str(cache)]) == 0

@@ -22,7 +22,7 @@ from ortmem.store import packer
 from ortmem.store.cache import Cache
 from ortmem.store.prepared import PrepareCheckError
 from ortmem.store.prepared_entries import is_marker
-from tests.store.test_prepared import conv
+from tests.store.test_prepared import elementwise
 from tests.support.compare import assert_same_outputs
 from tests.support.decoders import decoder_feeds, genai_decoder_folder, gqa_decoder
 from tests.support.reference import CPU, run_plain
@@ -107,10 +107,10 @@ def test_a_genai_folder_whose_check_cannot_run_fails_and_writes_nothing(tmp_path
 
 
 def test_a_model_ort_keeps_nothing_of_is_a_plain_statement(tmp_path, any_size, capfd):
-    model = conv(tmp_path / "conv.onnx")
+    model = elementwise(tmp_path / "scale.onnx")
     rc, err = _prepare(model, tmp_path / "cache", capfd)
     assert rc == 0, err
-    assert "nothing to prepare (onnxruntime packs nothing)" in err[-1], err
+    assert "nothing to prepare (onnxruntime makes no weight of it and packs none" in err[-1], err
     (entry,) = _entries(tmp_path / "cache")
     assert is_marker(entry)  # a decision the check could make: later starts need not ask again
 
