@@ -1,9 +1,9 @@
-"""The session path stays as clear as issue 21 left it, measured on real sessions.
+"""The session path stays clear: few moves between modules, measured on real sessions.
 
 ``bench.session_path`` traces real ``ortmem.InferenceSession`` starts (cold, second, warm,
 ``cache=False``) of a small QDQ model in fresh interpreters and counts the distinct moves between
-modules. The review that asked for the store and handoff packages counted 46 climbs back up over every
-branch; the refactor promised at most half that, and no module entered more than three times on any
+modules. A path without the store and handoff packages' boundaries climbs back up 46 times over every
+branch; the path is held to at most half that, and no module is entered more than three times on any
 start. A change that makes the path bounce again (a helper calling back into its caller, a new hub)
 fails here with the counts that say where.
 """
@@ -13,7 +13,7 @@ import pytest
 
 from bench.session_path import measure
 
-#: Climbs back up over every branch in the review of 01b5b20 (issue 21).
+#: Climbs back up over every branch of a path without the store and handoff packages' boundaries.
 REVIEWED_CLIMBS = 46
 
 
