@@ -7,19 +7,37 @@ dashed, so zero-copy loading is visible as memory moving from the solid to the d
 is the start of session creation in every run; a dotted vertical line marks the end of creation and
 a shaded band the first run. In the worker panel, solid is total PSS and dashed total private;
 extrapolated points (memory guard) are hollow and joined by dotted lines.
+
+Each title starts at its panel's left edge and is wrapped where it would pass the figure's right edge
+(the legends sit right of the panels, so a centred title wider than its panel was cut on both sides).
 """
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+import textwrap
+from typing import TYPE_CHECKING, Any
 
 from ..units import MiB
 
 if TYPE_CHECKING:
     from .bench import BenchReport
 
+DPI = 110
+
 
 def plot(report: "BenchReport", path_png: str | os.PathLike) -> None:
+    """Draw ``report`` (:func:`figure`) into a PNG file."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(report)
+    try:
+        fig.savefig(path_png, dpi=DPI)
+    finally:
+        plt.close(fig)
+
+
+def figure(report: "BenchReport") -> Any:
+    """The figure :func:`plot` saves, laid out, its titles fitted (the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -32,8 +50,10 @@ def plot(report: "BenchReport", path_png: str | os.PathLike) -> None:
     if not models and not workers:
         raise ValueError("nothing to plot: no successful runs in the report")
     panels = len(models) + (1 if workers else 0)
-    fig, axes = plt.subplots(panels, 1, figsize=(11, 4.8 * panels), squeeze=False)
+    # laid out at the resolution it is saved at, so the titles are measured as they are drawn
+    fig, axes = plt.subplots(panels, 1, figsize=(11, 4.8 * panels), squeeze=False, dpi=DPI)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    titles = []
     for ax, mr in zip(axes[:, 0], models):
         handles = []
         t_max = 0.0
@@ -77,22 +97,37 @@ def plot(report: "BenchReport", path_png: str | os.PathLike) -> None:
         ax.set_xlim(left=min(ax.get_xlim()[0], 0))
         ax.grid(True, alpha=0.3)
         interval = next(r for s in mr.strategies.values() for r in s.runs).sample_interval_s
-        ax.set_title(
+        titles.append(ax.set_title(
             f"{mr.name}: resident memory of the process tree\n"
             f"median-peak run of {report.repeat} fresh process(es) per strategy, sampled every "
             f"{interval * 1000:.0f} ms",
-            fontsize=11,
-        )
+            fontsize=11, loc="left",
+        ))
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
     if workers:
-        _plot_workers(axes[-1, 0], workers, colors)
+        titles.append(_plot_workers(axes[-1, 0], workers, colors))
+    fit_titles(fig, titles)
+    return fig
+
+
+def fit_titles(fig: Any, titles: list[Any], margin: float = 0.01) -> None:
+    """Lay the figure out, then wrap each left-aligned title until it ends inside the figure (a long
+    model name, a narrow panel beside its legend), and lay it out again for the taller titles.
+    ``margin``: the part of the figure's width kept clear at the right (glyphs drawn a pixel wider)."""
     fig.tight_layout()
-    fig.savefig(path_png, dpi=110)
-    plt.close(fig)
+    renderer = fig.canvas.get_renderer()
+    right = fig.bbox.x1 * (1 - margin)
+    for title in titles:
+        lines = title.get_text().splitlines()
+        width = max(len(line) for line in lines)
+        while title.get_window_extent(renderer).x1 > right and width > 16:
+            width -= 4
+            title.set_text("\n".join(textwrap.fill(line, width, break_on_hyphens=False) for line in lines))
+    fig.tight_layout()
 
 
-def _plot_workers(ax, workers, colors) -> None:  # noqa: ANN001  (matplotlib types stay lazy)
-    """Total PSS (solid) and total private (dashed) against N, per strategy."""
+def _plot_workers(ax, workers, colors) -> Any:  # noqa: ANN001  (matplotlib types stay lazy)
+    """Total PSS (solid) and total private (dashed) against N, per strategy; returns the panel's title."""
     from matplotlib.lines import Line2D
 
     handles = []
@@ -123,6 +158,7 @@ def _plot_workers(ax, workers, colors) -> None:  # noqa: ANN001  (matplotlib typ
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     mode = "started together" if workers.together else "started one after the other"
-    ax.set_title(f"{os.path.basename(workers.model)}: N worker processes, {mode}, each with a session "
-                 "that has run once", fontsize=11)
+    title = ax.set_title(f"{os.path.basename(workers.model)}: N worker processes, {mode}, each with a session "
+                         "that has run once", fontsize=11, loc="left")
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
+    return title

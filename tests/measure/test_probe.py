@@ -6,6 +6,7 @@ The strategies below are imported *by file path* in the measured child process
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import mmap
@@ -293,6 +294,20 @@ def test_table_and_plot(bench_report, tmp_path: Path) -> None:
     png = tmp_path / "bench.png"
     plot(bench_report, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.pyplot as plt
+
+    from ortmem.measure.plotting import figure
+    from tests.support.figures import cut_off
+
+    named = copy.deepcopy(bench_report)  # a long model name: its title is wrapped, not cut
+    named.models[0].model = str(tmp_path / ("llama-3.2-3b-instruct-int4-block32-" * 3 + "qdq.onnx"))
+    for report in (bench_report, named):
+        fig = figure(report)
+        try:
+            assert cut_off(fig) == []
+            assert fig.axes[0].get_title(loc="left").startswith(os.path.basename(report.models[0].model)[:20])
+        finally:
+            plt.close(fig)
 
 
 @slow

@@ -149,4 +149,16 @@ def test_cli_workers_json_and_plot(model: str, tmp_path: Path, capsys: pytest.Ca
     back = read_json(tmp_path / "w.json")
     assert back.workers is not None and back.workers.runs[0].workers[0].pss > 0
     assert (tmp_path / "w.png").stat().st_size > 10_000
+    import matplotlib.pyplot as plt
+
+    from ortmem.measure.plotting import figure
+    from tests.support.figures import cut_off
+
+    for name in (os.path.basename(model), "llama-3.2-3b-instruct-int4-block32-" * 3 + "qdq.onnx"):
+        back.workers.model = str(tmp_path / name)  # a long name's title is wrapped, not cut
+        fig = figure(back)
+        try:
+            assert len(fig.axes) == 1 and cut_off(fig) == []
+        finally:
+            plt.close(fig)
     assert os.path.getsize(tmp_path / "w.json") > 0
