@@ -216,10 +216,10 @@ def model_files(config: dict[str, Any]) -> list[GenaiModelFile]:
 
 
 def packing_settings(config: dict[str, Any], item: GenaiModelFile) -> tuple[OrtSettings, int]:
-    """What of the session options genai gives ``item`` may change how ORT packs it, for the
-    preparing session: genai passes every key it does not read itself to ORT as a session config
-    entry, and of those :func:`ortmem.ortmodel.settings.packing_settings` keeps the ones packing depends on
-    (the same choice as for an ``ortmem.InferenceSession``), with ``intra_op_num_threads``."""
+    """What ``item`` is finished at: the ``graph_optimization_level`` genai gives it, and of the keys genai
+    passes to ORT as session config entries (every one it does not read itself) those this ORT build
+    defines (:func:`ortmem.ortmodel.settings.packing_settings`, the same choice as for an
+    ``ortmem.InferenceSession``), with ``intra_op_num_threads``."""
     obj: Any = config
     for step in item.where:
         obj = obj[step]
@@ -233,7 +233,42 @@ def packing_settings(config: dict[str, Any], item: GenaiModelFile) -> tuple[OrtS
     if isinstance(threads, int) and threads > 0:
         so.intra_op_num_threads = threads
     entries, threads = ort_packing_settings(so)
-    return OrtSettings(session_config=entries), threads
+    return OrtSettings(_level(options.get("graph_optimization_level")), entries), threads
+
+
+#: What a finished file's session options say in a rewritten config (genai 0.18 reads the level from a
+#: model's ``session_options``): ORT uses the finished model as it was saved.
+FINISHED_LEVEL = "ORT_DISABLE_ALL"
+
+
+def _level(name: Any) -> int:
+    """ORT's number for a ``graph_optimization_level`` genai reads (``"ORT_ENABLE_ALL"``...; ORT's default
+    when absent or not one of ORT's names)."""
+    member = ort.GraphOptimizationLevel.__members__.get(str(name)) if name is not None else None
+    return int(member) if member is not None else 99
+
+
+def _object_at(config: Any, where: tuple[str | int, ...]) -> Any:
+    """The object at the JSON path ``where`` of ``config``, or None."""
+    obj = config
+    for step in where:
+        try:
+            obj = obj[step]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return obj
+
+
+def _finished_options(config: dict[str, Any], item: GenaiModelFile) -> dict[str, Any]:
+    """The session options of ``item``'s object once it names its finished file: what genai gave it
+    (:func:`_effective_options`, the decoder's when it has none of its own) with the level off."""
+    obj: Any = config
+    for step in item.where:
+        obj = obj[step]
+    decoder = config["model"].get("decoder") or {}
+    options = dict(_effective_options(obj, decoder.get("session_options") or {}))
+    options["graph_optimization_level"] = FINISHED_LEVEL
+    return options
 
 
 # -------------------------------------------------------------------------------- preparing
@@ -398,7 +433,13 @@ def genai_config(folder: Path, *, mode: str = "full") -> Any:
         if filename == item.filename:
             continue
         if item.overlayable:
-            config.overlay(json.dumps(_fragment(item.where, filename)))
+            fragment = _fragment(item.where, filename)
+            if filename != item.source:  # the finished file: genai creates its session with optimizations off
+                leaf = fragment
+                for step in item.where:
+                    leaf = leaf[step]
+                leaf["session_options"] = {"graph_optimization_level": FINISHED_LEVEL}
+            config.overlay(json.dumps(fragment))
         elif filename == item.source:
             raise GenaiFolderError(f"{item.filename} failed its check ({'; '.join(reasons)}) and is a "
                                    "pipeline stage og.Config cannot re-point: restore the config "
@@ -453,6 +494,10 @@ def rewrite_config(folder: Path, *, backup: bool = True) -> list[str]:
     path = folder / GENAI_CONFIG
     original = path.read_text()
     config = read_config(folder)
+    try:  # the config as the user wrote it (before any rewrite): a file pointed back gets its options back
+        first = json.loads((folder / CONFIG_BACKUP).read_text()) if (folder / CONFIG_BACKUP).exists() else {}
+    except (OSError, ValueError):
+        first = {}
     chosen, reasons = choose_files(folder, mode="full", ort_problem=None)
     switched = []
     for item, filename in chosen:
@@ -461,9 +506,19 @@ def rewrite_config(folder: Path, *, backup: bool = True) -> list[str]:
         obj: Any = config
         for step in item.where:
             obj = obj[step]
+        finished = _finished_options(config, item) if filename != item.source else None
         obj["filename"] = filename
-        if filename != item.source:
+        if finished is not None:
+            obj["session_options"] = finished
+            obj.pop("inherit_session_options", None)
             switched.append(item.filename)
+        elif isinstance(obj.get("session_options"), dict) and obj["session_options"].get(
+                "graph_optimization_level") == FINISHED_LEVEL:  # back to its source: the options it was given
+            given = _object_at(first, item.where)
+            if isinstance(given, dict) and "session_options" in given:
+                obj["session_options"] = given["session_options"]
+            else:
+                obj.pop("session_options")
     if reasons:
         log.warning("ortmem: genai folder %s: %s; those files stay as given", folder, "; ".join(reasons))
     if backup and not (folder / CONFIG_BACKUP).exists():

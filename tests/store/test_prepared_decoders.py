@@ -74,7 +74,20 @@ def test_a_genai_shaped_folder_is_prepared_with_its_config_head_size(tmp_path, c
     (chosen, name), = genai.choose_files(folder)[0]
     assert name == "model.ortmem-prepared.onnx" and genai.choose_files(folder)[1] == []
     feeds = decoder_feeds(past=2, hidden=192, heads=2, kv_heads=1)
-    assert_same_outputs(run_plain(folder / name, feeds), run_plain(folder / "model.onnx", feeds))
+    off = ort.SessionOptions()
+    off.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    assert_same_outputs(run_plain(folder / name, feeds, off), run_plain(folder / "model.onnx", feeds))
+    # genai gets the finished file with its own options and optimizations off (genai reads the level there)
+    assert genai.rewrite_config(folder) == ["model.onnx"]
+    decoder = json.loads((folder / genai.GENAI_CONFIG).read_text())["model"]["decoder"]
+    assert decoder["filename"] == name
+    assert decoder["session_options"] == {"log_id": "onnxruntime-genai", "provider_options": [],
+                                          "graph_optimization_level": "ORT_DISABLE_ALL"}
+    (folder / "model.onnx.data").touch()  # the source's identity moved: the finished file no longer passes
+    assert genai.rewrite_config(folder) == []
+    decoder = json.loads((folder / genai.GENAI_CONFIG).read_text())["model"]["decoder"]
+    assert decoder["filename"] == "model.onnx"
+    assert decoder["session_options"] == {"log_id": "onnxruntime-genai", "provider_options": []}
 
 
 def test_a_decoder_whose_check_cannot_run_fails_once_and_records_nothing(tmp_path, any_size, capfd):
