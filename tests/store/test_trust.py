@@ -235,7 +235,8 @@ print(key)
 
 
 def test_read_only_cache_folder_degrades_with_one_warning(world_dir, caplog):
-    """Finding 4: an unwritable cache folder made every session fail with a raw OSError."""
+    """An unwritable cache folder never fails a session: every session converts without it, and a
+    folder that cannot be created is named in one warning."""
     reason = _as_nobody_available()
     if reason:
         pytest.skip(reason)
@@ -265,7 +266,10 @@ print("OK")
     ortmem.InferenceSession(model, cache=False)  # probe answers for this run
     r = _as_nobody(code, str(model), str(ro), probes=world_dir / "probes")
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr
-    assert r.stderr.count("WARNING") == 2 and r.stderr.count("converting without it") == 2  # one per session
+    # A read-only cache is a supported deployment (ortmem prepare, then a read-only mount): no warning; a
+    # cache folder that cannot even be created is named once.
+    assert r.stderr.count("WARNING") == 1 and r.stderr.count("converting without it") == 1, r.stderr
+    assert "sub/deeper" in r.stderr
 
 
 def test_uncreatable_cache_path_degrades(tmp_path, caplog):
