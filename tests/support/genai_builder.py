@@ -105,11 +105,12 @@ _built: dict[tuple, Path] = {}
 Spec = tuple[str, bool, BuilderShape]
 
 
-def builder_folders(tmp: Path, specs: list[Spec], *, timeout: float = 600.0) -> list[Path]:
+def builder_folders(tmp: Path, specs: list[Spec], *, timeout: float = 600.0, reuse: bool = False) -> list[Path]:
     """Genai folders made by genai's builder (``-p PRECISION -e cpu``) under ``tmp``, one per
     ``(precision, tied, shape)``, each built once per test session (the missing ones in one child
-    process): callers that write into one copy it first (:func:`copy_folder`). Skips the test, saying
-    what is missing, where the builder cannot run."""
+    process): callers that write into one copy it first (:func:`copy_folder`). ``reuse``: a folder an
+    earlier process built under ``tmp`` is taken as it is (benchmarks). Skips the test, saying what is
+    missing, where the builder cannot run."""
     problem = builder_problem()
     if problem:
         pytest.skip(problem)
@@ -119,6 +120,9 @@ def builder_folders(tmp: Path, specs: list[Spec], *, timeout: float = 600.0) -> 
         if done is not None and (done / "genai_config.json").is_file():
             continue
         work = Path(tmp) / f"builder-{_name(precision, tied, shape)}"
+        if reuse and (work / "genai" / "genai_config.json").is_file():
+            _built[(precision, tied, shape)] = work / "genai"
+            continue
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         requests.append({"precision": precision, "tied": tied, "shape": asdict(shape), "hf": str(work / "hf"),
@@ -138,9 +142,9 @@ def builder_folders(tmp: Path, specs: list[Spec], *, timeout: float = 600.0) -> 
 
 
 def builder_folder(tmp: Path, precision: str = "int4", tied: bool = True, *,
-                   shape: BuilderShape = BuilderShape(), timeout: float = 600.0) -> Path:
+                   shape: BuilderShape = BuilderShape(), timeout: float = 600.0, reuse: bool = False) -> Path:
     """One folder of :func:`builder_folders`."""
-    return builder_folders(tmp, [(precision, tied, shape)], timeout=timeout)[0]
+    return builder_folders(tmp, [(precision, tied, shape)], timeout=timeout, reuse=reuse)[0]
 
 
 def _name(precision: str, tied: bool, shape: BuilderShape) -> str:
