@@ -11,7 +11,8 @@ skips the comparison. onnxruntime 1.31.1 and 1.32.0 define the first and no such
 libraries' own key strings: ``session.disable_prepacking``,
 ``session.save_external_prepacked_constant_initializers``, ``session.prepack.enable_parallel``;
 1.30.0 defines neither the parallel key nor the comparison), so the variants measured are the default
-and the parallel key, each at the default intra-op thread count and at ``--threads``.
+and the parallel key at ORT's default intra-op thread count (and, with ``--threads N``, both at N). The
+comparison stays on with the key: a flipped byte in a saved blob is refused either way on 1.32.0.
 
 What it does: writes a native int4 MatMulNBits decoder (:mod:`ortmem.synth`, external data), has ORT
 finish it at the default level (``optimized_model_filepath`` with
@@ -26,8 +27,11 @@ start per variant shows whether ORT took the parallel path (its log line "Pre-pa
 initializers using the intra-op thread pool.").
 
 Run: ``python -m bench.finished_creation`` (from the repository root; ``--preset llama_0_6gb`` for
-the 0.6 GB decoder, ``--rounds N``, ``--work DIR`` to keep the models, ``--json``). Creation times on
-a shared machine drift: read the per-round ratios to the default, not single times.
+the 0.6 GB decoder, ``--rounds N``, ``--workers N`` for N processes starting at once, ``--work DIR`` to
+keep the models, ``--json``); another release: ``PYTHONPATH=. OTHER_VENV/bin/python -m
+bench.finished_creation`` (that venv needs onnxruntime, numpy and onnx; the finished model is made by
+the release that loads it). Creation times on a shared machine drift: read the per-round ratios to the
+default, not single times, and the load average printed with them.
 """
 from __future__ import annotations
 
