@@ -17,7 +17,6 @@ from typing import Optional
 from .store.cache import Cache
 from .store.layout import Entry
 from .store.publish import publish
-from .store.start import HIT_KINDS
 from .store.verdict import start
 from .store.writer import write_converted
 from .errors import CacheError, ConversionError
@@ -40,7 +39,7 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
     longer than :func:`ortmem.store.cache.lock_timeout` raises :class:`ortmem.store.cache.LockBusyError`.
     """
     found = start(cache, model.path, settings=settings, fp16_in_fp32=fp16_in_fp32)
-    if found.kind in HIT_KINDS:
+    if found.hit:
         return found.entry, True, None
     plan = plan_conversion(model, settings, fp16_in_fp32=fp16_in_fp32)
     if not plan.has_work:
@@ -48,7 +47,7 @@ def convert_cached(model: Model, settings: OrtSettings, cache: Cache, *, progres
     published = publish(cache, model, plan, settings=settings, progress=progress, fp16_in_fp32=fp16_in_fp32)
     if published.path is None:  # the entry was found damaged twice: not "nothing to convert"
         raise CacheError(f"the cache entry for {model.path} was damaged again after a rebuild", file=str(cache.root))
-    return published.entry, published.kind in HIT_KINDS, published.report
+    return published.entry, published.hit, published.report
 
 
 def convert_to(model: Model, out_dir: Path, settings: OrtSettings, *, progress: Optional[Progress] = None) -> ConversionReport:

@@ -127,13 +127,16 @@ def probe_variant(ort: Any, m: onnx.ModelProto, accuracy: int, work: Path, fused
 
 
 def probe_prepacked(ort: Any, work: Path) -> dict[str, Any]:
-    """Does this release save pre-packed MatMulNBits weights to an external file, and does a session on
-    the saved model give the QDQ model's outputs? (1.25 saves none; 1.32 re-packs and compares them.)"""
+    """Does this release save its finished model of a converted QDQ model with the pre-packed MatMulNBits
+    weights in an external file (:func:`ortmem.store.prepared.prepare_model`), and does a session on it at
+    ``ORT_DISABLE_ALL`` give the QDQ model's outputs? (1.25 saves no pre-packed weights; 1.32 re-packs
+    and compares them.)"""
     from .store.writer import write_converted
-    from .ortmodel.settings import session_settings
+    from .ortmodel.settings import OrtSettings, session_settings
     from .loader import load
     from .passes.conversion import plan_conversion
-    from .store.prepacked import save_prepacked
+    from .store.layout import MODEL_FILE
+    from .store.prepared import prepare_model
     from .ortmodel.release import unrestricted_capabilities
 
     work.mkdir(parents=True, exist_ok=True)
@@ -148,13 +151,17 @@ def probe_prepacked(ort: Any, work: Path) -> dict[str, Any]:
     with load(src) as model:
         write_converted(model, plan_conversion(model, session_settings(accuracy_level=4),
                                                capabilities=unrestricted_capabilities()), out)
+    settings = OrtSettings(session_config={"session.qdq_matmulnbits_accuracy_level": "4"})
     try:
-        saved = save_prepacked(out)
-    except Exception as exc:  # noqa: BLE001 - PrepackError or ORT's own
+        report = prepare_model(out / MODEL_FILE, out, "finished", settings=settings)
+    except Exception as exc:  # noqa: BLE001 - PrepareError or ORT's own
         return {"saved": False, "error": _short(exc)}
-    if saved is None:
+    if not report.prepacked:
         return {"saved": False}
-    ours = _session(ort, saved, 4).run(None, feeds)
+    saved = out / "finished.onnx"
+    if not report.useful:  # ORT packed, but its finished model did not pass the check (other outputs, no gain)
+        return {"saved": True, "reload": "differs", "refusal": report.refusal}
+    ours = _session(ort, saved, 4, ort.GraphOptimizationLevel.ORT_DISABLE_ALL).run(None, feeds)
     return {"saved": True, "reload": "equal" if all(np.array_equal(a, b) for a, b in zip(ours, reference)) else "differs",
             "validated": _refuses_a_changed_blob(ort, Path(saved))}
 

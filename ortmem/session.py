@@ -43,9 +43,9 @@ class InferenceSession(ORT_SESSION):
     - ``trim``: keep glibc from hoarding what a conversion in this process frees
       (:func:`ortmem.hygiene.allocator_hygiene` around it), and give back what ORT freed during
       creation afterwards (default True; a no-op off glibc; docs/hygiene.md);
-    - ``prepacked``: on a cache hit with the CPU EP, load ORT's pre-packed weights saved beside the
-      entry (the first hit saves them), so packed weights are mapped from the page cache instead of
-      copied to the heap (default True; :mod:`ortmem.store.prepacked`);
+    - ``prepacked``: on a cache hit with the CPU EP, load ORT's finished model of the entry (saved in
+      the background after a first run), so packed and optimizer-made weights are mapped from the page
+      cache instead of copied to the heap (default True; :mod:`ortmem.store.prepared`);
     - ``recompute``: lower the activation peak by recomputing cheap tensors and reordering nodes
       (``True``/``"auto"``, a budget in bytes, a plan string from ``ortmem recompute``, ``"order"``, or a
       dict; see :func:`ortmem.plan.recompute.apply_for_session`), planned for ``dims`` (symbolic
@@ -67,11 +67,11 @@ class InferenceSession(ORT_SESSION):
     ``"pre-packed"``: a warm start mapping ORT's packed weights; ``"cache-hit"``: one loading the entry
     itself; see ``Handoff.action``).
 
-    Starts: the first (cold) converts into the cache and, after its session's first ``run``, packs
-    ORT's weights into the entry in a background process (:mod:`ortmem.store.packer`); from the
-    second start on, sessions map them (``ortmem_action == "pre-packed"``). A model ortmem does not
-    convert (a path, CPU EP, at least 16 MiB of initializers) gets a *prepared* entry the same way:
-    ORT's own save of it with every kernel's pre-packed weights, mapped from the second start on
+    Starts: the first (cold) converts into the cache and, after its session's first ``run``, has ORT
+    finish the entry in a background process (:mod:`ortmem.store.packer`); from the second start on,
+    sessions load ORT's finished model with graph optimizations off (``ortmem_action == "prepared"``).
+    A model ortmem does not convert (a path, CPU EP, at least 16 MiB of initializers) gets a *prepared*
+    entry the same way: ORT's finished model of it, mapped from the second start on
     (``ortmem_action == "prepared"``; :mod:`ortmem.store.prepared_entries`, ``ortmem prepare`` builds it at
     deploy time, after which a read-only cache folder is enough).
     """
@@ -140,7 +140,7 @@ class InferenceSession(ORT_SESSION):
 
     @property
     def ortmem_action(self) -> str:
-        """What ortmem gave ORT: ``Handoff.action`` ("converted", "pre-packed", "cache-hit", ...)."""
+        """What ortmem gave ORT: ``Handoff.action`` ("converted", "prepared", "cache-hit", ...)."""
         return self._ortmem_handoff.action
 
     @property
@@ -176,7 +176,7 @@ class InferenceSession(ORT_SESSION):
         return result
 
     def _retry_with_fallback(self, failure: str, short_of_resources: bool, *args: Any, **kwargs: Any) -> None:
-        """ORT failed on a cache entry's pre-packed model, a prepared entry or a mapped skeleton: load
+        """ORT failed on ORT's finished model (a converted entry's or a prepared entry) or a mapped skeleton: load
         the handoff's fallback (the entry itself, or the model as given). Where ORT refused what it was
         given, the handoff's next step discards it (no later start tries it again); where the process
         ran short of memory, threads or descriptors (:func:`ortmem.errors.resource_failure`) the entry
@@ -184,8 +184,7 @@ class InferenceSession(ORT_SESSION):
         first (its session collected, the heap trimmed), so the fallback needs no more than plain ORT
         would; should it fail too, the caller gets ORT's own error on the fallback, nothing chained."""
         refused = self._ortmem_handoff
-        what = {"prepared": "prepared model", "mapped": "skeleton of the mapped model"}.get(refused.action,
-                                                                                           "pre-packed model")
+        what = {"prepared": "prepared model", "mapped": "skeleton of the mapped model"}.get(refused.action, "model")
         gc.collect()  # ORT's half-made session, its thread pools and mappings, held by reference cycles
         release_free_heap()
         if short_of_resources:

@@ -139,7 +139,7 @@ def test_convert_cli_writes_a_standalone_folder(tmp_path, capsys):
 
 def test_convert_cli_prepack_writes_a_model_plain_ort_loads(tmp_path, capsys):
     from ortmem.store import layout
-    from ortmem.store import prepacked as pp
+    from ortmem.store.prepared import prepared_problem
     from ortmem.cli import main
 
     path = tiny_decoder(tmp_path / "m", storage="external")
@@ -148,14 +148,17 @@ def test_convert_cli_prepack_writes_a_model_plain_ort_loads(tmp_path, capsys):
     from ortmem.ortmodel.release import capabilities
 
     if not capabilities().prepacked_save:  # 1.25 saves no pre-packed MatMulNBits weights
-        assert "nothing for ORT to pre-pack" in capsys.readouterr().out
-        assert not (out / layout.PREPACKED_MODEL).exists()
+        assert "nothing onnxruntime finishes is worth mapping" in capsys.readouterr().out
+        assert not (out / f"{layout.FINISHED_STEM}.onnx").exists()
         got = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, FEEDS)[0]
         assert np.array_equal(got, _ort(path)[0])
         return
-    assert "pre-packed for this CPU" in capsys.readouterr().out
-    assert pp.verify_prepacked(out) is None
-    got = ort.InferenceSession(str(out / layout.PREPACKED_MODEL), providers=["CPUExecutionProvider"]).run(None, FEEDS)[0]
+    assert "finished for this CPU" in capsys.readouterr().out
+    assert prepared_problem(out, layout.FINISHED_STEM) is None
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    got = ort.InferenceSession(str(out / f"{layout.FINISHED_STEM}.onnx"), so,
+                               providers=["CPUExecutionProvider"]).run(None, FEEDS)[0]
     assert np.array_equal(got, _ort(path)[0])
 
 

@@ -4,17 +4,17 @@ processes; outputs are compared with ORT's own run of the same model.
 
 The faults, and the test that holds each:
 
-1. The pre-packed validity check compares only the ORT version (CPU flags, machine and format ignored):
-   ``test_prepacked_weights_saved_for_another_cpu_machine_or_format_are_not_mapped`` (a real packer run
-   in a process that sees other CPU flags, another machine, format or ORT; the warm start here must
-   never map its blobs). It also holds each part of the pre-packed key by behaviour, the CPU flags
-   included: a key without one of them lets the foreign blobs be mapped.
+1. The finished model's validity check compares only the ORT version (CPU flags, machine and format ignored):
+   ``test_finished_models_made_for_another_cpu_machine_or_format_are_not_mapped`` (a real background job
+   run in a process that sees other CPU flags, another machine, format or ORT; the warm start here must
+   never map its files). It also holds each part of the finished model's key by behaviour, the CPU flags
+   included: a key without one of them lets the foreign files be mapped.
 2. ``ctime`` dropped from a source's identity:
    ``test_a_source_edited_in_place_with_its_mtime_restored_is_never_served_stale``.
 3. The background packer does not take the creator lock:
    ``test_the_background_packer_does_not_pack_while_another_process_holds_the_creator_lock``.
-4. The first hit's own packing does not take the creator lock:
-   ``test_the_first_hit_does_not_pack_while_another_process_holds_the_creator_lock``.
+4. A hit finishes the entry while another process holds its creator lock:
+   ``test_a_hit_does_not_finish_while_another_process_holds_the_creator_lock``.
 5. ``ORTMEM_HOOK`` kept in the packer's environment:
    ``test_a_packer_started_from_a_hooked_program_runs_unhooked``.
 6. The external-data end-of-file check off by one:
@@ -54,7 +54,9 @@ import onnxruntime as ort
 import pytest
 
 import ortmem
-from ortmem.store import prepacked as pp
+from ortmem import model_facts
+from ortmem.store import layout
+from ortmem.store.prepared import prepared_problem
 from ortmem.store.cache import Cache, creator_lock_path
 from ortmem.store.verdict import start
 from ortmem.errors import ExternalDataError, OrtmemError
@@ -62,7 +64,7 @@ from ortmem.ortmodel.release import capabilities
 from ortmem.ortmodel.settings import session_settings
 from ortmem.ortmodel.variants import dq_matmul_model
 from ortmem.passes.dq_matmul_match import dq_matmul_match
-from ortmem.store.packer import PrepackLater, run as run_packer
+from ortmem.store.packer import PrepackLater, run as run_packer, wait_background
 from ortmem.synth import SynthConfig, write_model
 from tests.support import builders as mb
 from tests.support.compare import assert_same_outputs
@@ -101,10 +103,9 @@ def _child_env() -> dict[str, str]:
 
 
 def _packed_or_packing(entry_dir: Path) -> list[str]:
-    """Files a packing leaves in an entry, finished or under way (``ortmem.store.prepacked``'s own names)."""
+    """Files ORT's finishing leaves in an entry, done or under way (``ortmem.store.prepared``'s own names)."""
     return sorted(p.name for p in entry_dir.iterdir()
-                  if p.name in (pp.PREPACKED_MANIFEST, pp.PREPACKED_DATA, pp.PREPACKED_MODEL)
-                  or p.name.startswith((".prepack-", f".{pp.PREPACKED_DATA}.", f".{pp.PREPACKED_MODEL}.")))
+                  if p.name.startswith((layout.FINISHED_STEM, ".prepare-", f".{layout.FINISHED_STEM}.")))
 
 
 class LockHolder:
@@ -153,20 +154,21 @@ def _mapped_inodes() -> set[int]:
     return out
 
 
-#: A packer on another machine, simulated in a child process: what ``prepacked_key_parts`` reads there.
+#: The background job on another machine, simulated in a child process: what ``finished_key_parts`` reads there.
 _FOREIGN_PACKER = """
 import json, platform, sys
 import onnxruntime
-from ortmem.store import prepacked
+from ortmem.ortmodel import release
+from ortmem.store import prepared
 from ortmem.store.packer import PrepackLater, run
 field = sys.argv[3]
 if field == "cpu_flags":  # one instruction set fewer (or one more): MLAS may pick another layout
-    here = prepacked.cpu_flags()
-    prepacked.cpu_flags = lambda: tuple(here[1:]) if here else ("avx512_vnni",)
+    here = release.cpu_flags()
+    release.cpu_flags = lambda: tuple(here[1:]) if here else ("avx512_vnni",)
 elif field == "machine":
     platform.machine = lambda: "riscv64" if platform.uname().machine != "riscv64" else "x86_64"
-elif field == "prepacked_format":
-    prepacked.PREPACKED_FORMAT += 1
+elif field == "finished_format":
+    prepared.PREPARED_FORMAT += 1
 elif field == "onnxruntime":
     onnxruntime.__version__ = "0.0.1"
 print(json.dumps(str(run(PrepackLater(sys.argv[1], sys.argv[2], "full")))))
@@ -174,23 +176,23 @@ print(json.dumps(str(run(PrepackLater(sys.argv[1], sys.argv[2], "full")))))
 
 
 @needs_saving
-@pytest.mark.parametrize("field", ["cpu_flags", "machine", "prepacked_format", "onnxruntime"])
-def test_prepacked_weights_saved_for_another_cpu_machine_or_format_are_not_mapped(field, qdq, tmp_path):
-    """Blobs packed on a machine with other CPU flags (MLAS picks the layout by instruction set), another
-    machine, ORT or file format are useless or wrong here: a warm start must pack again or load the
-    plain entry, never map them. The foreign packer is a real packer run in a process that sees
-    another ``field``; the warm start runs here, on this machine."""
+@pytest.mark.parametrize("field", ["cpu_flags", "machine", "finished_format", "onnxruntime"])
+def test_finished_models_made_for_another_cpu_machine_or_format_are_not_mapped(field, qdq, tmp_path):
+    """A finished model made on a machine with other CPU flags (MLAS picks the packed layout by
+    instruction set), another machine, ORT or file format is useless or wrong here: a warm start must
+    load the plain entry, never map it. The foreign job is a real background job run in a process that
+    sees another ``field``; the warm start runs here, on this machine."""
     cache = tmp_path / "cache"
     expected = run_plain(qdq, FEEDS)
     ortmem.InferenceSession(qdq, providers=CPU, cache=cache)  # cold: converts (too small for a packer)
     entry = _only_entry(cache)
     r = subprocess.run([sys.executable, "-c", _FOREIGN_PACKER, str(cache), entry.key, field], env=_child_env(),
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and (entry.path / pp.PREPACKED_MANIFEST).exists(), r.stderr[-2000:]
-    foreign = (entry.path / pp.PREPACKED_DATA).stat().st_ino
+    assert r.returncode == 0 and (entry.path / f"{layout.FINISHED_STEM}.json").exists(), r.stderr[-2000:]
+    foreign = (entry.path / f"{layout.FINISHED_STEM}.data").stat().st_ino
 
     warm = ortmem.InferenceSession(qdq, providers=CPU, cache=cache)
-    assert foreign not in _mapped_inodes(), f"blobs packed for another {field} were mapped"
+    assert foreign not in _mapped_inodes(), f"a model finished for another {field} was mapped"
     assert_same_outputs(warm.run(None, FEEDS), expected)
     again = ortmem.InferenceSession(qdq, providers=CPU, cache=cache)  # and the entry still works
     assert_same_outputs(again.run(None, FEEDS), expected)
@@ -248,16 +250,18 @@ def test_the_background_packer_does_not_pack_while_another_process_holds_the_cre
         if packer is not None:
             _, err = packer.communicate(timeout=120)
     assert packer.returncode == 0, err[-2000:]
-    assert run_packer(job) is not None and pp.verify_prepacked(entry.path) is None  # packable once free
+    assert run_packer(job) is not None and prepared_problem(entry.path, layout.FINISHED_STEM) is None  # once free
     warm = ortmem.InferenceSession(qdq, providers=CPU, cache=cache)
-    assert warm.ortmem_action == "pre-packed"
+    assert warm.ortmem_action == "prepared"
     assert_same_outputs(warm.run(None, FEEDS), expected)
 
 
 @needs_saving
-def test_the_first_hit_does_not_pack_while_another_process_holds_the_creator_lock(qdq, tmp_path):
-    """The first cache hit packs for itself when no packer did (small weights); with the entry's
-    creator lock held by another process (a packer, another worker) it must not pack meanwhile."""
+def test_a_hit_does_not_finish_while_another_process_holds_the_creator_lock(qdq, tmp_path, monkeypatch):
+    """A cache hit of an entry not finished yet leaves ORT's finishing to the job its first run starts;
+    with the entry's creator lock held by another process (a job, another worker) nothing is finished
+    meanwhile, in the session's process or in that job."""
+    monkeypatch.setenv(model_facts.MIN_BYTES_ENV, "0")  # the small model gets the job a big one gets
     cache = tmp_path / "cache"
     expected = run_plain(qdq, FEEDS)
     ortmem.InferenceSession(qdq, providers=CPU, cache=cache)
@@ -268,6 +272,7 @@ def test_the_first_hit_does_not_pack_while_another_process_holds_the_creator_loc
         try:
             s = ortmem.InferenceSession(qdq, providers=CPU, cache=cache)
             result["out"] = s.run(None, FEEDS)
+            result["waited"] = wait_background(120)
         except BaseException as exc:  # noqa: BLE001 - reported by the test below
             result["error"] = exc
 
@@ -276,7 +281,7 @@ def test_the_first_hit_does_not_pack_while_another_process_holds_the_creator_loc
     try:
         thread.start()
         _until(lambda: not thread.is_alive(), holder)
-        assert _packed_or_packing(entry.path) == [], "the first hit packed while another process held the lock"
+        assert _packed_or_packing(entry.path) == [], "a hit finished the entry while another process held the lock"
     finally:
         holder.release()
         thread.join(120)
@@ -302,7 +307,8 @@ import json, sys
 import numpy as np
 import onnxruntime as ort
 from ortmem.store import packer as prepack_later
-prepack_later.MIN_WEIGHT_BYTES = 0  # this small model gets the packer a big one gets
+import os
+os.environ["ORTMEM_PREPARE_MIN_BYTES"] = "0"  # this small model gets the job a big one gets
 s = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
 out = s.run(None, {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)})[0]
 print(json.dumps({"action": s.ortmem_action, "packers": prepack_later.started_packers(),
@@ -335,7 +341,7 @@ def test_a_packer_started_from_a_hooked_program_runs_unhooked(qdq, tmp_path):
     packer = records[result["packers"][0]]
     assert not packer["hooked"] and packer["sessions"] == 0, f"the packer ran hooked: {packer}"
     assert any(rec["hooked"] for rec in records.values())  # the program itself was (the setup works)
-    assert pp.verify_prepacked(_only_entry(cache).path) is None  # and the packer did its work
+    assert prepared_problem(_only_entry(cache).path, layout.FINISHED_STEM) is None  # and the job did its work
 
 
 # ---------------------------------------------------------------------- 6: external data end of file

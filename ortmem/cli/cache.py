@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..store.cache import Cache
-    from ..store.layout import PREPACKED_MANIFEST, disk_use
+    from ..store.layout import FINISHED_STEM, disk_use
 
     cache = Cache(Path(args.cache) if args.cache else None)
     if args.action == "clear":
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
             manifest = {"source": "(unreadable manifest)"}
         size = sizes[e.path]
         print(f"  {e.key}  {size.bytes / 2**20:9.1f} MiB  {_kind(manifest)}  {manifest.get('source', '?')}"
-              + ("  (+ pre-packed weights)" if (e.path / PREPACKED_MANIFEST).exists() else "")
+              + ("  (+ onnxruntime's finished model)" if (e.path / f"{FINISHED_STEM}.onnx").exists() else "")
               + (f"  ({size.shared / 2**20:.1f} MiB of it shared with your model files)" if size.shared else ""))
     return 0
 
@@ -62,10 +62,10 @@ def _kind(manifest: dict) -> str:
 
 
 def _verify_cache(cache) -> int:
-    """``ortmem cache verify``: every entry (and its pre-packed weights) digested in full; damaged
-    ones are removed so the next session rebuilds them. Exit status 1 when any was damaged."""
-    from ..store.layout import PREPACKED_MANIFEST
-    from ..store.prepacked import discard_prepacked, verify_prepacked
+    """``ortmem cache verify``: every entry (and a converted entry's finished model) digested in full;
+    damaged ones are removed so the next session rebuilds them. Exit status 1 when any was damaged."""
+    from ..store.layout import FINISHED_STEM
+    from ..store.prepared import discard_finished, prepared_problem
 
     rows = list(cache.entries())
     damaged = 0
@@ -73,11 +73,11 @@ def _verify_cache(cache) -> int:
         problem = cache.verify(e, mode="always")
         if problem is not None:
             cache.discard(e)
-        elif (e.path / PREPACKED_MANIFEST).exists():
-            packed = verify_prepacked(e.path, "always")
-            if packed is not None:
-                problem = f"pre-packed weights: {packed}"
-                discard_prepacked(e.path)
+        elif (e.path / f"{FINISHED_STEM}.onnx").exists():
+            finished = prepared_problem(e.path, FINISHED_STEM, mode="always")
+            if finished is not None:
+                problem = f"finished model: {finished}"
+                discard_finished(e.path, FINISHED_STEM)
         damaged += problem is not None
         print(f"  {e.key}  {'ok' if problem is None else 'DAMAGED, removed: ' + problem}")
     print(f"{cache.root}: {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}, {damaged} damaged")

@@ -13,8 +13,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accuracy-level", type=int, default=None, choices=range(5), metavar="N",
                    help="MatMulNBits accuracy_level (default 4, as ORT's own fusion)")
     p.add_argument("--prepack", action="store_true",
-                   help="also save ORT's pre-packed weights (model.prepacked.onnx + prepacked.bin): sessions "
-                        "on this CPU and onnxruntime version then map them instead of packing onto the heap")
+                   help="also save onnxruntime's finished model (finished.onnx + finished.data, its pre-packed "
+                        "weights included): sessions on this CPU and onnxruntime version created with "
+                        "graph_optimization_level ORT_DISABLE_ALL map them instead of packing onto the heap")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,9 +31,15 @@ def run(args: argparse.Namespace) -> int:
     print(report.summary())
     print(f"wrote {Path(args.output) / 'model.onnx'}")
     if args.prepack:
-        from ..store.prepacked import save_prepacked
+        from ..store.layout import FINISHED_STEM, MODEL_FILE
+        from ..store.prepared import keep_decision_only, prepare_model
 
-        packed = save_prepacked(Path(args.output))
-        print(f"wrote {packed} (pre-packed for this CPU and onnxruntime; load it with plain ORT)"
-              if packed else "nothing for ORT to pre-pack")
+        out = Path(args.output)
+        finished = prepare_model(out / MODEL_FILE, out, FINISHED_STEM)
+        if finished.useful:
+            print(f"wrote {out / (FINISHED_STEM + '.onnx')} (finished for this CPU and onnxruntime; load it with "
+                  "plain ORT at graph_optimization_level ORT_DISABLE_ALL)")
+        else:
+            keep_decision_only(out, FINISHED_STEM)
+            print(f"nothing onnxruntime finishes is worth mapping ({finished.refusal or 'nothing packed'})")
     return 0

@@ -1,7 +1,7 @@
 """``ortmem prepare``: build ahead of time (a container image build) everything a warm start maps.
 
-A QDQ model ortmem converts gets its converted cache entry and that entry's pre-packed weights
-(:mod:`ortmem.convert`, :mod:`ortmem.store.prepacked`); any other model its prepared entry
+A QDQ model ortmem converts gets its converted cache entry (:mod:`ortmem.convert`) and ORT's finished
+model of it (:func:`ortmem.store.prepared_entries.finish_converted`); any other model its prepared entry
 (:mod:`ortmem.store.prepared_entries`); an onnxruntime-genai folder (``genai_config.json``) is handed to
 ``ortmem.reach.genai.prepare_genai_folder``, which writes the prepared files inside the folder. The entries are
 those a default ``ortmem.InferenceSession(path, providers=["CPUExecutionProvider"])`` looks up, so
@@ -127,7 +127,7 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> str:
                     entry, hit, _ = convert_cached(model, settings, cache, progress=bar)
                 if entry is not None:
                     say(f"{path}: converted entry {entry.key} ({'already there' if hit else 'built'})")
-                    return _prepack(entry, cache, say)
+                    return _finish(entry, cache, settings, say)
             weights = model.weight_bytes
         if not capabilities().prepacked_save:
             say(f"{path}: this onnxruntime saves no pre-packed weights: nothing to prepare")
@@ -150,19 +150,23 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> str:
     return PREPARED
 
 
-def _prepack(entry, cache, say: Callable[[str], None]) -> str:
-    """The converted entry's pre-packed weights, saved under its creator lock unless already there (the
+def _finish(entry, cache, settings, say: Callable[[str], None]) -> str:
+    """ORT's finished model of the converted entry, made under its creator lock unless already there (the
     converted entry alone is what a warm start maps where ORT saves none: :data:`PREPARED` either way)."""
+    from ..errors import OrtmemError
     from ..ortmodel.release import capabilities
-    from ..store.prepacked import prepacked_model, save_prepacked
+    from ..store.prepared_entries import finish_converted, finishing_settings
 
     if not capabilities().prepacked_save:
-        say(f"{entry.path}: this onnxruntime saves no pre-packed weights")
+        say(f"{entry.path}: this onnxruntime saves no finished model")
         return PREPARED
-    with cache.creating(entry.key):
-        path = prepacked_model(entry.path, "full")
-        if path is None:
-            say(f"{entry.path}: saving onnxruntime's pre-packed weights")
-            path = save_prepacked(entry.path)
-    say(f"{entry.path}: {'pre-packed weights ready' if path is not None else 'nothing for onnxruntime to pre-pack'}")
+    say(f"{entry.path}: finishing (onnxruntime saves the model it finishes, with its pre-packed weights)")
+    try:
+        with cache.creating(entry.key):
+            path = finish_converted(cache, entry, finishing_settings(settings, {}))
+    except OrtmemError as exc:
+        say(f"{entry.path}: not finished: {exc} (sessions load the converted entry)")
+        return FAILED
+    say(f"{entry.path}: " + (f"finished model {path.name} ready" if path is not None
+                              else "nothing onnxruntime finishes is worth mapping: sessions load the converted entry"))
     return PREPARED

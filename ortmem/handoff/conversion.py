@@ -106,8 +106,7 @@ def into_cache(model: Model, request: Request, own_folder: bool) -> Union[Handof
     if not plan.has_work:
         return from_model(model, own_folder=own_folder, link_root=request.cache.root)
     start = publish(request.cache, model, plan, settings=request.settings, progress=request.progress,
-                    fp16_in_fp32=request.fp16_in_fp32, prepacked=request.prepacked, packing=request.packing,
-                    sess_options=request.sess_options)
+                    fp16_in_fp32=request.fp16_in_fp32, prepacked=request.prepacked, packing=request.packing)
     if start.path is None:
         return None
     _consume(model)

@@ -154,8 +154,7 @@ def _converted_in_helper(path: Path, request: Request, model_bytes: int) -> Opti
           time.perf_counter() - started, type(answer).__name__, f"; stderr: {err.decode(errors='replace')}" if err else "")
     if answer == STORED:
         verdict = start(request.cache, path, settings=request.settings, fp16_in_fp32=request.fp16_in_fp32,
-                        converting=request.converting, prepacked=request.prepacked, packing=request.packing,
-                        sess_options=request.sess_options)
+                        converting=request.converting, prepacked=request.prepacked, packing=request.packing)
         return verdict if verdict.path is not None else None
     if not isinstance(answer, Published):
         return None
@@ -163,7 +162,8 @@ def _converted_in_helper(path: Path, request: Request, model_bytes: int) -> Opti
     if not entry.model_path.is_file():  # removed since (a cache clear): the caller converts
         return None
     _emit(answer.records)
-    made = new_entry_start(request.cache, entry, answer.report, prepacked=request.prepacked, packing=request.packing)
+    made = new_entry_start(request.cache, entry, answer.report, finishing=request.prepacked, settings=request.settings,
+                           packing=request.packing)
     return replace(made, in_helper=True)
 
 
@@ -202,7 +202,7 @@ def _convert(job: Job) -> object:
     model = load(job.path)
     if not conversion_check(model)[0]:
         return None
-    # prepacked=False: a hit found here is loaded and packed by the session's process, with its options
+    # prepacked=False: a hit found here is loaded (and finished later) by the session's process, with its options
     request = Request(converting=True, settings=job.settings, cache=cache, fp16_in_fp32=job.fp16_in_fp32,
                       packing=({}, job.intra_op_num_threads))
     outcome = into_cache(model, request, own_folder=False)

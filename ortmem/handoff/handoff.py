@@ -3,7 +3,7 @@
 A :class:`Handoff` is made by :func:`ortmem.handoff.prepare.prepare` and never edited afterwards. The
 two things that change what ORT loads after it is made are steps that return a new handoff:
 :meth:`Handoff.with_recompute` (a recompute plan, or the settings a recompute-written model records)
-and :meth:`Handoff.refused` (ORT refused a pre-packed or prepared model or a mapped skeleton: discard it,
+and :meth:`Handoff.refused` (ORT refused its finished model or a mapped skeleton: discard it,
 load the fallback; a failure of resources keeps it).
 The session only reads it (``ortmem.InferenceSession.ortmem_handoff``), and creates ORT's session with
 the options :meth:`Handoff.creation_options` yields.
@@ -29,7 +29,7 @@ from ..errors import OrtmemError
 from ..model import Model
 from ..model_facts import FOLDER_KEY, RECOMPUTE_METADATA, file_mentions
 from ..options import get_config, scoped_config
-from ..store.start import CONVERTED, HIT_KINDS, PREPARED, Start
+from ..store.start import CACHE_HIT, CONVERTED, PREPARED, Start
 
 if TYPE_CHECKING:  # the conversion (and onnx) is imported only by a start that converts
     import onnx
@@ -45,7 +45,7 @@ CONVERTED_TEMPORARY = "converted-temporary"
 #: (found, or just built here or by a helper process) or a conversion's private temporary folder. ORT
 #: copies none of those weights to its heap but its packed ones, so its creation needs no allocator
 #: pin (``ortmem.InferenceSession`` trims after it instead).
-ENTRY_ACTIONS = HIT_KINDS | {PREPARED, CONVERTED, CONVERTED_TEMPORARY}
+ENTRY_ACTIONS = frozenset({CACHE_HIT, PREPARED, CONVERTED, CONVERTED_TEMPORARY})
 #: The actions whose model is ORT's finished model (:mod:`ortmem.store.prepared`): ORT uses it as it
 #: was saved, so its session is created with graph optimizations off (for that call only).
 FINISHED_ACTIONS = frozenset({PREPARED})
@@ -65,9 +65,8 @@ class Handoff:
     #: ``MappingProxyType``).
     config: Mapping[str, str] = field(default_factory=_NOTHING)
     #: What ortmem did, in a word or two, for reports: "as-is", "mapped", "converted", "cache-hit",
-    #: "pre-packed" (mapped ORT's packed weights, saved earlier or by this start), "prepared" (a model
-    #: ortmem does not convert, loaded from its prepared cache entry: ORT maps its packed weights,
-    #: :mod:`ortmem.store.prepared_entries`), "in-memory", "converted-temporary" (converted into a private
+    #: "prepared" (ORT's finished model, of a converted entry or of a model ortmem does not convert,
+    #: loaded with graph optimizations off: ORT maps its packed weights, :mod:`ortmem.store.prepared`), "in-memory", "converted-temporary" (converted into a private
     #: folder removed after creation), or "untouched: <why>".
     action: str = "as-is"
     #: What was converted (None when nothing was, or on a cache hit).
@@ -81,12 +80,12 @@ class Handoff:
     memory: Optional["InMemoryConversion"] = None
     #: Private folders removed once ORT's session exists (ORT's mappings keep what it still reads).
     tempdirs: tuple[Path, ...] = ()
-    #: ``model`` is a cache entry's pre-packed or prepared model, or a skeleton beside a hard link to the
+    #: ``model`` is ORT's finished model of a cache entry, or a skeleton beside a hard link to the
     #: source (``mapped`` from its bytes): what to load instead if ORT refuses it.
     fallback: Optional[str] = None
     #: The store's verdict behind ``model`` (:meth:`refused` asks it to discard what ORT refused).
     start: Optional[Start] = None
-    #: A cold start's packing of ORT's weights (or building of a prepared entry), started once the
+    #: ORT's finishing of a converted entry (or building of a prepared entry), started once the
     #: session has run (:mod:`ortmem.store.packer`); None when nothing is left for the background.
     prepack_later: Optional[PrepackLater] = None
     #: The conversion ran in a helper process (:mod:`ortmem.handoff.conversion_process`): this
@@ -103,7 +102,7 @@ class Handoff:
         if self.start is not None and not keep:
             self.start.refused()
         return dataclasses.replace(self, model=self.fallback, fallback=None, start=None,
-                                   action="cache-hit" if self.action == "pre-packed" else "as-is")
+                                   action=CACHE_HIT if self.cache_hit else "as-is")
 
     def with_recompute(self, recompute: Any, dims: Optional[Mapping[str, int]]) -> "Handoff":
         """Plan or replay a recompute rewrite on what ORT is about to get.

@@ -27,7 +27,7 @@ from ..model import Model
 from ..model_facts import DEQUANTIZE, FOLDER_KEY, file_mentions, min_prepared_bytes, needs_session_path, plain_handover
 from ..options import get_config
 from ..store.handover_records import facts_of, records_folder
-from ..store.start import HIT_KINDS, MISS, UNCONVERTED, Start
+from ..store.start import MISS, UNCONVERTED, Start
 from ..store.verdict import start
 from .handoff import Handoff
 from .request import AS_GIVEN, Request
@@ -75,8 +75,7 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
     verdict = Start(MISS)
     if request.cache is not None:
         verdict = start(request.cache, path, settings=request.settings, fp16_in_fp32=request.fp16_in_fp32,
-                        converting=request.converting, prepacked=request.prepacked, packing=request.packing,
-                        sess_options=request.sess_options)
+                        converting=request.converting, prepacked=request.prepacked, packing=request.packing)
     if verdict.path is not None:  # a warm start: nothing to parse but the entry, which ORT reads itself
         return _from_verdict(verdict)
     if verdict.kind == UNCONVERTED:
@@ -151,7 +150,7 @@ def _from_verdict(outcome: Union[Handoff, Start]) -> Handoff:
     if isinstance(outcome, Handoff):
         return outcome
     assert outcome.path is not None
-    return Handoff(model=str(outcome.path), action=outcome.kind, cache_hit=outcome.kind in HIT_KINDS,
+    return Handoff(model=str(outcome.path), action=outcome.kind, cache_hit=outcome.hit,
                    start=outcome, report=outcome.report, prepack_later=outcome.later,
                    converted_in_helper=outcome.in_helper,
                    fallback=str(outcome.fallback) if outcome.fallback is not None else None)

@@ -238,8 +238,8 @@ def create_ortmem(model_path: str, options: dict) -> Any:
 
 
 def prepare_warm(model_path: str, options: dict, workdir: str) -> str:
-    """Fill the warm strategy's cache (in this unmeasured process): a cold start converts, the first
-    warm start saves ORT's pre-packed weights beside the entry (see ``ortmem-warm1``).
+    """Fill the warm strategy's cache (in this unmeasured process): a cold start converts and, after its
+    first run, leaves ORT's finishing of the entry to the background job, which is waited for.
 
     On a private copy of the model's files: an entry hard-links its source, and the cold strategies
     create and remove entries of the same model between the warm probes, which moves the shared
@@ -254,9 +254,14 @@ def prepare_warm(model_path: str, options: dict, workdir: str) -> str:
 
     from ..store.stamps import RACY_SECONDS
 
+    from ..store.packer import wait_background
+    from .inputs import make_inputs
+
     copy = _private_copy(model_path, _bench_cache("warm-sources") / _path_tag(model_path))
-    create_ortmem_warm(copy, options)
-    create_ortmem_warm(copy, options)
+    session = create_ortmem_warm(copy, options)
+    session.run(None, make_inputs(session, options))  # its first run leaves ORT's finishing to the background
+    del session
+    wait_background()
     time.sleep(RACY_SECONDS)
     create_ortmem_warm(copy, options)
     return copy
@@ -295,7 +300,7 @@ def _private_copy(model_path: str, folder: Path) -> str:
 
 def create_ortmem_warm(model_path: str, options: dict) -> Any:
     """``ortmem.InferenceSession`` on a cache hit: nothing is converted. ``options["prepacked"]``
-    (default True) is passed on: False loads the entry itself, as a twin, not its pre-packed model."""
+    (default True) is passed on: False loads the entry itself, as a twin, not ORT's finished model."""
     import ortmem
 
     return ortmem.InferenceSession(model_path, _session_options(options), providers=["CPUExecutionProvider"],
@@ -308,17 +313,18 @@ def create_ortmem_warm_entry(model_path: str, options: dict) -> Any:
 
 
 def prepare_warm1(model_path: str, options: dict, workdir: str) -> str:
-    """A converted entry without pre-packed weights: the next start is the first warm one."""
-    from ..store.prepacked import discard_prepacked
+    """A converted entry without ORT's finished model: the next start is the first warm one."""
+    from ..store.layout import FINISHED_STEM
+    from ..store.prepared import discard_finished
 
     session = create_ortmem_warm1(model_path, options)
-    discard_prepacked(os.path.dirname(session.ortmem_handoff.fallback or session.ortmem_handoff.model))
+    discard_finished(os.path.dirname(session.ortmem_handoff.fallback or session.ortmem_handoff.model), FINISHED_STEM)
     return model_path
 
 
 def create_ortmem_warm1(model_path: str, options: dict) -> Any:
-    """``ortmem.InferenceSession`` on the first cache hit: packs and saves ORT's pre-packed weights
-    (a few tensors at a time, before ORT's session exists), then loads them."""
+    """``ortmem.InferenceSession`` on the first cache hit: ORT's finished model is not made yet, so it
+    loads the converted entry (its first run would leave the finishing to the background job)."""
     import ortmem
 
     return ortmem.InferenceSession(model_path, _session_options(options), providers=["CPUExecutionProvider"],
@@ -414,10 +420,10 @@ register("ortmem", create_ortmem, prepare=prepare_cold, prepare_scope="each", de
 register("ortmem-warm", create_ortmem_warm, prepare=prepare_warm, default=True,
          description="ortmem.InferenceSession, cache hit", code=ORTMEM_CODE % ("warm", ""))
 register("ortmem-warm-entry", create_ortmem_warm_entry, prepare=prepare_warm,
-         description="ortmem.InferenceSession, cache hit loading the entry without pre-packed weights",
+         description="ortmem.InferenceSession, cache hit loading the converted entry, not onnxruntime's finished model",
          code=ORTMEM_CODE % ("warm", ", prepacked=False"))
 register("ortmem-warm1", create_ortmem_warm1, prepare=prepare_warm1, prepare_scope="each",
-         description="ortmem.InferenceSession, first cache hit (saves the pre-packed weights)",
+         description="ortmem.InferenceSession, first cache hit (before onnxruntime's finished model exists)",
          code=ORTMEM_CODE % ("warm1", ""))
 register("ortmem-start2", create_ortmem_start2, prepare=prepare_start2, prepare_scope="each",
          description="ortmem.InferenceSession, second start (after a cold start that ran once)",

@@ -15,7 +15,7 @@ What genai does with files (read from microsoft/onnxruntime-genai ``src/config.c
 -----------------------------------------------------------------------------------------
 * On Linux it loads the ``onnxruntime`` pip package's own ``libonnxruntime.so`` (``_dll_directory``
   sets ``ORT_LIB_PATH`` to it); that library is the same release and build as the Python module that
-  writes the prepared files, so :func:`ortmem.store.prepacked.prepacked_key_parts` describes both.
+  writes the prepared files, so :func:`ortmem.store.prepared.finished_key_parts` describes both.
   :func:`genai_ort_problem` checks this at run time from ``/proc/self/maps``.
 * Every ``filename`` is opened as ``<folder>/<filename>`` (``Model::CreateSession``) and must be a
   relative path without ``..`` (``ValidateConfigPath``): prepared files are written beside their

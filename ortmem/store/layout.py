@@ -4,8 +4,9 @@ and dataclasses).
 
 A converted entry ``<root>/<key>/`` holds ``model.onnx`` (a skeleton whose large tensors are external
 data), ``weights.bin`` (every converted weight, page-aligned), hard links to unchanged source files
-(``source-<i>.<ext>``) and ``manifest.json`` (what the entry claims, checked before use); once packed,
-also ``model.prepacked.onnx``, ``prepacked.bin`` and ``prepacked.json`` (:mod:`ortmem.store.prepacked`).
+(``source-<i>.<ext>``) and ``manifest.json`` (what the entry claims, checked before use); once ORT
+finished it, also ``finished.onnx``, ``finished.data`` and ``finished.json`` (:data:`FINISHED_STEM`,
+:mod:`ortmem.store.prepared_entries`).
 A prepared entry holds ``model.onnx``, ``model.data`` and ``model.json`` under the same manifest
 (:mod:`ortmem.store.prepared_entries`). ``ortmem convert`` writes the same ``model.onnx`` +
 ``weights.bin`` pair into a folder of the user's. Names starting with "." are a writer's temporaries
@@ -31,12 +32,9 @@ MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.bin"
 #: Prefix of files an entry links from the model's own folder (another owner's, checked by identity).
 SOURCE_LINK_PREFIX = "source-"
-#: A converted entry's model whose MatMulNBits ``B`` point into :data:`PREPACKED_DATA`.
-PREPACKED_MODEL = "model.prepacked.onnx"
-#: Page-aligned copies of every packed ``B``, then ORT's packed blobs.
-PREPACKED_DATA = "prepacked.bin"
-#: What the pre-packed files are valid for and their digests; written last, so it vouches for the rest.
-PREPACKED_MANIFEST = "prepacked.json"
+#: The stem of ORT's finished model kept in a converted entry (``.onnx``, ``.data``, and ``.json``, which
+#: is written last and vouches for the other two: :mod:`ortmem.store.prepared`).
+FINISHED_STEM = "finished"
 
 
 @dataclass

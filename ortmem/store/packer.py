@@ -1,50 +1,39 @@
-"""Save a fresh cache entry's pre-packed weights in a background process, so the second start is warm.
+"""Finish a cache entry in a background process after a session's first run, so later starts are warm.
 
 Why
 ---
-A cold start converts the model into a cache entry and creates ORT's session on it; ORT packs every
-MatMulNBits ``B`` on the heap. Mapped pre-packed weights (:mod:`ortmem.store.prepacked`) need a second
-packing into ``prepacked.bin``, written beside the entry. Where that packing runs decides which start
-pays for it:
+A warm start maps what ORT finished: ORT's finished model of the entry (the optimized graph, every
+weight its optimizers made and its pre-packed buffers, :mod:`ortmem.store.prepared`), which a throw-away
+session saves and a second one checks. Where that work runs decides which start pays for it:
 
-- in the cold start, before its session: measured on the demo model (onnxruntime 1.32.0) the first
-  hit that packs takes 2.44 s against the cold start's 1.13 s and ORT's 1.59 s on the QDQ model, so
-  the cold start would miss "never slower than ORT";
-- in the cold session itself (``session.save_external_prepacked_constant_initializers``): ORT then
-  writes every initializer again beside the blobs and keeps them all alive (1.45x the twin's peak
-  on the demo model, ``ortmem.store.prepacked``);
-- in the first cache hit (what ortmem did before): that start is warm in memory but slow, and only
-  the third start is a fast warm one.
+- in the cold start, before or during its session: it would stack on the session's creation peak
+  (a session that saves keeps every initializer and every packed buffer alive at once) and compete
+  with ORT for this machine's cores, and the cold start would miss "never slower than ORT";
+- in a later start: that start would be slow, and only the one after it warm.
 
-So the cold start hands the packing to a separate, niced process (``python -m
-ortmem.store.packer``) once its session has finished its **first run**: not during creation (it
-would stack on the session's creation peak and compete with ORT for this machine's cores) and not
-before the first request is answered (the first run allocates the session's activations; later runs
-reuse them).
+So the session hands the work to a separate, niced process (``python -m ortmem.store.packer``) once
+it has finished its **first run** (the first request answered; the first run allocates the session's
+activations, later runs reuse them). A cold start leaves it for its new converted entry; a hit on a
+converted entry not finished yet for the caller's settings leaves it too (``kind="converted"``,
+:func:`ortmem.store.prepared_entries.finish_converted`); a model ortmem does not convert, started from
+its path on the CPU EP, gets its prepared entry built the same way (``kind="prepared"``,
+:mod:`ortmem.store.prepared_entries`; its key is computed by the starter and checked again by the job
+from the source as it is then: a source changed in between gets no entry under the old key).
 
-One packer per entry, whatever the process layout: the process whose session ran takes the entry's
-creator lock (:meth:`ortmem.store.cache.Cache.creating`) without waiting *before* it starts the packer and
-hands the locked descriptor to it, so the packer holds the lock from its first instruction to its
-exit. Workers forked after ``--preload`` inherit the cold start's pending packing, and each one's
-first run tries that lock: one wins, the others find it taken (or ``prepacked.json`` published) and
-start nothing. Separate servers on one cache meet at the same lock. A second start that arrives
-while the packer works never waits for it: it loads the entry itself at once (ORT packs on its heap,
-as a plain cache hit), which is faster than waiting for a niced packer; one that arrives before the
-lock was taken packs itself under it, and the packer then finds the files and stops. If the packer
-fails or is killed, nothing is published (``prepacked.json`` goes last), the kernel releases its lock,
-and the next start packs, as before. Its memory is its own process's: the fixed cost of
-Python with onnxruntime plus one group of ``B`` (``ortmem.store.prepacked.DEFAULT_GROUP_BYTES``), returned
-whole when it exits: 167 MiB at its peak for 1.6 s on the demo model (onnxruntime 1.32.0,
-``/usr/bin/time -v python -m ortmem.store.packer ...``), where the session itself peaks at 524 MiB.
+One job per entry, whatever the process layout: the process whose session ran takes the entry's
+creator lock (:meth:`ortmem.store.cache.Cache.creating`) without waiting *before* it starts the job and
+hands the locked descriptor to it, so the job holds the lock from its first instruction to its exit.
+Workers forked after ``--preload`` inherit the pending job, and each one's first run tries that lock:
+one wins, the others find it taken (or the work published) and start nothing. Separate servers on
+one cache meet at the same lock. A start that arrives while the job works never waits for it: it
+loads the converted entry at once. If the job fails or is killed, nothing is published (the finished
+model's manifest goes last), the kernel releases its lock, and a later first run tries again. Its
+memory is its own process's, returned whole when it exits: on the demo model (onnxruntime 1.32.0,
+``/usr/bin/time -v python -m ortmem.store.packer ...``) it peaks at 746 MiB for 12 s, where the
+native twin's creation peaks at 508 MiB.
 
-Below :data:`MIN_WEIGHT_BYTES` of converted weights no process is started: the first hit packs so
-little that its own packing costs less than starting a Python interpreter with onnxruntime.
-
-The same process, lock and rules build a model's *prepared* entry (``kind="prepared"``,
-:mod:`ortmem.store.prepared_entries`): a model ortmem does not convert, started from its path on the CPU EP,
-gets ORT's pre-packed weights of every kernel saved into a cache entry of its own after its first run,
-so the next start maps them. Its key is computed by the starter and checked again by the packer from
-the source as it is then: a source changed in between gets no entry under the old key.
+Below :func:`ortmem.model_facts.min_prepared_bytes` of weights no process is started: what mapping
+saves there costs less than starting a Python interpreter with onnxruntime.
 """
 from __future__ import annotations
 
@@ -59,8 +48,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import onnxruntime as ort
-
 from .cache import (
     Cache,
     LockBusyError,
@@ -69,10 +56,13 @@ from .cache import (
     release_creator_lock,
 )
 from ..helper_env import helper_environment
-from .layout import MANIFEST, PREPACKED_MANIFEST
-from .prepacked import prepacked_model, save_prepacked, verify_prepacked
+from ..model_facts import min_prepared_bytes
+from ..ortmodel.settings import OrtSettings
+from .layout import MANIFEST, WEIGHTS_FILE
 from .trust import RACY_SECONDS
-from .prepared_entries import build_prepared, lookup_prepared, prepared_key, settings_of_record
+from .prepared import finished_for, prepared_problem
+from .prepared_entries import (CONVERTED_STEM, build_prepared, finish_converted, finishing_settings, lookup_prepared,
+                               prepared_key, settings_of_record)
 
 log = logging.getLogger(__name__)
 
@@ -109,25 +99,45 @@ class PrepackLater:
     intra_op_num_threads: int = 0
     #: In the packer: the descriptor of the entry's creator lock, locked by the process that started it.
     lock_fd: Optional[int] = None
-    #: "prepacked": a converted entry's pre-packed files; "prepared": a prepared entry of ``source``.
-    kind: str = "prepacked"
-    #: "prepared": the model file, and the key parts :func:`ortmem.store.prepared_entries.prepared_key` takes
-    #: (level, config, disabled optimizers, conversion enabled), to check ``key`` against the source as
-    #: it is when the packer runs.
+    #: "converted": ORT's finished model of a converted entry, kept in the entry
+    #: (:func:`ortmem.store.prepared_entries.finish_converted`); "prepared": a prepared entry of ``source``.
+    kind: str = "converted"
+    #: "prepared": the model file. Both kinds: the settings the model is finished at (level, config,
+    #: disabled optimizers, conversion enabled: :func:`ortmem.store.prepared_entries.settings_record`); a
+    #: prepared entry's key is checked against the source as it is when the packer runs.
     source: str = ""
     settings: dict = field(default_factory=dict)
 
     def done(self) -> bool:
-        """Whether the work is already published (the pre-packed manifest, or the prepared entry)."""
+        """Whether the work is already published (the prepared entry, or a converted entry's finished model
+        for these settings, or the decision that none is worth mapping)."""
         entry = Path(self.cache_root) / self.key
-        return (entry / (MANIFEST if self.kind == "prepared" else PREPACKED_MANIFEST)).exists()
+        if self.kind == "prepared":
+            return (entry / MANIFEST).exists()
+        return finished_for(entry, CONVERTED_STEM, self.finishing()) is not None
+
+    def _worth_a_process(self) -> bool:
+        """A converted entry is finished only in a cache that can be written, and only where its weights
+        are worth a process (:func:`ortmem.model_facts.min_prepared_bytes`; a prepared entry's starter
+        decided both already)."""
+        if self.kind == "prepared":
+            return True
+        try:
+            weights = (Path(self.cache_root) / self.key / WEIGHTS_FILE).stat().st_size
+        except OSError:
+            return False
+        return weights >= min_prepared_bytes() and os.access(self.cache_root, os.W_OK)
+
+    def finishing(self) -> OrtSettings:
+        """The settings a converted entry is finished at."""
+        return finishing_settings(settings_of_record(self.settings)[0], self.config)
 
     def start(self) -> Optional[subprocess.Popen]:
         """Start the packer (detached; reaped by a daemon thread) holding the entry's creator lock;
         None when the entry is already packed, another process holds the lock (packing it, or
         starting a packer: workers forked after a ``--preload`` share this job), or the process
         cannot be started (logged: the next start packs then)."""
-        if self.done():
+        if self.done() or not self._worth_a_process():
             return None
         lock = creator_lock_path(Path(self.cache_root), self.key)
         try:
@@ -193,7 +203,7 @@ def run(job: PrepackLater) -> Optional[Path]:
     cache = Cache(Path(job.cache_root), verify=job.verify)
     try:  # an entry cleared meanwhile is seen under the lock, which is then let go and its file removed
         with cache.creating(job.key, timeout=0, inherited_fd=job.lock_fd):
-            path = _prepare(cache, job) if job.kind == "prepared" else _pack(cache, job)
+            path = _prepare(cache, job) if job.kind == "prepared" else _finish(cache, job)
     except LockBusyError as exc:
         log.info("ortmem: not packing %s: another process is (%s)", job.key, exc)
         return None
@@ -221,25 +231,16 @@ def _check_for_next_start(cache: Cache, job: PrepackLater) -> None:
     if wait > 0:
         time.sleep(wait + 0.05)
     if cache.verify(entry, mode="full") is None and job.kind != "prepared":
-        verify_prepacked(entry.path, "full")
+        prepared_problem(entry.path, CONVERTED_STEM, mode="full")
 
 
-def _pack(cache: Cache, job: PrepackLater) -> Optional[Path]:
-    """:func:`run`'s work once it holds the lock."""
+def _finish(cache: Cache, job: PrepackLater) -> Optional[Path]:
+    """:func:`run`'s work for a converted entry once it holds the lock: ORT's finished model of it,
+    unless the entry is gone."""
     entry = cache.entry(job.key)
-    done = prepacked_model(entry.path, job.verify)
-    if done is not None or not entry.path.is_dir():
-        return done
-    problem = cache.verify(entry, mode="full")  # nothing is derived from an entry not checked in full
-    if problem is not None:
-        log.warning("ortmem: not packing %s (%s)", entry.path, problem)
+    if not entry.model_path.is_file():
         return None
-    so = ort.SessionOptions()
-    for k, v in job.config.items():
-        so.add_session_config_entry(k, v)
-    if job.intra_op_num_threads:
-        so.intra_op_num_threads = job.intra_op_num_threads
-    return save_prepacked(entry.path, sess_options=so)
+    return finish_converted(cache, entry, job.finishing(), threads=job.intra_op_num_threads)
 
 
 def _prepare(cache: Cache, job: PrepackLater) -> Optional[Path]:

@@ -53,6 +53,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import re
 import shutil
 import time
@@ -67,9 +68,9 @@ import onnxruntime as ort
 from . import digest
 from .sources import source_record, sources_problem
 from ..errors import CacheError
-from .trust import PRIVATE_FILE_MODE, cache_file_problem, fsync_dir, make_private_dir, read_nofollow, write_new
+from .trust import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, cache_file_problem, fsync_dir, read_nofollow, write_new
+from ..ort_original import ORT_SESSION  # ORT's own class: never a hooked session
 from ..ortmodel.settings import OrtSettings
-from .prepacked import prepacked_key_parts
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,11 @@ def finished_key_parts(settings: Optional[OrtSettings] = None) -> dict[str, Any]
     """What a finished model depends on beyond its source: the ORT release and build (its version, its
     build info and its native module's identity), the CPU's features and this format, and (``settings``
     given) the optimization level, disabled optimizers and config entries it was finished at."""
-    from ..ortmodel.release import installed
+    from ..ortmodel.release import cpu_flags, installed
 
-    parts: dict[str, Any] = {**prepacked_key_parts(), "finished_format": PREPARED_FORMAT, "build": installed().build,
-                             "build_info": getattr(ort, "get_build_info", lambda: "")()}
+    parts: dict[str, Any] = {"finished_format": PREPARED_FORMAT, "onnxruntime": ort.__version__,
+                             "machine": platform.machine(), "cpu_flags": list(cpu_flags()),
+                             "build": installed().build, "build_info": getattr(ort, "get_build_info", lambda: "")()}
     if settings is not None:
         parts["settings"] = settings_parts(settings)
     return parts
@@ -176,7 +178,8 @@ def prepare_model(source: Path, folder: Path, stem: str = "prepared", *, setting
         return PreparedReport(time.perf_counter() - start, 0, 0, False)
     record = source_record(source_files(source))  # before ORT reads it: an edit meanwhile shows later
     work = folder / f"{_WORK_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    make_private_dir(work)
+    os.mkdir(work, PRIVATE_DIR_MODE)  # exclusively: whatever is planted under this name is never written through
+    os.chmod(work, PRIVATE_DIR_MODE)
     try:
         _save(source, work, stem, settings, threads)
         saved = onnx.load(str(work / f"{stem}.onnx"), load_external_data=False)
@@ -241,7 +244,7 @@ def worth_mapping(source: Path, prepared: Path, settings: OrtSettings, threads: 
         so = session_options(settings, threads, finished=finished)
         trim()
         before = _rss_anon()
-        session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"],
+        session = ORT_SESSION(str(path), so, providers=["CPUExecutionProvider"],
                                        disabled_optimizers=None if finished else sorted(settings.disabled_optimizers))
         if not feeds:
             feeds.update(make_inputs(session, {"int_high": 1, "dims": decoder_dims(source)}))
@@ -321,7 +324,7 @@ def _save(source: Path, work: Path, stem: str, settings: OrtSettings, threads: i
     for key, value in own.items():  # after the caller's: ortmem's own override any it set
         so.add_session_config_entry(key, value)
     try:
-        session = ort.InferenceSession(str(source), so, providers=["CPUExecutionProvider"],
+        session = ORT_SESSION(str(source), so, providers=["CPUExecutionProvider"],
                                        disabled_optimizers=sorted(settings.disabled_optimizers) or None)
         del session
     except Exception as exc:  # noqa: BLE001 - ORT raises its own pybind types
@@ -395,6 +398,44 @@ def prepared_problem(folder: Path, stem: str = "prepared", *, source: Optional[P
         if problem:
             return problem
     return None
+
+
+def finished_for(folder: Path, stem: str, settings: OrtSettings) -> Optional[dict[str, Any]]:
+    """``folder/<stem>.json`` when it passes the cache's file check and was written for this ORT, CPU and
+    ``settings`` (its files are not checked: :func:`prepared_problem` does that), else None."""
+    manifest, _ = read_manifest(folder, stem)
+    parts = manifest.get("key_parts") if manifest is not None else None
+    if (isinstance(parts, dict) and {k: v for k, v in parts.items() if k != "settings"} == finished_key_parts()
+            and parts.get("settings") == settings_parts(settings)):
+        return manifest
+    return None
+
+
+def finished_settled(folder: Path, stem: str, settings: OrtSettings) -> bool:
+    """Whether ``folder/<stem>.json`` records, for this ORT, CPU and ``settings``, that the finished model
+    was judged and not kept (its ``report`` says not ``useful``): nothing to map, so nothing to finish
+    again."""
+    report = (finished_for(folder, stem, settings) or {}).get("report")
+    return isinstance(report, dict) and report.get("useful") is False
+
+
+def keep_decision_only(folder: Path, stem: str) -> None:
+    """Remove ``<stem>.onnx`` and ``<stem>.data`` of a finished model not worth mapping, keeping
+    ``<stem>.json`` (its report records the decision, :func:`finished_settled`)."""
+    for suffix in (".onnx", ".data"):
+        try:
+            os.unlink(Path(folder) / f"{stem}{suffix}")
+        except FileNotFoundError:
+            pass
+
+
+def discard_finished(folder: Path, stem: str) -> None:
+    """Remove a finished model's files (the manifest first, so no reader trusts a half-removed set)."""
+    for suffix in (".json", ".onnx", ".data"):
+        try:
+            os.unlink(Path(folder) / f"{stem}{suffix}")
+        except OSError:  # absent, or a read-only folder: the manifest check refuses the rest
+            pass
 
 
 def data_spans(saved: Any, location: str) -> list[tuple[int, int]]:

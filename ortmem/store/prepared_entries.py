@@ -22,6 +22,7 @@ sharing one cache folder each keep their own.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,7 +32,7 @@ from .. import __version__
 from ..errors import resource_failure
 from .cache import Cache
 from .layout import Entry
-from .layout import MODEL_FILE
+from .layout import FINISHED_STEM as CONVERTED_STEM, MODEL_FILE
 from .sources import entry_key, onnx_version, private_mode, source_record
 from ..ortmodel.settings import OrtSettings
 from .prepared import (
@@ -41,7 +42,11 @@ from .prepared import (
     PreparedReport,
     prepare_model,
     prepared_problem,
+    discard_finished,
     finished_key_parts,
+    finished_settled,
+    keep_decision_only,
+    prepared_path,
     read_manifest,
     source_files,
 )
@@ -189,3 +194,54 @@ def describe(entry: Entry) -> str:
     report = m.get("report") or {}
     return (f"onnxruntime's finished model: {report.get('prepacked', '?')} pre-packed initializers, "
             f"{(report.get('data_bytes') or 0) / 2**20:.1f} MiB mapped from {STEM}.data")
+
+
+# ------------------------------------------------------------------ converted entries, finished by ORT
+def converted_finished(cache: Cache, entry: Entry, settings: OrtSettings) -> tuple[Optional[Path], bool]:
+    """(the converted ``entry``'s finished model for ``settings``, checked as the cache's ``verify`` asks,
+    or None; whether nothing is left to finish: that model, or a decision recorded for this ORT, CPU and
+    ``settings`` that ORT's finished model is not worth mapping). Damaged or stale files are removed
+    (where the cache can be written) and answer (None, False): the background job finishes the entry again. ``settings``: what the model is finished
+    at (:func:`finishing_settings`)."""
+    if not os.path.lexists(entry.path / f"{CONVERTED_STEM}.json"):
+        return None, False
+    path = prepared_path(entry.path, CONVERTED_STEM, mode=cache.verify_mode, settings=settings)
+    if path is not None:
+        return path, True
+    if finished_settled(entry.path, CONVERTED_STEM, settings):
+        return None, True
+    if cache.writable:  # damaged, or for other settings or another ORT: removed, so the job finishes it again
+        discard_finished(entry.path, CONVERTED_STEM)
+    return None, False
+
+
+def finish_converted(cache: Cache, entry: Entry, settings: OrtSettings, *, threads: int = 0) -> Optional[Path]:
+    """Finish the converted ``entry``'s model at ``settings`` (:func:`ortmem.store.prepared.prepare_model`
+    with :data:`CONVERTED_STEM`, into the entry's folder) and return the finished model, or None when
+    nothing is worth mapping (the decision is kept: :func:`converted_finished`) or the entry fails its
+    full check (it is discarded: the next start converts again). The caller holds the entry's creator lock. The check that publishes it compares ORT's
+    outputs on the finished model with ORT's on the entry's ``model.onnx`` at ``settings``.
+
+    Raises :class:`ortmem.store.prepared.PrepareError` (nothing kept) when ORT cannot save it or runs
+    out of resources, :class:`ortmem.store.prepared.PrepareCheckError` when the check could not run."""
+    path, settled = converted_finished(cache, entry, settings)
+    if settled:
+        return path
+    problem = cache.verify(entry, mode="full")  # nothing is derived from an entry not checked in full
+    if problem is not None:  # damaged where verify="sampled"/"off" did not look: the next start converts again
+        log.warning("ortmem: cache entry %s is damaged (%s); not finishing it, rebuilding", entry.path, problem)
+        cache.discard(entry)
+        return None
+    report = prepare_model(entry.model_path, entry.path, CONVERTED_STEM, settings=settings, threads=threads)
+    if report.useful:
+        return entry.path / f"{CONVERTED_STEM}.onnx"
+    if resource_failure(report.refusal):  # no verdict on the model: nothing recorded, a later start tries again
+        discard_finished(entry.path, CONVERTED_STEM)
+        raise PrepareError(f"the finished model could not be judged: {report.refusal}", file=str(entry.path))
+    keep_decision_only(entry.path, CONVERTED_STEM)
+    return None
+
+
+def discard_converted_finished(entry: Entry) -> None:
+    """Remove a converted entry's finished model (ORT refused it); the entry itself stays."""
+    discard_finished(entry.path, CONVERTED_STEM)

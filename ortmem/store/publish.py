@@ -16,10 +16,10 @@ from ..model import Model
 from ..ortmodel.settings import OrtSettings, Packing
 from .cache import Cache
 from .hit import entry_start
+from .packer import PrepackLater
 from .layout import Entry
-from .packer import MIN_WEIGHT_BYTES, PrepackLater
 from .sources import converted_key
-from .start import CONVERTED, MISS, Start
+from .start import CONVERTED, Start
 
 if TYPE_CHECKING:
     from ..passes.conversion_plan import ConversionPlan
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 def publish(cache: Cache, model: Model, plan: "ConversionPlan", *, settings: OrtSettings,
             progress: Optional["Progress"] = None, fp16_in_fp32: Optional[bool] = None, prepacked: bool = False,
-            packing: Packing = ({}, 0), sess_options: Optional[object] = None) -> Start:
+            packing: Packing = ({}, 0)) -> Start:
     """A miss's converted entry: the converted folder of ``model`` under ``plan``
     (:func:`ortmem.store.writer.entry_writer`) is written into a private folder that is published
     atomically as the entry of ``model.path``, recording the files it is made from. Under the entry's
@@ -37,7 +37,7 @@ def publish(cache: Cache, model: Model, plan: "ConversionPlan", *, settings: Ort
     :func:`ortmem.store.cache.lock_timeout` and take its entry (a hit, :func:`ortmem.store.hit.entry_start`).
     A holder that takes longer raises :class:`ortmem.store.cache.LockBusyError` (a ``CacheError``).
 
-    A new entry answers ``"converted"`` (:func:`new_entry_start`). A hit found damaged is discarded and built again, once; a second damaged one answers a miss."""
+    A new entry answers ``"converted"`` (:func:`new_entry_start`)."""
     from .writer import entry_writer, source_paths  # the passes, and onnx: only a start that converts here
 
     key = converted_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32})
@@ -50,36 +50,27 @@ def publish(cache: Cache, model: Model, plan: "ConversionPlan", *, settings: Ort
         reports.append(written.report)
         return {"spans": written.spans, "report": written.summary, "digests": written.digests}
 
-    for _ in range(2):
-        with cache.creating(key):
-            entry = cache.lookup_sourced(key)  # built while we waited?
-            built = entry is None
-            if built:
-                entry = cache.build_sourced(key, model.path, source_paths(model), build)
+    with cache.creating(key):
+        entry = cache.lookup_sourced(key)  # built while we waited? (checked as the cache's verify asks)
+        built = entry is None
         if built:
-            return new_entry_start(cache, entry, reports[0] if reports else None, prepacked=prepacked, packing=packing)
-        hit = entry_start(cache, entry, prepacked, sess_options)
-        if hit is not None:
-            return hit
-    return Start(MISS)
+            entry = cache.build_sourced(key, model.path, source_paths(model), build)
+    if built:
+        return new_entry_start(cache, entry, reports[0] if reports else None, finishing=prepacked,
+                               settings=settings, packing=packing)
+    return entry_start(cache, entry, prepacked, settings, packing)
 
 
-def new_entry_start(cache: Cache, entry: Entry, report: Optional["ConversionReport"], *, prepacked: bool,
-                    packing: Packing) -> Start:
+def new_entry_start(cache: Cache, entry: Entry, report: Optional["ConversionReport"], *, finishing: bool,
+                    settings: OrtSettings, packing: Packing) -> Start:
     """The verdict on an entry just built (here or by a helper process): ``"converted"``, with the
-    conversion's report and, when ``prepacked``, the packing of ORT's weights after the session's first
-    run (with ``packing``, the caller's settings packing depends on); below
-    :data:`ortmem.store.packer.MIN_WEIGHT_BYTES` of weights the first hit packs instead."""
+    conversion's report and, when ``finishing``, ORT's finishing of the entry at the caller's
+    ``settings`` and ``packing`` after the session's first run (:class:`ortmem.store.packer.PrepackLater`,
+    which starts nothing for small weights or a read-only cache)."""
     later = None
-    if prepacked and _weight_bytes(entry.weights_path) >= MIN_WEIGHT_BYTES:
-        config, threads = packing
-        later = PrepackLater(str(cache.root), entry.key, cache.verify_mode, dict(config), threads)
+    if finishing:  # the settings as ortmem.store.prepared_entries.settings_record writes them
+        record = {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
+                  "disabled": sorted(settings.disabled_optimizers), "converting": True}
+        later = PrepackLater(str(cache.root), entry.key, cache.verify_mode, dict(packing[0]), packing[1],
+                             kind="converted", settings=record)
     return Start(CONVERTED, path=entry.model_path, entry=entry, later=later, cache=cache, report=report)
-
-
-def _weight_bytes(path: Path) -> int:
-    """The size of a new entry's ``weights.bin`` (0 when it cannot be read: the first hit packs)."""
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0

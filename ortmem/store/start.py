@@ -3,16 +3,15 @@
 Why a module of its own: the verdict is built in three places of the store (a lookup,
 :mod:`ortmem.store.verdict`; a converted entry's hit, :mod:`ortmem.store.hit`; a new entry,
 :mod:`ortmem.store.publish`) and read by the handoff, which takes it apart with no further call into the
-store: every decision it needs is a field (a hit is ``kind in HIT_KINDS``).
+store: every decision it needs is a field (a hit is :attr:`Start.hit`).
 
 Kinds (:attr:`Start.kind`, also the session's ``ortmem_action`` for a hit):
 
-- ``"pre-packed"``: a converted entry's pre-packed model (ORT maps its packed weights); ``fallback``
-  is the entry's own model;
-- ``"cache-hit"``: a converted entry's model itself (pre-packing off, not CPU-only, or another
-  process is packing it right now);
-- ``"prepared"``: a model ortmem does not convert, loaded from its prepared entry
-  (:mod:`ortmem.store.prepared_entries`); ``fallback`` is the source itself;
+- ``"cache-hit"``: a converted entry's model itself (pre-packing off, not CPU-only, or ORT has not
+  finished it yet: ``later`` then finishes it after the first run);
+- ``"prepared"``: ORT's finished model (:mod:`ortmem.store.prepared`), loaded with graph optimizations
+  off: a converted entry's (``fallback`` is the entry's own model) or the prepared entry of a model
+  ortmem does not convert (:mod:`ortmem.store.prepared_entries`; ``fallback`` is the source itself);
 - ``"converted"``: the entry :func:`ortmem.store.publish.publish` just built (a cold start);
 - ``"unconverted"``: nothing to load, and the store knows why: the model's prepared entry is a marker
   (nothing of it worth mapping), recorded under these settings and versions by a start whose loader
@@ -27,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from .layout import Entry
-from .prepacked import discard_prepacked
+from .layout import MODEL_FILE
+from .prepared import discard_finished
 
 if TYPE_CHECKING:
     from ..passes.conversion_report import ConversionReport
@@ -37,11 +37,8 @@ if TYPE_CHECKING:
 MISS = "miss"
 CONVERTED = "converted"
 CACHE_HIT = "cache-hit"
-PRE_PACKED = "pre-packed"
 PREPARED = "prepared"
 UNCONVERTED = "unconverted"
-#: The kinds that load a converted entry found in the cache (pre-packed or not).
-HIT_KINDS = frozenset({CACHE_HIT, PRE_PACKED})
 
 
 @dataclass(frozen=True)
@@ -55,8 +52,9 @@ class Start:
     fallback: Optional[Path] = None
     #: The converted or prepared entry behind ``path``.
     entry: Optional[Entry] = None
-    #: Work for after the session's first run (:mod:`ortmem.store.packer`): a new entry's packing,
-    #: or, on a miss, building the model's prepared entry if ORT gets the model unconverted.
+    #: Work for after the session's first run (:mod:`ortmem.store.packer`): finishing a converted entry
+    #: (new, or found not yet finished), or, on a miss, building the model's prepared entry if ORT gets
+    #: the model unconverted.
     later: Optional["PrepackLater"] = None
     cache: Optional["Cache"] = None
     #: What was converted (``"converted"`` only; None on a hit or a miss).
@@ -64,13 +62,20 @@ class Start:
     #: ``"converted"`` by a helper process (:mod:`ortmem.handoff.conversion_process`): the starting
     #: process converted nothing.
     in_helper: bool = False
+    #: ORT loads a converted entry found in the cache (its model, or ORT's finished one of it).
+    hit: bool = False
+
+    def _in_converted_entry(self) -> bool:
+        """A finished model kept inside a converted entry (not a prepared entry's own ``model.onnx``)."""
+        return self.entry is not None and self.path is not None and self.path.name != MODEL_FILE
 
     def refused(self) -> None:
-        """ORT refused ``path``: remove what it refused (the entry's pre-packed files, or the prepared
-        entry), so no later start tries it again."""
-        if self.entry is None:
+        """ORT refused ``path``: remove what it refused (a converted entry's finished model, or the
+        prepared entry), so no later start tries it again."""
+        if self.entry is None or self.kind != PREPARED:
             return
-        if self.kind == PRE_PACKED:
-            discard_prepacked(self.entry.path)
-        elif self.kind == PREPARED and self.cache is not None:
+        if self._in_converted_entry():
+            assert self.path is not None
+            discard_finished(self.path.parent, self.path.stem)
+        elif self.cache is not None:
             self.cache.discard(self.entry)

@@ -5,7 +5,7 @@ converting this model?) and gets one answer: what ORT loads, what it loads inste
 and what is left for after the session's first run. Everything the answer depends on happens behind
 :func:`start`: the keys (:mod:`ortmem.store.sources`), every lookup with its trust, digest and sources
 checks (:mod:`ortmem.store.cache`), a converted entry's hit with the full check before anything is
-derived from it and the packing of ORT's weights on a first hit (:mod:`ortmem.store.hit`), a prepared
+derived from it and ORT's finished model of it (:mod:`ortmem.store.hit`), a prepared
 entry's own check (:mod:`ortmem.store.prepared_entries`), and the work left for the background packer
 (:mod:`ortmem.store.packer`). A miss that converts then publishes its entry through
 :func:`ortmem.store.publish.publish`. The caller (:mod:`ortmem.handoff`) never verifies, discards or
@@ -32,12 +32,11 @@ log = logging.getLogger(__name__)
 
 
 def start(cache: Optional[Cache], path: Path, *, settings: OrtSettings, fp16_in_fp32: Optional[bool] = None,
-          converting: bool = True, prepacked: bool = False, packing: Packing = ({}, 0),
-          sess_options: Optional[object] = None) -> Start:
+          converting: bool = True, prepacked: bool = False, packing: Packing = ({}, 0)) -> Start:
     """:func:`lookup`'s verdict; a miss of a model whose entry an onnxruntime upgrade made stale says so
     once per process (:func:`say_stale`)."""
     verdict = lookup(cache, path, settings=settings, fp16_in_fp32=fp16_in_fp32, converting=converting,
-                     prepacked=prepacked, packing=packing, sess_options=sess_options)
+                     prepacked=prepacked, packing=packing)
     if verdict.kind == MISS and cache is not None and (converting or prepacked):
         say_stale(cache, path)
     return verdict
@@ -78,12 +77,11 @@ def say_stale(cache: Cache, path: Path) -> None:
 
 
 def lookup(cache: Optional[Cache], path: Path, *, settings: OrtSettings, fp16_in_fp32: Optional[bool] = None,
-           converting: bool = True, prepacked: bool = False, packing: Packing = ({}, 0),
-           sess_options: Optional[object] = None) -> Start:
+           converting: bool = True, prepacked: bool = False, packing: Packing = ({}, 0)) -> Start:
     """The verdict for the model file ``path`` before it is parsed: its converted entry (``converting``),
-    pre-packed when ``prepacked`` (CPU EP with pre-packing on, and an ORT that saves pre-packed weights;
-    saved now on the first hit), else its prepared entry (``prepacked``), else a miss. An entry found
-    damaged by the full check before packing is discarded and answers a miss.
+    as ORT finished it when ``prepacked`` (CPU EP with pre-packing on, and an ORT that saves finished
+    models; finished in the background after a first run, :func:`ortmem.store.hit.entry_start`), else its
+    prepared entry (``prepacked``), else a miss.
 
     A miss of a model ORT may get unconverted carries, in ``later``, the building of its prepared
     entry after the first run (only for a cache that can be written: a read-only deployment leaves
@@ -94,9 +92,7 @@ def lookup(cache: Optional[Cache], path: Path, *, settings: OrtSettings, fp16_in
     if converting:
         entry = cache.lookup_sourced(converted_key(path, settings, {"fp16_in_fp32": fp16_in_fp32}))
         if entry is not None:
-            hit = entry_start(cache, entry, prepacked, sess_options)
-            if hit is not None:
-                return hit
+            return entry_start(cache, entry, prepacked, settings, packing)
     if not prepacked:
         return Start(MISS)
     config, threads = packing

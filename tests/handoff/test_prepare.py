@@ -19,6 +19,7 @@ from ortmem.handoff.handoff import Handoff
 from ortmem.handoff.prepare import prepare
 from ortmem.handoff.request import AS_GIVEN, Request
 from ortmem.loader import load
+from ortmem.store import packer
 from ortmem.store.handover_records import FOLDER
 from ortmem.ortmodel.release import capabilities
 from tests.support.builders import tiny_decoder
@@ -67,9 +68,8 @@ def test_cold_then_warm_start_hand_over_the_store_entry_with_ort_outputs(tmp_pat
         cold.action = "as-is"  # type: ignore[misc]
     assert_same_outputs(_run(cold), expected)
 
-    warm = prepare(str(qdq), request)  # the same frozen request serves again
-    assert warm.cache_hit and warm.report is None
-    assert warm.action == ("pre-packed" if request.prepacked else "cache-hit")
+    warm = prepare(str(qdq), request)  # the same frozen request serves again (not finished yet: the entry)
+    assert warm.cache_hit and warm.report is None and warm.action == "cache-hit"
     assert warm.start is not None and str(warm.start.path) == warm.model
     assert_same_outputs(_run(warm), expected)
 
@@ -77,16 +77,19 @@ def test_cold_then_warm_start_hand_over_the_store_entry_with_ort_outputs(tmp_pat
 def test_a_refused_entry_is_a_step_that_returns_a_new_handoff(tmp_path, qdq):
     request = _request(tmp_path)
     if not request.prepacked:
-        pytest.skip(f"onnxruntime {ort.__version__} saves no pre-packed weights: no fallback to take")
-    prepare(str(qdq), request)  # cold
+        pytest.skip(f"onnxruntime {ort.__version__} saves no finished model: no fallback to take")
+    cold = prepare(str(qdq), request)
+    cold.after_create()
+    assert cold.start is not None and cold.start.entry is not None
+    packer.run(packer.PrepackLater(str(request.cache.root), cold.start.entry.key))  # what a first run leaves
     warm = prepare(str(qdq), request)
-    assert warm.action == "pre-packed" and warm.fallback is not None
+    assert warm.action == "prepared" and warm.cache_hit and warm.fallback is not None
     refused = warm.refused()
-    assert refused is not warm and warm.action == "pre-packed"  # the handoff itself is never edited
+    assert refused is not warm and warm.action == "prepared"  # the handoff itself is never edited
     assert refused.model == warm.fallback and refused.fallback is None and refused.action == "cache-hit"
     assert_same_outputs(_run(refused), run_plain(qdq, FEEDS))
-    again = prepare(str(qdq), request)  # what ORT refused was discarded: the next start packs anew
-    assert again.action == "pre-packed" and again.model != refused.model
+    again = prepare(str(qdq), request)  # what ORT refused was discarded: the next start loads the entry
+    assert again.action == "cache-hit" and again.model == refused.model
 
 
 def test_a_model_as_given_is_handed_over_without_converting(tmp_path, qdq):

@@ -249,17 +249,24 @@ def test_a_model_ort_refuses_raises_what_ort_raises(tmp_path):
     assert type(hooked.value) is type(plain.value)
 
 
-def test_qdq_model_is_converted_then_prepacked_without_recursing(tmp_path, rng):
-    """ortmem's own sessions (pre-packing) are made while the hook is on: they must go to ORT."""
+def test_qdq_model_is_converted_then_finished_without_recursing(tmp_path, rng):
+    """ortmem's own sessions (ORT's finishing of the entry, here run in this hooked process) are made
+    while the hook is on: they must go to ORT; the next start loads the finished model."""
+    from ortmem.ortmodel.release import capabilities
+    from ortmem.store import packer
+
     path = mb.save(mb.int4_model(rng), tmp_path / "q.onnx")
     x = rng.standard_normal((1, 256), dtype=np.float32)
     expected = ORT_CLASS(str(path)).run(None, {"x": x})[0]
     with ortmem.hook():
         cold = ort.InferenceSession(str(path))
+        start = cold.ortmem_handoff.start
+        if capabilities().prepacked_save:
+            before = len(sessions())
+            packer.run(packer.PrepackLater(str(start.cache.root), start.entry.key))
+            assert len(sessions()) == before  # the finishing's sessions are ORT's own
         warm = ort.InferenceSession(str(path))
-    from ortmem.ortmodel.release import capabilities
-
-    warm_start = "pre-packed" if capabilities().prepacked_save else "cache-hit"  # 1.25 saves none
+    warm_start = "prepared" if capabilities().prepacked_save else "cache-hit"  # 1.25 saves none
     assert [r.action for r in sessions()[-2:]] == ["converted", warm_start]
     for s in (cold, warm):
         assert_close_outputs(s.run(None, {"x": x})[:1], [expected], rtol=1e-5, atol=1e-5)

@@ -20,9 +20,10 @@ import onnxruntime as ort
 import pytest
 
 import ortmem
+from ortmem import model_facts
 from ortmem.store import packer as prepack_later
 from ortmem.store import layout
-from ortmem.store import prepacked as pp
+from ortmem.store.prepared import prepared_problem
 from ortmem.store.cache import creator_lock_path
 from ortmem.store.sources import converted_key
 from ortmem.ortmodel.release import capabilities
@@ -73,8 +74,9 @@ def hold_lock() -> Iterator[Callable[[Path, str], subprocess.Popen]]:
 
 
 @pytest.fixture
-def model(tmp_path) -> Path:
-    """A small QDQ model: below ``prepack_later.MIN_WEIGHT_BYTES``, so its first cache hit packs."""
+def model(tmp_path, monkeypatch) -> Path:
+    """A small QDQ model, finished by ORT as a large one is (children inherit the variable)."""
+    monkeypatch.setenv(model_facts.MIN_BYTES_ENV, "0")
     return write_model(SynthConfig.tiny(storage="external"), tmp_path / "model.onnx")
 
 
@@ -108,28 +110,41 @@ def test_a_stopped_builder_delays_a_cold_start_by_the_limit_only(model, tmp_path
 
 
 @needs_saving
-def test_a_warm_start_never_waits_for_a_held_lock_and_packs_nothing(model, tmp_path, hold_lock, monkeypatch):
-    """The first hit finds the entry's lock held (a stopped packer): it loads the entry at once, as a
-    plain cache hit, and does not pack (packing outside the lock would race the holder). Once the holder
-    is gone (killed: its lock file stays), the next start packs and maps the pre-packed weights."""
+def _finished(entry: Path) -> bool:
+    """Whether the converted entry holds ORT's finished model, whole."""
+    return (entry / f"{layout.FINISHED_STEM}.onnx").exists() and prepared_problem(entry, layout.FINISHED_STEM) is None
+
+
+@needs_saving
+def test_a_warm_start_never_waits_for_a_held_lock_and_finishes_nothing(model, tmp_path, hold_lock, monkeypatch):
+    """A hit finds the entry's lock held (a stopped background job): it loads the entry at once, as a
+    plain cache hit, and finishes nothing, and the job its first run leaves stops at the held lock. Once
+    the holder is gone (killed: its lock file stays), the next first run's job finishes the entry and
+    the start after it loads ORT's finished model."""
     monkeypatch.setenv("ORTMEM_LOCK_TIMEOUT", "60")  # would be seen if the warm start waited at all
+    monkeypatch.setenv(model_facts.MIN_BYTES_ENV, "0")  # the small model is finished as a large one is
     cache = tmp_path / "cache"
     expected = run_plain(model, FEEDS)[0]
     cold = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     entry = Path(cold.ortmem_handoff.model).parent
-    assert cold.ortmem_action == "converted" and cold.ortmem_handoff.prepack_later is None  # small: the hit packs
+    assert cold.ortmem_action == "converted"
     holder = hold_lock(cache, entry.name)
     t0 = time.monotonic()
     warm = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     assert time.monotonic() - t0 < WATCHDOG_SECONDS / 4
     assert warm.ortmem_cache_hit and warm.ortmem_action == "cache-hit"
-    assert not any(p.name.startswith(("prepacked", ".prepack", "model.prepacked")) for p in entry.iterdir())
     assert np.array_equal(warm.run(None, FEEDS)[0], expected)
+    assert prepack_later.wait_background(120)
+    assert not _finished(entry)
     _release(holder)
     assert creator_lock_path(cache, entry.name).exists()
-    packed = ortmem.InferenceSession(model, providers=CPU, cache=cache)
-    assert packed.ortmem_action == "pre-packed"
-    assert np.array_equal(packed.run(None, FEEDS)[0], expected)
+    again = ortmem.InferenceSession(model, providers=CPU, cache=cache)
+    assert again.ortmem_action == "cache-hit"
+    assert np.array_equal(again.run(None, FEEDS)[0], expected)
+    assert prepack_later.wait_background(120) and _finished(entry)
+    finished = ortmem.InferenceSession(model, providers=CPU, cache=cache)
+    assert finished.ortmem_action == "prepared" and finished.ortmem_cache_hit
+    assert np.array_equal(finished.run(None, FEEDS)[0], expected)
     assert not creator_lock_path(cache, entry.name).exists()
 
 
@@ -151,10 +166,10 @@ def test_the_packer_never_packs_while_another_process_holds_the_lock(model, tmp_
     before = len(prepack_later.started_packers())
     assert job.start() is None and len(prepack_later.started_packers()) == before
     assert _packer(job).returncode == 0
-    assert pp.prepacked_model(entry) is None and not (entry / layout.PREPACKED_DATA).exists()
+    assert not _finished(entry)
     _release(holder)
     assert _packer(job).returncode == 0
-    assert pp.prepacked_model(entry) == entry / layout.PREPACKED_MODEL
+    assert _finished(entry)
 
 
 @needs_saving
@@ -169,7 +184,7 @@ def test_a_started_packer_holds_the_lock_until_it_is_done(model, tmp_path):
     assert proc is not None
     assert job.start() is None  # claimed by the running packer
     assert proc.wait(120) == 0
-    assert pp.verify_prepacked(entry, "full") is None
+    assert _finished(entry)
     assert job.start() is None  # packed
     assert not creator_lock_path(cache, entry.name).exists()
 
@@ -179,7 +194,7 @@ import hashlib, json, os, sys
 import numpy as np
 import ortmem
 from ortmem.store import packer as prepack_later
-prepack_later.MIN_WEIGHT_BYTES = 0  # the tiny model gets a background packer, as a large one would
+os.environ["ORTMEM_PREPARE_MIN_BYTES"] = "0"  # the tiny model gets a background job, as a large one would
 feeds = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 s = ortmem.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"], cache=sys.argv[2])
 assert s.ortmem_action == "converted" and s.ortmem_handoff.prepack_later is not None
@@ -210,7 +225,7 @@ print(json.dumps({"status": status, "results": results, "parent": len(prepack_la
 def test_workers_forked_after_a_cold_start_start_one_packer(model, tmp_path):
     """A session created before fork (gunicorn ``--preload``) carries the cold start's pending packing
     into every worker: of three workers whose first runs come together, exactly one starts a packer,
-    the entry gets its pre-packed weights, and every worker answers with ORT's outputs."""
+    the entry gets ORT's finished model, and every worker answers with ORT's outputs."""
     cache = tmp_path / "cache"
     r = subprocess.run([sys.executable, "-c", _FORKED, str(model), str(cache), "3"], capture_output=True, text=True,
                        timeout=300)
@@ -222,7 +237,7 @@ def test_workers_forked_after_a_cold_start_start_one_packer(model, tmp_path):
     expected = hashlib.sha256(run_plain(model, FEEDS)[0].tobytes()).hexdigest()
     assert {w["out"] for w in report["results"]} == {expected}
     entries = [p for p in cache.iterdir() if not p.name.startswith(".")]
-    assert len(entries) == 1 and pp.verify_prepacked(entries[0], "full") is None
+    assert len(entries) == 1 and _finished(entries[0])
     assert list(cache.rglob(".*")) == []  # no lock file, no temporary folder
 
 

@@ -254,7 +254,7 @@ def test_a_prepared_model_ort_refuses_falls_back_to_the_source(tmp_path, any_siz
 
 
 def test_prepare_a_folder_converts_qdq_and_prepares_the_rest(tmp_path, any_size, capsys):
-    from ortmem.store.prepacked import PREPACKED_MANIFEST
+    from ortmem.store.layout import FINISHED_STEM
 
     folder = tmp_path / "models"
     folder.mkdir()
@@ -265,10 +265,10 @@ def test_prepare_a_folder_converts_qdq_and_prepares_the_rest(tmp_path, any_size,
     assert cli_main(["prepare", str(folder), "--cache", str(cache)]) == 0
     found = entries(cache)
     assert len(found) == 3
-    assert sum((e / PREPACKED_MANIFEST).exists() for e in found) == 1  # the converted QDQ entry, pre-packed
+    assert sum((e / f"{FINISHED_STEM}.onnx").exists() for e in found) == 1  # the converted QDQ entry, finished
     before = len(prepack_later.started_packers())
     assert ortmem.InferenceSession(fp32, providers=CPU, cache=cache).ortmem_action == "prepared"
-    assert ortmem.InferenceSession(qdq, providers=CPU, cache=cache).ortmem_action == "pre-packed"
+    assert ortmem.InferenceSession(qdq, providers=CPU, cache=cache).ortmem_action == "prepared"  # finished
     assert ortmem.InferenceSession(cnv, providers=CPU, cache=cache).ortmem_action == "prepared"  # NCHWc, finished
     assert len(prepack_later.started_packers()) == before
     assert "prepared entry" in capsys.readouterr().err

@@ -23,8 +23,10 @@ import onnxruntime as ort
 import pytest
 
 import ortmem
+from ortmem import model_facts
 from ortmem.store import layout
-from ortmem.store import prepacked as pp
+from ortmem.store import packer
+from ortmem.store.prepared import prepared_problem
 from ortmem.store import trust as filetrust
 from ortmem.store.cache import SOURCE_LINK_PREFIX, Cache, UntrustedCacheError, creator_lock_path
 from ortmem.cli import main as cli_main
@@ -36,7 +38,7 @@ from tests.support.builders import tiny_decoder
 from tests.support.compare import assert_same_outputs
 from tests.support.reference import run_plain
 
-#: pre-packed weights exist only on releases that save them (not 1.25): ortmem.ortmodel.release
+#: finished models exist only on releases that save pre-packed weights (not 1.25): ortmem.ortmodel.release
 needs_saving = pytest.mark.skipif(not capabilities().prepacked_save,
                                   reason=f"onnxruntime {ort.__version__} saves no pre-packed MatMulNBits weights")
 
@@ -136,10 +138,13 @@ def test_new_files_refuse_planted_links(tmp_path):
 
 
 @needs_saving
-def test_prepack_temp_files_never_write_through_a_planted_link(tmp_path, monkeypatch):
-    """Finding 1: the pre-pack temp model was written with write_bytes (follows symlinks), under a
-    name derived from a token visible in the work folder's name."""
+def test_finishing_temp_files_never_write_through_a_planted_link(tmp_path, monkeypatch):
+    """ORT's finishing of an entry writes its work folder and its manifest's temporary under names
+    derived from a token: each is created exclusively, so a link planted under that name is never
+    written through (the finishing fails instead, and nothing it made is trusted)."""
     import uuid
+
+    from ortmem.store.prepared import prepare_model
 
     path = tiny_decoder(tmp_path / "m", storage="external")
     cache = tmp_path / "cache"
@@ -151,12 +156,12 @@ def test_prepack_temp_files_never_write_through_a_planted_link(tmp_path, monkeyp
         hex = "0123456789abcdef0123456789abcdef"
 
     monkeypatch.setattr(uuid, "uuid4", lambda: FixedUUID())
-    token = f"{os.getpid()}-{FixedUUID.hex[:12]}"
-    for name in (f".{layout.PREPACKED_MODEL}.{token}", f".{layout.PREPACKED_MANIFEST}.{token}", f".{layout.PREPACKED_DATA}.{token}"):
+    for name in (f".prepare-{os.getpid()}-{FixedUUID.hex[:12]}", f".finished.json.{os.getpid()}-{FixedUUID.hex[:8]}"):
         (entry / name).symlink_to(victim)
-        with pytest.raises(pp.PrepackError):
-            pp.save_prepacked(entry)
+        with pytest.raises(OSError):
+            prepare_model(entry / layout.MODEL_FILE, entry, layout.FINISHED_STEM)
         assert victim.read_bytes() == b"precious"
+        assert prepared_problem(entry, layout.FINISHED_STEM) is not None
         (entry / name).unlink(missing_ok=True)
 
 
@@ -359,36 +364,51 @@ def test_weights_byte_flip_mid_span_is_detected_and_rebuilt(tmp_path, caplog):
     assert_same_outputs(sess.run(None, FEEDS), expected)
 
 
+def _finish(session: ortmem.InferenceSession) -> None:
+    """Run ``session`` once and wait for the background job its first run leaves (ORT's finishing)."""
+    session.run(None, FEEDS)
+    assert packer.wait_background(120)
+
+
 @needs_saving
-def test_sampled_verify_still_checks_in_full_before_prepacking(tmp_path):
-    """A flip before the first warm start was baked into prepacked.bin for every later session."""
+def test_sampled_verify_still_checks_in_full_before_finishing(tmp_path, monkeypatch):
+    """A flip before ORT finishes an entry would be baked into the finished model for every later
+    session: the background job checks the entry in full first, whatever ``verify`` says."""
+    monkeypatch.setenv(model_facts.MIN_BYTES_ENV, "0")
     path, cache = _entry_with_a_flipped_weight(tmp_path)
     expected = run_plain(path, FEEDS)
-    sess = ortmem.InferenceSession(path, cache=cache, verify="sampled")
-    assert not sess.ortmem_cache_hit
-    assert_same_outputs(sess.run(None, FEEDS), expected)
+    sess = ortmem.InferenceSession(path, cache=cache, verify="sampled")  # its sampled pages miss the flip
+    sess.run(None, FEEDS)
+    assert packer.wait_background(120)  # the job's full check finds it: the entry is discarded, not finished
+    rebuilt = ortmem.InferenceSession(path, cache=cache, verify="sampled")
+    assert not rebuilt.ortmem_cache_hit
+    _finish(rebuilt)
     warm = ortmem.InferenceSession(path, cache=cache, verify="sampled")
-    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == layout.PREPACKED_MODEL
+    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == f"{layout.FINISHED_STEM}.onnx"
     assert_same_outputs(warm.run(None, FEEDS), expected)
 
 
 @needs_saving
-def test_prepacked_byte_flip_inside_a_weight_copy_is_detected(tmp_path):
-    """Finding 3: a flip in a B copy inside prepacked.bin was wrong in every later session."""
+def test_a_byte_flip_in_the_finished_data_is_detected(tmp_path, monkeypatch):
+    """A flip in ORT's finished data file (here inside a pre-packed blob) would be wrong in every later
+    session: the next start refuses the finished model, loads the entry, and the job its first run
+    leaves finishes it afresh."""
+    monkeypatch.setenv(model_facts.MIN_BYTES_ENV, "0")
     path = tiny_decoder(tmp_path / "m", storage="external")
     cache = tmp_path / "cache"
     expected = run_plain(path, FEEDS)
-    ortmem.InferenceSession(path, cache=cache)
+    _finish(ortmem.InferenceSession(path, cache=cache))
     warm = ortmem.InferenceSession(path, cache=cache)
     entry = _entry_dir(warm)
-    assert Path(warm.ortmem_handoff.model).name == layout.PREPACKED_MODEL
-    offset, length = json.loads((entry / layout.PREPACKED_MANIFEST).read_text())["spans"][0]  # a B copy
-    _flip(entry / layout.PREPACKED_DATA, offset + length // 2 + 7)
-    assert "content changed" in pp.verify_prepacked(entry, "full")
+    assert Path(warm.ortmem_handoff.model).name == f"{layout.FINISHED_STEM}.onnx"
+    offset, length = json.loads((entry / f"{layout.FINISHED_STEM}.json").read_text())["spot_spans"][-1]  # a blob
+    _flip(entry / f"{layout.FINISHED_STEM}.data", offset + length // 2 + 7)
+    assert "content changed" in prepared_problem(entry, layout.FINISHED_STEM, mode="full")
     again = ortmem.InferenceSession(path, cache=cache)
-    assert again.ortmem_cache_hit
-    assert pp.verify_prepacked(entry, "full") is None  # packed afresh
+    assert again.ortmem_cache_hit and again.ortmem_action == "cache-hit"
     assert_same_outputs(again.run(None, FEEDS), expected)
+    assert packer.wait_background(120)
+    assert prepared_problem(entry, layout.FINISHED_STEM, mode="full") is None  # finished afresh
 
 
 def test_verify_rejects_unknown_modes(tmp_path):
@@ -404,11 +424,11 @@ def test_crash_leftovers_are_reclaimed_by_the_next_writer_and_prune(tmp_path):
     entry = _entry_dir(ortmem.InferenceSession(path, cache=cache_dir))
     dead = 2**22 + 12345  # above pid_max's default: no such process
     old = time.time() - 3600
-    leftovers = [cache_dir / f".tmp-{dead}-ab12", cache_dir / ".trash-deadbeef", entry / f".prepack-{dead}-cd34"]
+    leftovers = [cache_dir / f".tmp-{dead}-ab12", cache_dir / ".trash-deadbeef", entry / f".prepare-{dead}-cd34"]
     for d in leftovers:
         d.mkdir()
         (d / "weights.bin").write_bytes(b"x" * 4096)
-    files = [entry / f".{layout.PREPACKED_DATA}.{dead}-ef56", entry / f".{layout.PREPACKED_MODEL}.{dead}-ef56"]
+    files = [entry / f".{layout.FINISHED_STEM}.json.{dead}-ef56", entry / f".{layout.MANIFEST}.{dead}-ef56"]
     for f in files:
         f.write_bytes(b"y")
     live = cache_dir / f".tmp-{os.getpid()}-live"  # a live writer's folder is kept, however old
@@ -501,22 +521,24 @@ ortmem.InferenceSession(sys.argv[1], cache=sys.argv[2], progress=progress)
 
 
 # ------------------------------------------- issue 20: every cache file checked, smaller faults
-#: Every file a warm start reads from an entry with pre-packed weights (besides ``source-*`` links).
+#: Every file a warm start reads from an entry ORT finished (besides ``source-*`` links).
 #: ``test_every_entry_file_is_in_the_trust_matrix`` fails when an entry gains a file not listed here.
-ENTRY_FILES = ("manifest.json", "model.onnx", "weights.bin", layout.PREPACKED_MODEL, layout.PREPACKED_DATA,
-               layout.PREPACKED_MANIFEST)
+ENTRY_FILES = ("manifest.json", "model.onnx", "weights.bin", f"{layout.FINISHED_STEM}.onnx",
+               f"{layout.FINISHED_STEM}.data", f"{layout.FINISHED_STEM}.json")
 _OWNER_WAYS = ["fake", pytest.param("chown", marks=pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root"))]
 #: Another user's uid (``nobody``, unless the tests run as ``nobody``).
 OTHER_UID = 65534 if os.geteuid() != 65534 else 65533
 
 
 def _prepacked_entry(tmp_path: Path) -> tuple[Path, Path, Path]:
-    """(model, cache, entry): the entry built and its pre-packed weights saved and used once."""
+    """(model, cache, entry): the entry built, finished by ORT in the background and used once."""
     path = tiny_decoder(tmp_path / "m", storage="external")
     cache = tmp_path / "cache"
-    ortmem.InferenceSession(path, cache=cache)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(model_facts.MIN_BYTES_ENV, "0")
+        _finish(ortmem.InferenceSession(path, cache=cache))
     warm = ortmem.InferenceSession(path, cache=cache)
-    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == layout.PREPACKED_MODEL
+    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == f"{layout.FINISHED_STEM}.onnx"
     return path, cache, _entry_dir(warm)
 
 
@@ -532,9 +554,16 @@ def _refused_then_rebuilt(path: Path, cache: Path, name: str, why: str, caplog) 
 
 
 def _warm_again(path: Path, cache: Path) -> None:
-    warm = ortmem.InferenceSession(path, cache=cache)
+    """The start after a rebuild loads the new entry, whose first run has it finished; the start after
+    that is warm on ORT's finished model, every file private."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(model_facts.MIN_BYTES_ENV, "0")
+        warm = ortmem.InferenceSession(path, cache=cache)
+        if Path(warm.ortmem_handoff.model).name != f"{layout.FINISHED_STEM}.onnx":
+            _finish(warm)
+            warm = ortmem.InferenceSession(path, cache=cache)
     entry = _entry_dir(warm)
-    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == layout.PREPACKED_MODEL
+    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == f"{layout.FINISHED_STEM}.onnx"
     for name in ENTRY_FILES:
         assert untrusted_reason(entry / name) is None, name
     assert_same_outputs(warm.run(None, FEEDS), run_plain(path, FEEDS))
@@ -723,7 +752,7 @@ def test_prune_reports_the_crash_leftovers_it_frees(tmp_path, monkeypatch, capsy
     dead = 2**22 + 12345  # above pid_max's default: no such process
     old = time.time() - 3600
     leftovers = {entry.parent / f".tmp-{dead}-ab12" / "weights.bin": 8 << 20,
-                 entry / f".{layout.PREPACKED_DATA}.{dead}-ef56": 4 << 20}
+                 entry / f".{layout.FINISHED_STEM}.json.{dead}-ef56": 4 << 20}
     for f, size in leftovers.items():
         f.parent.mkdir(exist_ok=True)
         f.write_bytes(b"\x01" * size)
@@ -733,75 +762,3 @@ def test_prune_reports_the_crash_leftovers_it_frees(tmp_path, monkeypatch, capsy
     freed = float(re.search(r"\(([\d.]+) MiB freed\)", capsys.readouterr().out).group(1))
     assert not any(f.exists() for f in leftovers) and entry.exists()
     assert 12.0 <= freed < 12.5
-
-
-_FULL_DISK_CHILD = r"""
-import json, logging, os, sys
-from pathlib import Path
-import numpy as np
-import onnxruntime as ort
-import ortmem
-from ortmem.synth import SynthConfig, write_model
-
-mnt = Path(sys.argv[1])
-messages = []
-class Keep(logging.Handler):
-    def emit(self, record):
-        messages.append(record.getMessage())
-logging.getLogger("ortmem").addHandler(Keep())
-logging.getLogger("ortmem").setLevel(logging.WARNING)
-feeds = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
-(mnt / "m").mkdir()
-model = write_model(SynthConfig.tiny(storage="external"), mnt / "m" / "model.onnx")
-want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, feeds)
-ortmem.InferenceSession(model, cache=mnt / "c")  # the entry fits
-st = os.statvfs(mnt)
-filler = mnt / "filler"
-filler.write_bytes(b"\0" * (st.f_bavail * st.f_frsize - (256 << 10)))  # its pre-packed files will not
-starts = []
-for _ in range(3):
-    if len(starts) == 2:
-        filler.unlink()
-    messages.clear()
-    s = ortmem.InferenceSession(model, cache=mnt / "c")
-    got = s.run(None, feeds)
-    entry = Path(s.ortmem_handoff.model).parent
-    starts.append({"action": s.ortmem_action, "hit": s.ortmem_cache_hit, "entry": str(entry),
-                   "same": all(np.array_equal(a, b) for a, b in zip(got, want)), "log": list(messages),
-                   "record": "prepacked_no_space" in json.loads((entry / "manifest.json").read_text())})
-print(json.dumps(starts))
-"""
-
-
-def _in_small_filesystem(code: str, size: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    """Run ``code`` with a fresh tmpfs of ``size`` mounted at its first argument, in a private mount
-    namespace (nothing stays mounted, whatever happens); skips where no namespace can be made."""
-    if shutil.which("unshare") is None:
-        pytest.skip("unshare (util-linux) not installed: no small filesystem to fill")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    namespace = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])  # root may mount
-    cmd = [*namespace, "sh", "-c", 'mount -t tmpfs -o size="$1" tmpfs "$2" && shift 2 && exec "$@"',
-           "sh", size, str(mnt), sys.executable, "-c", code, str(mnt)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    if r.returncode != 0 and ("unshare" in r.stderr.split(":")[0] or "mount" in r.stderr.split(":")[0]):
-        pytest.skip(f"cannot mount a small filesystem here: {r.stderr.strip()[:200]}")
-    return r
-
-
-@needs_saving
-def test_a_disk_too_full_for_the_prepacked_files_is_named_and_not_retried_each_start(tmp_path):
-    """Issue 20, finding 8: when the entry fits but its pre-packed files do not, every warm start
-    packed again and failed with ORT's "Failed to write ... external file", never naming the full
-    disk. Now: one warning naming the folder and the full disk, no packing again until more is free,
-    and packing once it is; every start's outputs are ORT's."""
-    r = _in_small_filesystem(_FULL_DISK_CHILD, "4m", tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    first, second, freed = json.loads(r.stdout.strip().splitlines()[-1])
-    for start in (first, second, freed):
-        assert start["hit"] and start["same"], start
-    for start in (first, second):
-        assert start["action"] == "cache-hit" and start["record"], start
-        assert len(start["log"]) == 1 and f"no space left on device in {start['entry']}" in start["log"][0], start
-    assert "not tried again" in second["log"][0] and "Failed to write" not in second["log"][0]
-    assert freed["action"] == "pre-packed" and not freed["record"] and not freed["log"], freed

@@ -47,7 +47,7 @@ def simulate(plan: Recipe, *, dynamic: bool, all_external: bool, activation_peak
               prepacked: bool = False, blobs_read_at_create: bool = False) -> _Sim:
     """Replay session creation's allocations (and one run) through the glibc model.
 
-    ``prepacked``: ORT loads the cache entry's pre-packed model (:mod:`ortmem.store.prepacked`): it still
+    ``prepacked``: ORT loads the cache entry's pre-packed model (ORT's finished model, :mod:`ortmem.store.prepared`): it still
     packs every MatMulNBits ``B`` on the heap, hashes the result, finds the saved blob and frees its
     copy once that kernel is done; the saved blobs (MatMulNBits ``B`` only, fp32 MatMul/Gemm packs
     stay on the heap) are not touched during creation and are read by the first run, file-backed.

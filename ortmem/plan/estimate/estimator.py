@@ -3,7 +3,7 @@
 What is predicted, for plain ONNX Runtime, for ortmem's hook (cold start, or a warm start without
 pre-packed weights: ORT loading the converted native twin) and for ortmem's default warm start
 (``ortmem_prepacked``: the twin's pre-packed MatMulNBits weights mapped from the cache entry,
-:mod:`ortmem.store.prepacked`), in bytes of resident memory, the process included, as ``ortmem bench``
+:mod:`ortmem.store.prepared`), in bytes of resident memory, the process included, as ``ortmem bench``
 measures them:
 
 * ``session_peak_bytes``: the high-water mark of session creation;

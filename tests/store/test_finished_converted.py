@@ -1,0 +1,190 @@
+"""Converted entries finished by ORT: after a cold start's first run the background job saves ORT's
+finished model of the converted entry (:func:`ortmem.store.prepared_entries.finish_converted`), and later
+starts load it with graph optimizations off, mapping ORT's pre-packed weights.
+
+Every start gives plain ORT's outputs on the QDQ source; the finished model is used only on the CPU EP
+with pre-packing on; a finished model ORT refuses falls back to the entry and is removed; a damaged
+one is refused and finished again; the caller's options read back unchanged.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import ortmem
+from ortmem import model_facts
+from ortmem.ortmodel.release import capabilities
+from ortmem.store import layout, packer
+from ortmem.store.prepared import prepared_problem
+from ortmem.synth import SynthConfig, write_model
+from tests.support.reference import CPU, run_plain
+
+SAVES = capabilities().prepacked_save
+needs_saving = pytest.mark.skipif(not SAVES, reason=f"onnxruntime {ort.__version__} saves no pre-packed weights")
+FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
+FINISHED = f"{layout.FINISHED_STEM}.onnx"
+
+
+@pytest.fixture
+def qdq(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A tiny QDQ decoder; every entry is finished, whatever its size (children inherit the variable)."""
+    monkeypatch.setenv(model_facts.MIN_BYTES_ENV, "0")
+    path = tmp_path / "q" / "model.onnx"
+    path.parent.mkdir()
+    return write_model(SynthConfig.tiny(storage="external"), path)
+
+
+def _ran(session: ortmem.InferenceSession) -> np.ndarray:
+    """The session's output; its first run's background job is waited for."""
+    out = session.run(None, FEEDS)[0]
+    assert packer.wait_background(120)
+    return out
+
+
+@needs_saving
+def test_the_start_after_a_first_run_loads_ort_s_finished_model(qdq: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    expected = run_plain(qdq, FEEDS)[0]
+    so = ort.SessionOptions()
+    cold = ortmem.InferenceSession(qdq, so, providers=CPU, cache=cache)
+    entry = Path(cold.ortmem_handoff.model).parent
+    assert cold.ortmem_action == "converted" and not (entry / FINISHED).exists()  # the cold start pays nothing
+    assert np.array_equal(_ran(cold), expected)
+    assert prepared_problem(entry, layout.FINISHED_STEM) is None
+    stamp = (entry / f"{layout.FINISHED_STEM}.data").stat().st_mtime_ns
+    for _ in range(2):
+        warm = ortmem.InferenceSession(qdq, so, providers=CPU, cache=cache)
+        assert warm.ortmem_action == "prepared" and warm.ortmem_cache_hit
+        assert Path(warm.ortmem_handoff.model) == entry / FINISHED and warm.ortmem_handoff.prepack_later is None
+        assert np.array_equal(_ran(warm), expected)
+    assert (entry / f"{layout.FINISHED_STEM}.data").stat().st_mtime_ns == stamp  # loaded, not made again
+    assert so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL  # the caller's, unchanged
+
+
+@needs_saving
+def test_a_finished_model_is_kept_per_settings(qdq: Path, tmp_path: Path) -> None:
+    """A caller whose config entries differ from those the model was finished at loads the entry, and
+    its first run finishes it again at its own settings."""
+    cache = tmp_path / "cache"
+    expected = run_plain(qdq, FEEDS)[0]
+    _ran(ortmem.InferenceSession(qdq, providers=CPU, cache=cache))
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    other = ortmem.InferenceSession(qdq, so, providers=CPU, cache=cache)
+    assert other.ortmem_action == "cache-hit" and other.ortmem_handoff.prepack_later is not None
+    assert np.array_equal(_ran(other), expected)
+    again = ortmem.InferenceSession(qdq, so, providers=CPU, cache=cache)
+    assert again.ortmem_action == "prepared" and np.array_equal(_ran(again), expected)
+
+
+def test_finished_only_for_cpu_with_prepacking_on(qdq: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    _ran(ortmem.InferenceSession(qdq, so, providers=CPU, cache=cache))  # a cold start for these options (another key)
+    warm = ortmem.InferenceSession(qdq, so, providers=CPU, cache=cache)
+    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == layout.MODEL_FILE
+    assert warm.ortmem_handoff.prepack_later is None
+    assert not (Path(warm.ortmem_handoff.model).parent / FINISHED).exists()
+    _ran(ortmem.InferenceSession(qdq, providers=CPU, cache=cache, prepacked=False))
+    opted_out = ortmem.InferenceSession(qdq, providers=CPU, cache=cache, prepacked=False)
+    assert opted_out.ortmem_cache_hit and Path(opted_out.ortmem_handoff.model).name == layout.MODEL_FILE
+    assert not (Path(opted_out.ortmem_handoff.model).parent / FINISHED).exists()
+
+
+@needs_saving
+def test_a_finished_model_ort_refuses_falls_back_to_the_entry(qdq: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    from ortmem.store import hit
+
+    cache = tmp_path / "cache"
+    expected = run_plain(qdq, FEEDS)[0]
+    _ran(ortmem.InferenceSession(qdq, providers=CPU, cache=cache))
+    entry = next(p for p in cache.iterdir() if (p / FINISHED).exists())
+    m = onnx.load(str(entry / FINISHED), load_external_data=False)
+    for t in m.graph.initializer:  # a tensor past the end of its file: ORT fails session creation
+        for e in t.external_data:
+            if e.key == "offset":
+                e.value = str(1 << 40)
+    onnx.save_model(m, str(entry / FINISHED))  # the check is bypassed below
+    monkeypatch.setattr(hit, "converted_finished", lambda cache, entry, settings: (entry.path / FINISHED, True))
+    s = ortmem.InferenceSession(qdq, providers=CPU, cache=cache)
+    assert "could not load the prepared model" in caplog.text
+    assert s.ortmem_action == "cache-hit" and s.ortmem_cache_hit
+    assert Path(s.ortmem_handoff.model).name == layout.MODEL_FILE and not (entry / FINISHED).exists()
+    assert np.array_equal(s.run(None, FEEDS)[0], expected)
+
+
+@needs_saving
+def test_cache_list_marks_finished_entries(qdq: Path, tmp_path: Path, capsys) -> None:
+    from ortmem.cli import main
+
+    cache = tmp_path / "cache"
+    cold = ortmem.InferenceSession(qdq, providers=CPU, cache=cache)
+    assert main(["cache", "list", "--cache", str(cache)]) == 0
+    assert "finished model" not in capsys.readouterr().out
+    _ran(cold)
+    assert main(["cache", "list", "--cache", str(cache)]) == 0
+    assert "(+ onnxruntime's finished model)" in capsys.readouterr().out
+
+
+# ---- a larger model: the memory a finished warm start saves, measured in fresh processes ----
+
+#: ~50 MiB of converted weights (int4 codes + fp32 scales): above the default finishing threshold.
+BIG_QDQ = SynthConfig(hidden=1024, intermediate=2816, layers=6, vocab=4000, heads=8, storage="external", name="big")
+
+_START = r"""
+import json, sys
+import numpy as np
+import ortmem
+from ortmem.store import packer
+from ortmem.measure import procfs
+s = ortmem.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"], cache=sys.argv[2])
+created = procfs.read_status("self")
+out = s.run(None, {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)})[0]
+print(json.dumps({"action": s.ortmem_action, "anon": created["RssAnon"], "packer": len(packer.started_packers()),
+                  "waited": packer.wait_background(300), "out": out.tolist()}))
+"""
+
+
+def _start(model: Path, cache: Path) -> dict:
+    """One start in a fresh process: what ortmem did, private memory after creation, the output."""
+    r = subprocess.run([sys.executable, "-c", _START, str(model), str(cache)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def big_qdq(tmp_path_factory) -> Path:
+    return write_model(BIG_QDQ, tmp_path_factory.mktemp("big") / "model.onnx")
+
+
+def test_the_second_start_is_warm(big_qdq: Path, tmp_path: Path) -> None:
+    """Start 1 converts and, after its first run, leaves one background job that finishes the entry;
+    start 2 loads ORT's finished model ("prepared") with far less private memory after creation. Where
+    ORT saves no pre-packed weights (1.25) start 2 is a plain hit on the entry and no job is started."""
+    cache = tmp_path / "cache"
+    expected = ort.InferenceSession(str(big_qdq), providers=["CPUExecutionProvider"]).run(None, FEEDS)[0]
+    first = _start(big_qdq, cache)
+    entry = next(p for p in cache.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert (entry / layout.WEIGHTS_FILE).stat().st_size >= model_facts.MIN_PREPARED_BYTES
+    assert first["action"] == "converted" and first["waited"]
+    assert first["packer"] == (1 if SAVES else 0)
+    assert (entry / FINISHED).exists() == SAVES
+    second = _start(big_qdq, cache)
+    assert second["packer"] == 0
+    assert second["action"] == ("prepared" if SAVES else "cache-hit")
+    for s in (first, second):
+        assert np.array_equal(np.array(s["out"], dtype=expected.dtype), expected)
+    if SAVES:  # ORT's packed B (~1.5x the 38 MiB of int4 codes at accuracy 4) is mapped, not on the heap
+        assert second["anon"] < first["anon"] - 24 * 2**20, (first["anon"] >> 20, second["anon"] >> 20)
+    assert not any(p.name.startswith((".tmp-", ".lock-")) for p in cache.iterdir())
+    assert not any(p.name.startswith(".") for p in entry.iterdir())
