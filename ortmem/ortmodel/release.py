@@ -39,7 +39,7 @@ from typing import Any, Mapping, Optional
 from ..short_hash import short_hash
 from ..helper_env import cache_folder, helper_environment
 from ..store.stamps import boot_id
-from ..store.trust import make_private_dir, parent_untrusted_reason, stat_untrusted_reason, untrusted_reason
+from ..store.trust import first_private_folder, make_private_dir, stat_untrusted_reason
 from .variants import (ACCURACY_LEVELS, BLOCK_SWEEP, GATHER_WEIGHT_TYPES, SCALE_TYPES, SHARED_WEIGHT_KEY, WEIGHT_TYPES,
                        variant_key)
 
@@ -470,15 +470,7 @@ def runtime_probe_dir(*, create: bool = True) -> Optional[Path]:
         candidates.append(Path(runtime) / RUNTIME_PROBE_FOLDER)
     uid = os.geteuid() if hasattr(os, "geteuid") else 0
     candidates.append(Path(tempfile.gettempdir()) / f"{RUNTIME_PROBE_FOLDER}-{uid}")
-    for path in candidates:
-        try:  # a folder this process may not even examine (another user's runtime folder) is skipped too
-            if create and not path.is_dir() and path.parent.is_dir() and parent_untrusted_reason(path) is None:
-                make_private_dir(path)
-            if untrusted_reason(path) is None and parent_untrusted_reason(path) is None:
-                return path
-        except OSError:
-            continue
-    return None
+    return first_private_folder(candidates, create=create)
 
 
 def runtime_answers_path(folder: Path, release: Release) -> Path:
@@ -492,7 +484,8 @@ def _private(st: os.stat_result) -> bool:
     return stat_untrusted_reason(st) is None
 
 
-def _read_answers(path: Path) -> Optional[dict[str, Any]]:
+def _read_private_json(path: Path) -> Any:
+    """The JSON in ``path`` if it is a private file of this user (:func:`_private`, no link), else None."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
@@ -501,12 +494,16 @@ def _read_answers(path: Path) -> Optional[dict[str, Any]]:
         if not _private(os.fstat(fd)):
             return None
         with os.fdopen(fd, "rb", closefd=False) as f:
-            data = json.loads(f.read())
-        return data if well_formed(data) else None
+            return json.loads(f.read())
     except (OSError, ValueError):
         return None
     finally:
         os.close(fd)
+
+
+def _read_answers(path: Path) -> Optional[dict[str, Any]]:
+    data = _read_private_json(path)
+    return data if well_formed(data) else None
 
 
 def _write_answers(path: Path, answers: dict[str, Any]) -> Optional[str]:
@@ -673,19 +670,7 @@ def config_keys() -> Optional[tuple[str, ...]]:
 
 def _read_keys(path: Path, release: Release) -> Optional[tuple[str, ...]]:
     """The keys kept at ``path`` for ``release`` (a private file of this user), or None."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return None
-    try:
-        if not _private(os.fstat(fd)):
-            return None
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            record = json.loads(f.read())
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
+    record = _read_private_json(path)
     if (not isinstance(record, dict) or record.get("format") != CONFIG_KEYS_FORMAT
             or record.get("release") != release.key() or not isinstance(record.get("keys"), list)):
         return None

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..short_hash import short_hash
-from .trust import RACY_SECONDS, make_private_dir, open_new, parent_untrusted_reason, untrusted_reason
+from .trust import RACY_SECONDS, first_private_folder, open_new
 
 #: Where stamps go instead of the default folders (tests, or a deployment's own tmpfs).
 FOLDER_ENV = "ORTMEM_VERIFIED_DIR"
@@ -47,15 +47,7 @@ def folder() -> Optional[Path]:
         candidates = [Path(runtime) / "ortmem-verified"] if runtime else []
         if hasattr(os, "geteuid"):
             candidates.append(Path("/dev/shm") / f"ortmem-verified-{os.geteuid()}")
-    for path in candidates:
-        try:  # a folder this process may not even examine (another user's runtime folder) is skipped too
-            if not path.is_dir() and path.parent.is_dir() and parent_untrusted_reason(path) is None:
-                make_private_dir(path)
-            if path.is_dir() and untrusted_reason(path) is None and parent_untrusted_reason(path) is None:
-                return path
-        except OSError:
-            continue
-    return None
+    return first_private_folder(candidates)
 
 
 def identity(path: Path) -> Optional[os.stat_result]:

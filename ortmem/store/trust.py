@@ -93,6 +93,21 @@ def make_private_dir(path: PathLike, *, parents: bool = False) -> None:
     os.chmod(path, PRIVATE_DIR_MODE)  # mkdir's mode is masked by the umask; be exact
 
 
+def first_private_folder(candidates: "list[Path]", *, create: bool = True) -> Optional[Path]:
+    """The first of ``candidates`` that is a private folder of this user passing the trust check (and
+    whose parent nobody else may rename it out of), made 0700 when missing and ``create``; None if
+    none is. A candidate this process may not even examine (another user's folder) is skipped."""
+    for path in candidates:
+        try:
+            if create and not path.is_dir() and path.parent.is_dir() and parent_untrusted_reason(path) is None:
+                make_private_dir(path)
+            if path.is_dir() and untrusted_reason(path) is None and parent_untrusted_reason(path) is None:
+                return path
+        except OSError:
+            continue
+    return None
+
+
 def open_new(path: PathLike, mode: int = PRIVATE_FILE_MODE, *, readable: bool = False) -> int:
     """Create ``path`` exclusively without following a symlink; returns a write (or read-write) fd.
 
