@@ -50,6 +50,7 @@ in cache entries; onnxruntime-genai folders keep them inside the folder.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -112,6 +113,32 @@ class PrepareError(CacheError):
     """ORT could not save the prepared model (names the source)."""
 
 
+class NoSpaceError(PrepareError):
+    """The finished model could not be written: its filesystem is full (names the folder). No verdict on
+    the model: nothing but the full disk may be recorded of it."""
+
+
+#: Free bytes below which a failed save is put down to a full disk: a write that runs out of space fills
+#: the filesystem to its last block first (a partial write, then ENOSPC), and ORT's partial file is still
+#: there when this is checked; a filesystem with a MiB free did not fill.
+NEARLY_FULL_BYTES = 1 << 20
+
+
+def free_bytes(folder: Path) -> Optional[int]:
+    """Bytes still free on ``folder``'s filesystem (None: unknown)."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _no_space(folder: Path, what: str, exc: BaseException) -> NoSpaceError:
+    """The error for a write into ``folder`` that found its filesystem full (ORT's own words kept)."""
+    last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+    detail = last.rsplit(" : ", 1)[-1][-300:]
+    return NoSpaceError(f"no space left on device in {folder}: {what} ({detail})", file=str(folder))
+
+
 class PrepareCheckError(PrepareError):
     """The check that decides whether a prepared model may be used could not run (the source fails on
     the feeds ortmem makes): no verdict, so nothing may be recorded of it (names the source)."""
@@ -164,9 +191,22 @@ def prepare_model(source: Path, folder: Path, stem: str = "prepared", *, setting
     False writes nothing (``useful`` False).
     ``threads``: intra-op threads of the throw-away session (0: ORT's default).
 
-    Raises :class:`PrepareError` when ORT fails to load or save the model, :class:`PrepareCheckError`
-    when the source cannot be run to check the saved model; nothing is published then.
+    Raises :class:`PrepareError` when ORT fails to load or save the model, :class:`NoSpaceError` when
+    ``folder``'s filesystem is full (ENOSPC, or ORT's failed write with less than
+    :data:`NEARLY_FULL_BYTES` left), :class:`PrepareCheckError` when the source cannot be run to check
+    the saved model; nothing is published then.
     """
+    try:
+        return _prepare_model(Path(source), Path(folder), stem, settings, threads)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _no_space(Path(folder), "the finished model could not be written", exc) from exc
+        raise
+
+
+def _prepare_model(source: Path, folder: Path, stem: str, settings: Optional[OrtSettings],
+                   threads: int) -> PreparedReport:
+    """:func:`prepare_model`'s work; an OSError of a full disk is turned into :class:`NoSpaceError` there."""
     import onnx
 
     from ..onnx_walk import external_data_dict
@@ -181,7 +221,13 @@ def prepare_model(source: Path, folder: Path, stem: str = "prepared", *, setting
     os.mkdir(work, PRIVATE_DIR_MODE)  # exclusively: whatever is planted under this name is never written through
     os.chmod(work, PRIVATE_DIR_MODE)
     try:
-        _save(source, work, stem, settings, threads)
+        try:
+            _save(source, work, stem, settings, threads)
+        except PrepareError as exc:
+            left = free_bytes(work)  # before ORT's partial file goes (the finally below)
+            if left is not None and left < NEARLY_FULL_BYTES:
+                raise _no_space(folder, "onnxruntime could not write the finished model", exc) from exc
+            raise
         saved = onnx.load(str(work / f"{stem}.onnx"), load_external_data=False)
         prepacked = sum(any(k.startswith("prepacked") for k in external_data_dict(t)) for t in saved.graph.initializer)
         made = prepacked or bool({t.name for t in saved.graph.initializer} - _initializer_names(source))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,6 +38,7 @@ from .sources import entry_key, onnx_version, private_mode, source_record
 from ..ortmodel.settings import OrtSettings
 from .prepared import (
     PREPARED_FORMAT,
+    NoSpaceError,
     PrepareCheckError,
     PrepareError,
     PreparedReport,
@@ -45,6 +47,7 @@ from .prepared import (
     discard_finished,
     finished_key_parts,
     finished_settled,
+    free_bytes,
     keep_decision_only,
     prepared_path,
     read_manifest,
@@ -139,8 +142,8 @@ def build_prepared(cache: Cache, source: Path, key: str, *, packing: Optional[di
         try:
             report = prepare_model(source, tmp, STEM, settings=finishing_settings(settings or OrtSettings(), packing),
                                    threads=threads)
-        except PrepareCheckError:
-            raise  # no decision was made: nothing to record
+        except (PrepareCheckError, NoSpaceError):
+            raise  # no decision was made (a full disk says nothing of the model): nothing to record
         except PrepareError as exc:
             if resource_failure(exc):  # says nothing about the model: no marker, a later start tries again
                 raise
@@ -197,14 +200,65 @@ def describe(entry: Entry) -> str:
 
 
 # ------------------------------------------------------------------ converted entries, finished by ORT
+#: Key of the converted entry's manifest record of a finishing that found the disk full.
+NO_SPACE_RECORD = "finished_no_space"
+#: More free bytes than the failed attempt had before finishing is tried again.
+NO_SPACE_RETRY_MARGIN = 1 << 20
+#: Entries whose full disk this process has warned of (once each: every start would say it again).
+_said_full: set[str] = set()
+
+
+def no_space_refusal(entry: Entry, free: Optional[int]) -> Optional[str]:
+    """Why the converted ``entry`` is not finished now: an earlier attempt found its filesystem full with
+    at least ``free`` bytes free (None: try). Only a record for this ORT, build and CPU counts."""
+    try:
+        record = entry.manifest().get(NO_SPACE_RECORD)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if free is None or not isinstance(record, dict) or record.get("key_parts") != finished_key_parts():
+        return None
+    had = record.get("free_bytes")
+    if not isinstance(had, int) or free > had + NO_SPACE_RETRY_MARGIN:
+        return None
+    return (f"no space left on device in {entry.path} for onnxruntime's finished model: finishing found it "
+            f"full with {had / 2**20:.1f} MiB free and is not tried again until more than "
+            f"{(had + NO_SPACE_RETRY_MARGIN) / 2**20:.1f} MiB is ({free / 2**20:.1f} MiB now)")
+
+
+def record_no_space(entry: Entry, free: Optional[int]) -> None:
+    """Record in the entry's manifest that finishing found the disk full with ``free`` bytes free (None:
+    forget an earlier record). Best effort: without the record the next start only tries again."""
+    try:
+        m = entry.manifest()
+    except (OSError, ValueError):
+        return
+    if not isinstance(m, dict) or (free is None and NO_SPACE_RECORD not in m):
+        return
+    if free is None:
+        m.pop(NO_SPACE_RECORD)
+    else:
+        m[NO_SPACE_RECORD] = {"free_bytes": free, "key_parts": finished_key_parts(), "at": time.time()}
+    try:
+        entry.rewrite_manifest(m)
+    except OSError as exc:
+        log.debug("ortmem: could not record the full disk in %s (%s)", entry.path, exc)
+
+
 def converted_finished(cache: Cache, entry: Entry, settings: OrtSettings) -> tuple[Optional[Path], bool]:
     """(the converted ``entry``'s finished model for ``settings``, checked as the cache's ``verify`` asks,
-    or None; whether nothing is left to finish: that model, or a decision recorded for this ORT, CPU and
-    ``settings`` that ORT's finished model is not worth mapping). Damaged or stale files are removed
-    (where the cache can be written) and answer (None, False): the background job finishes the entry again. ``settings``: what the model is finished
-    at (:func:`finishing_settings`)."""
+    or None; whether nothing is left to finish: that model, a decision recorded for this ORT, CPU and
+    ``settings`` that ORT's finished model is not worth mapping, or a full disk recorded with no more
+    free now (:func:`no_space_refusal`, said once per process)). Damaged or stale files are removed
+    (where the cache can be written) and answer (None, False): the background job finishes the entry
+    again. ``settings``: what the model is finished at (:func:`finishing_settings`)."""
     if not os.path.lexists(entry.path / f"{CONVERTED_STEM}.json"):
-        return None, False
+        refusal = no_space_refusal(entry, free_bytes(entry.path))
+        if refusal is None:
+            return None, False
+        if str(entry.path) not in _said_full:
+            _said_full.add(str(entry.path))
+            log.warning("ortmem: %s; sessions load the converted entry", refusal)
+        return None, True
     path = prepared_path(entry.path, CONVERTED_STEM, mode=cache.verify_mode, settings=settings)
     if path is not None:
         return path, True
@@ -219,11 +273,18 @@ def finish_converted(cache: Cache, entry: Entry, settings: OrtSettings, *, threa
     """Finish the converted ``entry``'s model at ``settings`` (:func:`ortmem.store.prepared.prepare_model`
     with :data:`CONVERTED_STEM`, into the entry's folder) and return the finished model, or None when
     nothing is worth mapping (the decision is kept: :func:`converted_finished`) or the entry fails its
-    full check (it is discarded: the next start converts again). The caller holds the entry's creator lock. The check that publishes it compares ORT's
-    outputs on the finished model with ORT's on the entry's ``model.onnx`` at ``settings``.
+    full check (it is discarded: the next start converts again). The caller holds the entry's creator
+    lock. The check that publishes it compares ORT's outputs on the finished model with ORT's on the
+    entry's ``model.onnx`` at ``settings``.
 
     Raises :class:`ortmem.store.prepared.PrepareError` (nothing kept) when ORT cannot save it or runs
-    out of resources, :class:`ortmem.store.prepared.PrepareCheckError` when the check could not run."""
+    out of resources, :class:`ortmem.store.prepared.PrepareCheckError` when the check could not run,
+    :class:`ortmem.store.prepared.NoSpaceError` when the entry's filesystem is full: that is recorded
+    in the entry's manifest with the space it had (:func:`record_no_space`), and until more than that
+    is free no start leaves the job again and this raises at once."""
+    refusal = no_space_refusal(entry, free_bytes(entry.path))
+    if refusal is not None and not os.path.lexists(entry.path / f"{CONVERTED_STEM}.json"):
+        raise NoSpaceError(refusal, file=str(entry.path))
     path, settled = converted_finished(cache, entry, settings)
     if settled:
         return path
@@ -232,7 +293,13 @@ def finish_converted(cache: Cache, entry: Entry, settings: OrtSettings, *, threa
         log.warning("ortmem: cache entry %s is damaged (%s); not finishing it, rebuilding", entry.path, problem)
         cache.discard(entry)
         return None
-    report = prepare_model(entry.model_path, entry.path, CONVERTED_STEM, settings=settings, threads=threads)
+    free = free_bytes(entry.path)
+    try:
+        report = prepare_model(entry.model_path, entry.path, CONVERTED_STEM, settings=settings, threads=threads)
+    except NoSpaceError:
+        record_no_space(entry, free)  # after the attempt's files are gone: there is room for it
+        raise
+    record_no_space(entry, None)
     if report.useful:
         return entry.path / f"{CONVERTED_STEM}.onnx"
     if resource_failure(report.refusal):  # no verdict on the model: nothing recorded, a later start tries again

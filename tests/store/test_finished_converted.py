@@ -188,3 +188,86 @@ def test_the_second_start_is_warm(big_qdq: Path, tmp_path: Path) -> None:
         assert second["anon"] < first["anon"] - 24 * 2**20, (first["anon"] >> 20, second["anon"] >> 20)
     assert not any(p.name.startswith((".tmp-", ".lock-")) for p in cache.iterdir())
     assert not any(p.name.startswith(".") for p in entry.iterdir())
+
+
+# ---- a full disk: survived, recorded in the entry, not retried on every start ----
+
+_FULL_DISK_CHILD = r"""
+import json, logging, os, sys
+from pathlib import Path
+import numpy as np
+import onnxruntime as ort
+import ortmem
+from ortmem.store import packer
+from ortmem.store.prepared_entries import NO_SPACE_RECORD
+from ortmem.synth import SynthConfig, write_model
+
+mnt = Path(sys.argv[1])
+messages = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        messages.append(record.getMessage())
+logging.getLogger("ortmem").addHandler(Keep())
+logging.getLogger("ortmem").setLevel(logging.WARNING)
+feeds = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
+(mnt / "m").mkdir()
+model = write_model(SynthConfig.tiny(storage="external"), mnt / "m" / "model.onnx")
+want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, feeds)
+filler = mnt / "filler"
+starts = []
+for i in range(4):
+    messages.clear()
+    if i == 2:
+        filler.unlink()
+    s = ortmem.InferenceSession(model, providers=["CPUExecutionProvider"], cache=mnt / "c")
+    entry = Path(s.ortmem_handoff.fallback or s.ortmem_handoff.model).parent
+    if i == 0:  # the entry fits; ORT's finished model of it will not
+        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+        filler.write_bytes(b"\0" * (free - (256 << 10)))
+    job = s.ortmem_handoff.prepack_later is not None
+    got = s.run(None, feeds)
+    waited = packer.wait_background(120)
+    starts.append({"action": s.ortmem_action, "hit": s.ortmem_cache_hit, "entry": str(entry), "job": job,
+                   "waited": waited, "same": all(np.array_equal(a, b) for a, b in zip(got, want)),
+                   "log": list(messages),
+                   "record": NO_SPACE_RECORD in json.loads((entry / "manifest.json").read_text())})
+print(json.dumps(starts))
+"""
+
+
+def _in_small_filesystem(code: str, size: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run ``code`` with a fresh tmpfs of ``size`` mounted at its first argument, in a private mount
+    namespace (nothing stays mounted, whatever happens); skips where no namespace can be made."""
+    import os
+    import shutil
+
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) not installed: no small filesystem to fill")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    namespace = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])  # root may mount
+    cmd = [*namespace, "sh", "-c", 'mount -t tmpfs -o size="$1" tmpfs "$2" && shift 2 && exec "$@"',
+           "sh", size, str(mnt), sys.executable, "-c", code, str(mnt)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
+    if r.returncode != 0 and ("unshare" in r.stderr.split(":")[0] or "mount" in r.stderr.split(":")[0]):
+        pytest.skip(f"cannot mount a small filesystem here: {r.stderr.strip()[:200]}")
+    return r
+
+
+@needs_saving
+def test_a_disk_too_full_for_the_finished_model_is_recorded_and_not_retried_each_start(tmp_path: Path, qdq) -> None:
+    """The converted entry fits on the disk but ORT's finished model of it does not: the background job
+    records the full disk in the entry, the next start loads the converted entry ("cache-hit"), says why
+    once and leaves no job; once space is freed the next first run finishes it and the start after
+    that is warm. Every start gives plain ORT's outputs."""
+    r = _in_small_filesystem(_FULL_DISK_CHILD, "4m", tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cold, full, freed, warm = json.loads(r.stdout.strip().splitlines()[-1])
+    for start in (cold, full, freed, warm):
+        assert start["same"] and start["waited"], start
+    assert cold["action"] == "converted" and cold["job"] and cold["record"], cold  # the job found the disk full
+    assert full["action"] == "cache-hit" and full["hit"] and not full["job"] and full["record"], full
+    assert len(full["log"]) == 1 and f"no space left on device in {full['entry']}" in full["log"][0], full
+    assert "not tried again until more than" in full["log"][0]
+    assert freed["action"] == "cache-hit" and freed["job"] and not freed["record"] and not freed["log"], freed
+    assert warm["action"] == "prepared" and warm["hit"] and not warm["job"], warm
