@@ -9,32 +9,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+
 
 from ortmem.reach import genai
 from ortmem.measure.procfs import read_smaps_rollup
 from tests.support.genai_folder import MAX_LENGTH, build_genai_folder
+from tests.support.genai_run import Generation, assert_same_generation, generate as run_generation
 
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install '.[genai]')")
 
 PROMPT = [5, 6, 7, 8, 9]
 
 
-def generate(config) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy generation from ``PROMPT``: the tokens and the logits of every step."""
-    model = og.Model(config)
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=MAX_LENGTH, do_sample=False)
-    gen = og.Generator(model, params)
-    gen.append_tokens(np.array([PROMPT], dtype=np.int32))
-    logits = []
-    while not gen.is_done():
-        gen.generate_next_token()
-        logits.append(np.array(gen.get_output("logits")))
-    return [int(t) for t in gen.get_sequence(0)], logits
+def generate(config) -> Generation:
+    """Greedy generation from ``PROMPT``: the tokens and every step's logits."""
+    return run_generation(config, PROMPT, MAX_LENGTH)
 
 
 def mapped_files() -> set[str]:
@@ -42,11 +33,8 @@ def mapped_files() -> set[str]:
             if len(line.split(None, 5)) == 6}
 
 
-def _assert_same(a: tuple[list[int], list[np.ndarray]], b: tuple[list[int], list[np.ndarray]]) -> None:
-    assert a[0] == b[0]
-    assert len(a[1]) == len(b[1]) == MAX_LENGTH - len(PROMPT)
-    for x, y in zip(a[1], b[1]):
-        np.testing.assert_array_equal(x, y)
+def _assert_same(a: Generation, b: Generation) -> None:
+    assert_same_generation(a, b, MAX_LENGTH - len(PROMPT))
 
 
 @pytest.fixture(scope="module")

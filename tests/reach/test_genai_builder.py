@@ -11,10 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tests.support.genai_builder import BuilderShape, builder_folder, builder_folders, builder_problem, copy_folder
+from tests.support.genai_run import Generation, assert_same_generation, generate as run_generation
 
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install '.[genai]')")
 if builder_problem():
@@ -30,25 +30,13 @@ MEMORY_SHAPE = BuilderShape(layers=4, hidden=1024, ffn=4096, heads=16, kv_heads=
 FOLDERS = {"tied-int4": ("int4", True), "untied-int4": ("int4", False), "tied-fp32": ("fp32", True)}
 
 
-def generate(config) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy generation from :data:`PROMPT`: the tokens and every step's logits."""
-    model = og.Model(config)
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=MAX_LENGTH, do_sample=False)
-    gen = og.Generator(model, params)
-    gen.append_tokens(np.array([PROMPT], dtype=np.int32))
-    logits = []
-    while not gen.is_done():
-        gen.generate_next_token()
-        logits.append(np.array(gen.get_output("logits")))
-    return [int(t) for t in gen.get_sequence(0)], logits
+def generate(config) -> Generation:
+    """Greedy generation from ``PROMPT``: the tokens and every step's logits."""
+    return run_generation(config, PROMPT, MAX_LENGTH)
 
 
-def assert_same(a: tuple[list[int], list[np.ndarray]], b: tuple[list[int], list[np.ndarray]]) -> None:
-    assert a[0] == b[0]
-    assert len(a[1]) == len(b[1]) == MAX_LENGTH - len(PROMPT)
-    for x, y in zip(a[1], b[1]):
-        np.testing.assert_array_equal(x, y)
+def assert_same(a: Generation, b: Generation) -> None:
+    assert_same_generation(a, b, MAX_LENGTH - len(PROMPT))
 
 
 def ortmem_prepare(folder: Path, cache: Path) -> subprocess.CompletedProcess:
