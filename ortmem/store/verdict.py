@@ -33,11 +33,11 @@ log = logging.getLogger(__name__)
 
 def start(cache: Optional[Cache], path: Path, *, settings: OrtSettings, fp16_in_fp32: Optional[bool] = None,
           converting: bool = True, prepacked: bool = False, packing: Packing = ({}, 0)) -> Start:
-    """:func:`lookup`'s verdict; a miss of a model whose entry an onnxruntime upgrade made stale says so
-    once per process (:func:`say_stale`)."""
+    """:func:`lookup`'s verdict; a miss in a cache that cannot be written, of a model whose entry an
+    onnxruntime upgrade made stale, says so once per process (:func:`say_stale`)."""
     verdict = lookup(cache, path, settings=settings, fp16_in_fp32=fp16_in_fp32, converting=converting,
                      prepacked=prepacked, packing=packing)
-    if verdict.kind == MISS and cache is not None and (converting or prepacked):
+    if verdict.kind == MISS and cache is not None and (converting or prepacked) and not cache.writable:
         say_stale(cache, path)
     return verdict
 
@@ -49,13 +49,14 @@ _looked: set[tuple[str, str]] = set()
 
 
 def say_stale(cache: Cache, path: Path) -> None:
-    """Once per process, when the cache holds an entry of ``path`` made with another onnxruntime (an
-    upgrade since ``ortmem prepare``), which no lookup finds any more: a warning naming the command
-    that rebuilds it where the cache cannot be written (every start converts the model, or loads it as
-    given, until then), a log line where the miss builds a new entry anyway. Nothing is said of a
-    model the cache never held."""
+    """Once per process, when the cache, which cannot be written, holds an entry of ``path`` made with
+    another onnxruntime (an upgrade since ``ortmem prepare``), which no lookup finds any more: a warning
+    naming the command that rebuilds it (every start converts the model, or loads it as given, until
+    then). Only a read-only cache is looked through (reading every entry's manifest): a cache that can
+    be written builds the new entry anyway, and the old one ages out. Nothing is said of a model the
+    cache never held."""
     global _said_stale
-    if _said_stale or (str(cache.root), str(path)) in _looked:
+    if _said_stale or cache.writable or (str(cache.root), str(path)) in _looked:
         return
     _looked.add((str(cache.root), str(path)))
     recorded = cache.made_for_other_release(path)
@@ -64,10 +65,6 @@ def say_stale(cache: Cache, path: Path) -> None:
     import onnxruntime as ort
 
     _said_stale = True
-    if cache.writable:
-        log.info("ortmem: the cache entry of %s was made with onnxruntime %s, not %s; a new one is built",
-                 path, recorded, ort.__version__)
-        return
     model = os.path.abspath(path)
     default = cache.root == cache_folder() / STORE_FOLDER
     command = f"ortmem prepare {model}" + ("" if default else f" --cache {cache.root}")
