@@ -108,6 +108,15 @@ def _packed_or_packing(entry_dir: Path) -> list[str]:
                   if p.name.startswith((layout.FINISHED_STEM, ".prepare-", f".{layout.FINISHED_STEM}.")))
 
 
+def _stem(entry_dir: Path) -> str:
+    """The stem of the one finished model ORT's finishing left in an entry ("" when none)."""
+    from ortmem.store.prepared_entries import finished_stems
+
+    stems = finished_stems(entry_dir)
+    assert len(stems) <= 1, stems
+    return stems[0] if stems else ""
+
+
 class LockHolder:
     """Another process holding an entry's creator lock through ortmem's own ``Cache.creating``."""
 
@@ -188,8 +197,9 @@ def test_finished_models_made_for_another_cpu_machine_or_format_are_not_mapped(f
     entry = _only_entry(cache)
     r = subprocess.run([sys.executable, "-c", _FOREIGN_PACKER, str(cache), entry.key, field], env=_child_env(),
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and (entry.path / f"{layout.FINISHED_STEM}.json").exists(), r.stderr[-2000:]
-    foreign = (entry.path / f"{layout.FINISHED_STEM}.data").stat().st_ino
+    assert r.returncode == 0 and _stem(entry.path) and (entry.path / f"{_stem(entry.path)}.json").exists(), \
+        r.stderr[-2000:]
+    foreign = (entry.path / f"{_stem(entry.path)}.data").stat().st_ino
 
     warm = ortmem.InferenceSession(qdq, providers=CPU, cache=cache)
     assert foreign not in _mapped_inodes(), f"a model finished for another {field} was mapped"
@@ -250,7 +260,7 @@ def test_the_background_packer_does_not_pack_while_another_process_holds_the_cre
         if packer is not None:
             _, err = packer.communicate(timeout=120)
     assert packer.returncode == 0, err[-2000:]
-    assert run_packer(job) is not None and prepared_problem(entry.path, layout.FINISHED_STEM) is None  # once free
+    assert run_packer(job) is not None and prepared_problem(entry.path, _stem(entry.path)) is None  # once free
     warm = ortmem.InferenceSession(qdq, providers=CPU, cache=cache)
     assert warm.ortmem_action == "prepared"
     assert_same_outputs(warm.run(None, FEEDS), expected)
@@ -341,7 +351,7 @@ def test_a_packer_started_from_a_hooked_program_runs_unhooked(qdq, tmp_path):
     packer = records[result["packers"][0]]
     assert not packer["hooked"] and packer["sessions"] == 0, f"the packer ran hooked: {packer}"
     assert any(rec["hooked"] for rec in records.values())  # the program itself was (the setup works)
-    assert prepared_problem(_only_entry(cache).path, layout.FINISHED_STEM) is None  # and the job did its work
+    assert prepared_problem(_only_entry(cache).path, _stem(_only_entry(cache).path)) is None  # and the job did its work
 
 
 # ---------------------------------------------------------------------- 6: external data end of file

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..store.cache import Cache
-    from ..store.layout import FINISHED_STEM, disk_use
+    from ..store.layout import disk_use
 
     cache = Cache(Path(args.cache) if args.cache else None)
     if args.action == "clear":
@@ -48,9 +48,19 @@ def run(args: argparse.Namespace) -> int:
             manifest = {"source": "(unreadable manifest)"}
         size = sizes[e.path]
         print(f"  {e.key}  {size.bytes / 2**20:9.1f} MiB  {_kind(manifest)}  {manifest.get('source', '?')}"
-              + ("  (+ onnxruntime's finished model)" if (e.path / f"{FINISHED_STEM}.onnx").exists() else "")
+              + _finished_note(e.path)
               + (f"  ({size.shared / 2**20:.1f} MiB of it shared with your model files)" if size.shared else ""))
     return 0
+
+
+def _finished_note(folder: Path) -> str:
+    """What a converted entry holds of ORT's finished models: one per settings it was finished at."""
+    from ..store.prepared_entries import finished_stems
+
+    count = sum((folder / f"{stem}.onnx").exists() for stem in finished_stems(folder))
+    if count == 0:
+        return ""
+    return "  (+ onnxruntime's finished model)" if count == 1 else f"  (+ onnxruntime's finished models for {count} settings)"
 
 
 def _kind(manifest: dict) -> str:
@@ -62,10 +72,11 @@ def _kind(manifest: dict) -> str:
 
 
 def _verify_cache(cache) -> int:
-    """``ortmem cache verify``: every entry (and a converted entry's finished model) digested in full;
-    damaged ones are removed so the next session rebuilds them. Exit status 1 when any was damaged."""
-    from ..store.layout import FINISHED_STEM
+    """``ortmem cache verify``: every entry (and each finished model a converted entry keeps, one per
+    settings) digested in full; damaged ones are removed so the next session rebuilds them. Exit status 1
+    when any was damaged."""
     from ..store.prepared import discard_finished, prepared_problem
+    from ..store.prepared_entries import finished_stems
 
     rows = list(cache.entries())
     damaged = 0
@@ -73,11 +84,14 @@ def _verify_cache(cache) -> int:
         problem = cache.verify(e, mode="always")
         if problem is not None:
             cache.discard(e)
-        elif (e.path / f"{FINISHED_STEM}.onnx").exists():
-            finished = prepared_problem(e.path, FINISHED_STEM, mode="always")
-            if finished is not None:
-                problem = f"finished model: {finished}"
-                discard_finished(e.path, FINISHED_STEM)
+        else:
+            for stem in finished_stems(e.path):
+                if not (e.path / f"{stem}.onnx").exists():  # a decision only: nothing to map, nothing to read
+                    continue
+                finished = prepared_problem(e.path, stem, mode="always")
+                if finished is not None:
+                    problem = f"finished model {stem}: {finished}" if problem is None else f"{problem}; {stem}: {finished}"
+                    discard_finished(e.path, stem)
         damaged += problem is not None
         print(f"  {e.key}  {'ok' if problem is None else 'DAMAGED, removed: ' + problem}")
     print(f"{cache.root}: {len(rows)} entr{'y' if len(rows) == 1 else 'ies'}, {damaged} damaged")

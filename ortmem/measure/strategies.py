@@ -314,11 +314,10 @@ def create_ortmem_warm_entry(model_path: str, options: dict) -> Any:
 
 def prepare_warm1(model_path: str, options: dict, workdir: str) -> str:
     """A converted entry without ORT's finished model: the next start is the first warm one."""
-    from ..store.layout import FINISHED_STEM
-    from ..store.prepared import discard_finished
+    from ..store.prepared_entries import discard_every_finished
 
     session = create_ortmem_warm1(model_path, options)
-    discard_finished(os.path.dirname(session.ortmem_handoff.fallback or session.ortmem_handoff.model), FINISHED_STEM)
+    discard_every_finished(Path(os.path.dirname(session.ortmem_handoff.fallback or session.ortmem_handoff.model)))
     return model_path
 
 

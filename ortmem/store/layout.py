@@ -5,8 +5,8 @@ and dataclasses).
 A converted entry ``<root>/<key>/`` holds ``model.onnx`` (a skeleton whose large tensors are external
 data), ``weights.bin`` (every converted weight, page-aligned), hard links to unchanged source files
 (``source-<i>.<ext>``) and ``manifest.json`` (what the entry claims, checked before use); once ORT
-finished it, also ``finished.onnx``, ``finished.data`` and ``finished.json`` (:data:`FINISHED_STEM`,
-:mod:`ortmem.store.prepared_entries`).
+finished it, also ``finished-<hash>.onnx``, ``.data`` and ``.json`` for each settings it was finished at
+(:data:`FINISHED_STEM`, :func:`ortmem.store.prepared_entries.finished_stem`).
 A prepared entry holds ``model.onnx``, ``model.data`` and ``model.json`` under the same manifest
 (:mod:`ortmem.store.prepared_entries`). ``ortmem convert`` writes the same ``model.onnx`` +
 ``weights.bin`` pair into a folder of the user's. Names starting with "." are a writer's temporaries
@@ -32,8 +32,9 @@ MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.bin"
 #: Prefix of files an entry links from the model's own folder (another owner's, checked by identity).
 SOURCE_LINK_PREFIX = "source-"
-#: The stem of ORT's finished model kept in a converted entry (``.onnx``, ``.data``, and ``.json``, which
-#: is written last and vouches for the other two: :mod:`ortmem.store.prepared`).
+#: The stem of ORT's finished model ``ortmem convert`` writes into a user's folder, and the prefix of those
+#: a converted entry keeps, one per settings (``<stem>.onnx``, ``.data``, and ``.json``, which is written
+#: last and vouches for the other two: :mod:`ortmem.store.prepared`).
 FINISHED_STEM = "finished"
 
 

@@ -61,7 +61,7 @@ from ..ortmodel.settings import OrtSettings
 from .layout import MANIFEST, WEIGHTS_FILE
 from .trust import RACY_SECONDS
 from .prepared import finished_for, prepared_problem
-from .prepared_entries import (CONVERTED_STEM, build_prepared, finish_converted, finishing_settings, lookup_prepared,
+from .prepared_entries import (build_prepared, finish_converted, finished_stem, finishing_settings, lookup_prepared,
                                prepared_key, settings_of_record)
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,8 @@ class PrepackLater:
         entry = Path(self.cache_root) / self.key
         if self.kind == "prepared":
             return (entry / MANIFEST).exists()
-        return finished_for(entry, CONVERTED_STEM, self.finishing()) is not None
+        settings = self.finishing()
+        return finished_for(entry, finished_stem(settings), settings) is not None
 
     def _worth_a_process(self) -> bool:
         """A converted entry is finished only in a cache that can be written, and only where its weights
@@ -231,7 +232,7 @@ def _check_for_next_start(cache: Cache, job: PrepackLater) -> None:
     if wait > 0:
         time.sleep(wait + 0.05)
     if cache.verify(entry, mode="full") is None and job.kind != "prepared":
-        prepared_problem(entry.path, CONVERTED_STEM, mode="full")
+        prepared_problem(entry.path, finished_stem(job.finishing()), mode="full")
 
 
 def _finish(cache: Cache, job: PrepackLater) -> Optional[Path]:

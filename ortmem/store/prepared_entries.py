@@ -21,6 +21,7 @@ sharing one cache folder each keep their own.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -36,6 +37,7 @@ from .layout import Entry
 from .layout import FINISHED_STEM as CONVERTED_STEM, MODEL_FILE
 from .sources import entry_key, onnx_version, private_mode, source_record
 from ..ortmodel.settings import OrtSettings
+from ..short_hash import short_hash
 from .prepared import (
     PREPARED_FORMAT,
     NoSpaceError,
@@ -51,6 +53,7 @@ from .prepared import (
     keep_decision_only,
     prepared_path,
     read_manifest,
+    settings_parts,
     source_files,
 )
 
@@ -200,6 +203,30 @@ def describe(entry: Entry) -> str:
 
 
 # ------------------------------------------------------------------ converted entries, finished by ORT
+def finished_stem(settings: OrtSettings) -> str:
+    """The stem of the converted entry's finished model at ``settings``: ``finished-<hash>``, the hash of
+    the settings part of :func:`ortmem.store.prepared.finished_key_parts`, so callers with different
+    settings sharing one entry each keep their own finished model."""
+    blob = json.dumps(settings_parts(settings), sort_keys=True).encode()
+    return f"{CONVERTED_STEM}-{short_hash(blob, 12)}"
+
+
+def finished_stems(folder: Path) -> list[str]:
+    """The stems of every finished model (or decision) kept in the entry ``folder``, sorted."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted({n.rsplit(".", 1)[0] for n in names
+                   if n.startswith(f"{CONVERTED_STEM}-") and n.endswith((".json", ".onnx", ".data"))})
+
+
+def discard_every_finished(folder: Path) -> None:
+    """Remove every finished model kept in the entry ``folder`` (the entry itself stays)."""
+    for stem in finished_stems(folder):
+        discard_finished(Path(folder), stem)
+
+
 #: Key of the converted entry's manifest record of a finishing that found the disk full.
 NO_SPACE_RECORD = "finished_no_space"
 #: More free bytes than the failed attempt had before finishing is tried again.
@@ -250,8 +277,10 @@ def converted_finished(cache: Cache, entry: Entry, settings: OrtSettings) -> tup
     ``settings`` that ORT's finished model is not worth mapping, or a full disk recorded with no more
     free now (:func:`no_space_refusal`, said once per process)). Damaged or stale files are removed
     (where the cache can be written) and answer (None, False): the background job finishes the entry
-    again. ``settings``: what the model is finished at (:func:`finishing_settings`)."""
-    if not os.path.lexists(entry.path / f"{CONVERTED_STEM}.json"):
+    again. ``settings``: what the model is finished at (:func:`finishing_settings`); its files are
+    :func:`finished_stem`'s, so finished models for other settings in the entry are left alone."""
+    stem = finished_stem(settings)
+    if not os.path.lexists(entry.path / f"{stem}.json"):
         refusal = no_space_refusal(entry, free_bytes(entry.path))
         if refusal is None:
             return None, False
@@ -259,19 +288,19 @@ def converted_finished(cache: Cache, entry: Entry, settings: OrtSettings) -> tup
             _said_full.add(str(entry.path))
             log.warning("ortmem: %s; sessions load the converted entry", refusal)
         return None, True
-    path = prepared_path(entry.path, CONVERTED_STEM, mode=cache.verify_mode, settings=settings)
+    path = prepared_path(entry.path, stem, mode=cache.verify_mode, settings=settings)
     if path is not None:
         return path, True
-    if finished_settled(entry.path, CONVERTED_STEM, settings):
+    if finished_settled(entry.path, stem, settings):
         return None, True
-    if cache.writable:  # damaged, or for other settings or another ORT: removed, so the job finishes it again
-        discard_finished(entry.path, CONVERTED_STEM)
+    if cache.writable:  # damaged, or for another ORT: removed, so the job finishes it again
+        discard_finished(entry.path, stem)
     return None, False
 
 
 def finish_converted(cache: Cache, entry: Entry, settings: OrtSettings, *, threads: int = 0) -> Optional[Path]:
     """Finish the converted ``entry``'s model at ``settings`` (:func:`ortmem.store.prepared.prepare_model`
-    with :data:`CONVERTED_STEM`, into the entry's folder) and return the finished model, or None when
+    under :func:`finished_stem`, into the entry's folder) and return the finished model, or None when
     nothing is worth mapping (the decision is kept: :func:`converted_finished`) or the entry fails its
     full check (it is discarded: the next start converts again). The caller holds the entry's creator
     lock. The check that publishes it compares ORT's outputs on the finished model with ORT's on the
@@ -282,8 +311,9 @@ def finish_converted(cache: Cache, entry: Entry, settings: OrtSettings, *, threa
     :class:`ortmem.store.prepared.NoSpaceError` when the entry's filesystem is full: that is recorded
     in the entry's manifest with the space it had (:func:`record_no_space`), and until more than that
     is free no start leaves the job again and this raises at once."""
+    stem = finished_stem(settings)
     refusal = no_space_refusal(entry, free_bytes(entry.path))
-    if refusal is not None and not os.path.lexists(entry.path / f"{CONVERTED_STEM}.json"):
+    if refusal is not None and not os.path.lexists(entry.path / f"{stem}.json"):
         raise NoSpaceError(refusal, file=str(entry.path))
     path, settled = converted_finished(cache, entry, settings)
     if settled:
@@ -295,20 +325,17 @@ def finish_converted(cache: Cache, entry: Entry, settings: OrtSettings, *, threa
         return None
     free = free_bytes(entry.path)
     try:
-        report = prepare_model(entry.model_path, entry.path, CONVERTED_STEM, settings=settings, threads=threads)
+        report = prepare_model(entry.model_path, entry.path, stem, settings=settings, threads=threads)
     except NoSpaceError:
         record_no_space(entry, free)  # after the attempt's files are gone: there is room for it
         raise
     record_no_space(entry, None)
     if report.useful:
-        return entry.path / f"{CONVERTED_STEM}.onnx"
+        return entry.path / f"{stem}.onnx"
     if resource_failure(report.refusal):  # no verdict on the model: nothing recorded, a later start tries again
-        discard_finished(entry.path, CONVERTED_STEM)
+        discard_finished(entry.path, stem)
         raise PrepareError(f"the finished model could not be judged: {report.refusal}", file=str(entry.path))
-    keep_decision_only(entry.path, CONVERTED_STEM)
+    keep_decision_only(entry.path, stem)
     return None
 
 
-def discard_converted_finished(entry: Entry) -> None:
-    """Remove a converted entry's finished model (ORT refused it); the entry itself stays."""
-    discard_finished(entry.path, CONVERTED_STEM)

@@ -18,7 +18,7 @@ from ortmem.handoff.handoff import Handoff
 from ortmem.handoff.prepare import prepare
 from ortmem.handoff.request import Request
 from ortmem.ortmodel.release import capabilities
-from ortmem.store.layout import FINISHED_STEM
+from ortmem.store.prepared_entries import finished_stems
 from tests.support.builders import tiny_decoder
 from tests.support.compare import assert_same_outputs
 from tests.support.reference import CPU, run_plain
@@ -62,7 +62,7 @@ def test_a_gpu_session_loads_the_converted_entry_itself_and_packs_nothing(tmp_pa
     warm = prepare(str(model), gpu)
     assert warm.action == "cache-hit" and warm.cache_hit and warm.fallback is None
     assert warm.start is not None and warm.start.entry is not None
-    assert warm.prepack_later is None and not (warm.start.entry.path / f"{FINISHED_STEM}.json").exists()
+    assert warm.prepack_later is None and not finished_stems(warm.start.entry.path)
     assert_same_outputs(_run(warm), expected)
 
     cpu = Request.for_session(None, CPU, cache=tmp_path / "cache")

@@ -20,6 +20,7 @@ import onnxruntime as ort
 import pytest
 
 import ortmem
+from ortmem.store.prepared_entries import finished_stems
 from ortmem import model_facts
 from ortmem.store import packer as prepack_later
 from ortmem.store import layout
@@ -112,7 +113,8 @@ def test_a_stopped_builder_delays_a_cold_start_by_the_limit_only(model, tmp_path
 @needs_saving
 def _finished(entry: Path) -> bool:
     """Whether the converted entry holds ORT's finished model, whole."""
-    return (entry / f"{layout.FINISHED_STEM}.onnx").exists() and prepared_problem(entry, layout.FINISHED_STEM) is None
+    stems = [stem for stem in finished_stems(entry) if (entry / f"{stem}.onnx").exists()]
+    return len(stems) == 1 and prepared_problem(entry, stems[0]) is None
 
 
 @needs_saving

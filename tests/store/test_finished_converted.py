@@ -22,14 +22,18 @@ import ortmem
 from ortmem import model_facts
 from ortmem.ortmodel.release import capabilities
 from ortmem.store import layout, packer
+from ortmem.ortmodel.settings import OrtSettings
 from ortmem.store.prepared import prepared_problem
+from ortmem.store.prepared_entries import finished_stem, finished_stems, finishing_settings
 from ortmem.synth import SynthConfig, write_model
 from tests.support.reference import CPU, run_plain
 
 SAVES = capabilities().prepacked_save
 needs_saving = pytest.mark.skipif(not SAVES, reason=f"onnxruntime {ort.__version__} saves no pre-packed weights")
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
-FINISHED = f"{layout.FINISHED_STEM}.onnx"
+#: The finished model a default session's first run leaves in its entry (one per settings).
+STEM = finished_stem(finishing_settings(OrtSettings(), {}))
+FINISHED = f"{STEM}.onnx"
 
 
 @pytest.fixture
@@ -55,33 +59,48 @@ def test_the_start_after_a_first_run_loads_ort_s_finished_model(qdq: Path, tmp_p
     so = ort.SessionOptions()
     cold = ortmem.InferenceSession(qdq, so, providers=CPU, cache=cache)
     entry = Path(cold.ortmem_handoff.model).parent
-    assert cold.ortmem_action == "converted" and not (entry / FINISHED).exists()  # the cold start pays nothing
+    assert cold.ortmem_action == "converted" and not finished_stems(entry)  # the cold start pays nothing
     assert np.array_equal(_ran(cold), expected)
-    assert prepared_problem(entry, layout.FINISHED_STEM) is None
-    stamp = (entry / f"{layout.FINISHED_STEM}.data").stat().st_mtime_ns
+    assert prepared_problem(entry, STEM) is None
+    stamp = (entry / f"{STEM}.data").stat().st_mtime_ns
     for _ in range(2):
         warm = ortmem.InferenceSession(qdq, so, providers=CPU, cache=cache)
         assert warm.ortmem_action == "prepared" and warm.ortmem_cache_hit
         assert Path(warm.ortmem_handoff.model) == entry / FINISHED and warm.ortmem_handoff.prepack_later is None
         assert np.array_equal(_ran(warm), expected)
-    assert (entry / f"{layout.FINISHED_STEM}.data").stat().st_mtime_ns == stamp  # loaded, not made again
+    assert (entry / f"{STEM}.data").stat().st_mtime_ns == stamp  # loaded, not made again
     assert so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL  # the caller's, unchanged
 
 
 @needs_saving
 def test_a_finished_model_is_kept_per_settings(qdq: Path, tmp_path: Path) -> None:
-    """A caller whose config entries differ from those the model was finished at loads the entry, and
-    its first run finishes it again at its own settings."""
+    """Two callers whose config entries differ share one converted entry: each one's first run finishes it
+    at its own settings, both finished models are kept side by side (neither replaces the other), each
+    later start loads its own, and every output is plain ORT's under that caller's options."""
     cache = tmp_path / "cache"
-    expected = run_plain(qdq, FEEDS)[0]
-    _ran(ortmem.InferenceSession(qdq, providers=CPU, cache=cache))
-    so = ort.SessionOptions()
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    other = ortmem.InferenceSession(qdq, so, providers=CPU, cache=cache)
-    assert other.ortmem_action == "cache-hit" and other.ortmem_handoff.prepack_later is not None
-    assert np.array_equal(_ran(other), expected)
-    again = ortmem.InferenceSession(qdq, so, providers=CPU, cache=cache)
-    assert again.ortmem_action == "prepared" and np.array_equal(_ran(again), expected)
+    plain = ort.SessionOptions()
+    other = ort.SessionOptions()
+    other.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    expected = {id(so): run_plain(qdq, FEEDS, so)[0] for so in (plain, other)}
+    first = ortmem.InferenceSession(qdq, plain, providers=CPU, cache=cache)
+    entry = Path(first.ortmem_handoff.model).parent
+    assert np.array_equal(_ran(first), expected[id(plain)])
+    hit = ortmem.InferenceSession(qdq, other, providers=CPU, cache=cache)  # the same entry, not finished for it
+    assert hit.ortmem_action == "cache-hit" and hit.ortmem_handoff.prepack_later is not None
+    assert Path(hit.ortmem_handoff.model).parent == entry
+    assert np.array_equal(_ran(hit), expected[id(other)])
+    stems = [stem for stem in finished_stems(entry) if (entry / f"{stem}.onnx").exists()]
+    assert len(stems) == 2 and STEM in stems, stems  # both kept
+    loaded = set()
+    for _ in range(2):
+        for so in (plain, other):
+            warm = ortmem.InferenceSession(qdq, so, providers=CPU, cache=cache)
+            assert warm.ortmem_action == "prepared" and warm.ortmem_handoff.prepack_later is None
+            assert np.array_equal(_ran(warm), expected[id(so)])
+            loaded.add((id(so), Path(warm.ortmem_handoff.model).name))
+    assert loaded == {(id(plain), FINISHED), (id(other), f"{next(s for s in stems if s != STEM)}.onnx")}
+    for stem in stems:
+        assert prepared_problem(entry, stem) is None
 
 
 def test_finished_only_for_cpu_with_prepacking_on(qdq: Path, tmp_path: Path) -> None:
@@ -92,11 +111,11 @@ def test_finished_only_for_cpu_with_prepacking_on(qdq: Path, tmp_path: Path) -> 
     warm = ortmem.InferenceSession(qdq, so, providers=CPU, cache=cache)
     assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == layout.MODEL_FILE
     assert warm.ortmem_handoff.prepack_later is None
-    assert not (Path(warm.ortmem_handoff.model).parent / FINISHED).exists()
+    assert not finished_stems(Path(warm.ortmem_handoff.model).parent)
     _ran(ortmem.InferenceSession(qdq, providers=CPU, cache=cache, prepacked=False))
     opted_out = ortmem.InferenceSession(qdq, providers=CPU, cache=cache, prepacked=False)
     assert opted_out.ortmem_cache_hit and Path(opted_out.ortmem_handoff.model).name == layout.MODEL_FILE
-    assert not (Path(opted_out.ortmem_handoff.model).parent / FINISHED).exists()
+    assert not finished_stems(Path(opted_out.ortmem_handoff.model).parent)
 
 
 @needs_saving

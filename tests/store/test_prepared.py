@@ -254,7 +254,7 @@ def test_a_prepared_model_ort_refuses_falls_back_to_the_source(tmp_path, any_siz
 
 
 def test_prepare_a_folder_converts_qdq_and_prepares_the_rest(tmp_path, any_size, capsys):
-    from ortmem.store.layout import FINISHED_STEM
+    from ortmem.store.prepared_entries import finished_stems
 
     folder = tmp_path / "models"
     folder.mkdir()
@@ -265,7 +265,7 @@ def test_prepare_a_folder_converts_qdq_and_prepares_the_rest(tmp_path, any_size,
     assert cli_main(["prepare", str(folder), "--cache", str(cache)]) == 0
     found = entries(cache)
     assert len(found) == 3
-    assert sum((e / f"{FINISHED_STEM}.onnx").exists() for e in found) == 1  # the converted QDQ entry, finished
+    assert sum(any((e / f"{stem}.onnx").exists() for stem in finished_stems(e)) for e in found) == 1  # the converted QDQ entry, finished
     before = len(prepack_later.started_packers())
     assert ortmem.InferenceSession(fp32, providers=CPU, cache=cache).ortmem_action == "prepared"
     assert ortmem.InferenceSession(qdq, providers=CPU, cache=cache).ortmem_action == "prepared"  # finished
@@ -320,7 +320,7 @@ def _start(*args: str, prefix: tuple[str, ...] = ()) -> dict:
 def test_a_warm_start_holds_far_less_private_memory_than_plain_ort(tmp_path):
     """Fresh processes, RssAnon after the first run: the MLP's 96 MiB of packed MatMul weights are
     mapped from the prepared entry instead of living on the heap (measured on 1.32.0: 216 vs 23 MiB
-    at 192 MiB of weights, docs/prepared.md)."""
+    at 192 MiB of weights, docs/finished.md)."""
     model = mlp(tmp_path / "m.onnx", layers=6, dim=2048)
     cache = _prepared_cache(tmp_path, model)
     base = _start("ort", str(model), "2048")

@@ -23,6 +23,8 @@ import onnxruntime as ort
 import pytest
 
 import ortmem
+from ortmem.ortmodel.settings import OrtSettings
+from ortmem.store.prepared_entries import finished_stem, finishing_settings
 from ortmem import model_facts
 from ortmem.store import layout
 from ortmem.store import packer
@@ -43,6 +45,9 @@ needs_saving = pytest.mark.skipif(not capabilities().prepacked_save,
                                   reason=f"onnxruntime {ort.__version__} saves no pre-packed MatMulNBits weights")
 
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
+#: The stem of the finished model a default session's first run leaves in its converted entry (one per
+#: settings: :func:`ortmem.store.prepared_entries.finished_stem`).
+DEFAULT_STEM = finished_stem(finishing_settings(OrtSettings(), {}))
 
 
 def _entry_dir(sess) -> Path:
@@ -156,12 +161,12 @@ def test_finishing_temp_files_never_write_through_a_planted_link(tmp_path, monke
         hex = "0123456789abcdef0123456789abcdef"
 
     monkeypatch.setattr(uuid, "uuid4", lambda: FixedUUID())
-    for name in (f".prepare-{os.getpid()}-{FixedUUID.hex[:12]}", f".finished.json.{os.getpid()}-{FixedUUID.hex[:8]}"):
+    for name in (f".prepare-{os.getpid()}-{FixedUUID.hex[:12]}", f".{DEFAULT_STEM}.json.{os.getpid()}-{FixedUUID.hex[:8]}"):
         (entry / name).symlink_to(victim)
         with pytest.raises(OSError):
-            prepare_model(entry / layout.MODEL_FILE, entry, layout.FINISHED_STEM)
+            prepare_model(entry / layout.MODEL_FILE, entry, DEFAULT_STEM)
         assert victim.read_bytes() == b"precious"
-        assert prepared_problem(entry, layout.FINISHED_STEM) is not None
+        assert prepared_problem(entry, DEFAULT_STEM) is not None
         (entry / name).unlink(missing_ok=True)
 
 
@@ -384,7 +389,7 @@ def test_sampled_verify_still_checks_in_full_before_finishing(tmp_path, monkeypa
     assert not rebuilt.ortmem_cache_hit
     _finish(rebuilt)
     warm = ortmem.InferenceSession(path, cache=cache, verify="sampled")
-    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == f"{layout.FINISHED_STEM}.onnx"
+    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == f"{DEFAULT_STEM}.onnx"
     assert_same_outputs(warm.run(None, FEEDS), expected)
 
 
@@ -400,15 +405,15 @@ def test_a_byte_flip_in_the_finished_data_is_detected(tmp_path, monkeypatch):
     _finish(ortmem.InferenceSession(path, cache=cache))
     warm = ortmem.InferenceSession(path, cache=cache)
     entry = _entry_dir(warm)
-    assert Path(warm.ortmem_handoff.model).name == f"{layout.FINISHED_STEM}.onnx"
-    offset, length = json.loads((entry / f"{layout.FINISHED_STEM}.json").read_text())["spot_spans"][-1]  # a blob
-    _flip(entry / f"{layout.FINISHED_STEM}.data", offset + length // 2 + 7)
-    assert "content changed" in prepared_problem(entry, layout.FINISHED_STEM, mode="full")
+    assert Path(warm.ortmem_handoff.model).name == f"{DEFAULT_STEM}.onnx"
+    offset, length = json.loads((entry / f"{DEFAULT_STEM}.json").read_text())["spot_spans"][-1]  # a blob
+    _flip(entry / f"{DEFAULT_STEM}.data", offset + length // 2 + 7)
+    assert "content changed" in prepared_problem(entry, DEFAULT_STEM, mode="full")
     again = ortmem.InferenceSession(path, cache=cache)
     assert again.ortmem_cache_hit and again.ortmem_action == "cache-hit"
     assert_same_outputs(again.run(None, FEEDS), expected)
     assert packer.wait_background(120)
-    assert prepared_problem(entry, layout.FINISHED_STEM, mode="full") is None  # finished afresh
+    assert prepared_problem(entry, DEFAULT_STEM, mode="full") is None  # finished afresh
 
 
 def test_verify_rejects_unknown_modes(tmp_path):
@@ -523,8 +528,8 @@ ortmem.InferenceSession(sys.argv[1], cache=sys.argv[2], progress=progress)
 # ------------------------------------------- issue 20: every cache file checked, smaller faults
 #: Every file a warm start reads from an entry ORT finished (besides ``source-*`` links).
 #: ``test_every_entry_file_is_in_the_trust_matrix`` fails when an entry gains a file not listed here.
-ENTRY_FILES = ("manifest.json", "model.onnx", "weights.bin", f"{layout.FINISHED_STEM}.onnx",
-               f"{layout.FINISHED_STEM}.data", f"{layout.FINISHED_STEM}.json")
+ENTRY_FILES = ("manifest.json", "model.onnx", "weights.bin", f"{DEFAULT_STEM}.onnx",
+               f"{DEFAULT_STEM}.data", f"{DEFAULT_STEM}.json")
 _OWNER_WAYS = ["fake", pytest.param("chown", marks=pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root"))]
 #: Another user's uid (``nobody``, unless the tests run as ``nobody``).
 OTHER_UID = 65534 if os.geteuid() != 65534 else 65533
@@ -538,7 +543,7 @@ def _prepacked_entry(tmp_path: Path) -> tuple[Path, Path, Path]:
         mp.setenv(model_facts.MIN_BYTES_ENV, "0")
         _finish(ortmem.InferenceSession(path, cache=cache))
     warm = ortmem.InferenceSession(path, cache=cache)
-    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == f"{layout.FINISHED_STEM}.onnx"
+    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == f"{DEFAULT_STEM}.onnx"
     return path, cache, _entry_dir(warm)
 
 
@@ -559,11 +564,11 @@ def _warm_again(path: Path, cache: Path) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(model_facts.MIN_BYTES_ENV, "0")
         warm = ortmem.InferenceSession(path, cache=cache)
-        if Path(warm.ortmem_handoff.model).name != f"{layout.FINISHED_STEM}.onnx":
+        if Path(warm.ortmem_handoff.model).name != f"{DEFAULT_STEM}.onnx":
             _finish(warm)
             warm = ortmem.InferenceSession(path, cache=cache)
     entry = _entry_dir(warm)
-    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == f"{layout.FINISHED_STEM}.onnx"
+    assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == f"{DEFAULT_STEM}.onnx"
     for name in ENTRY_FILES:
         assert untrusted_reason(entry / name) is None, name
     assert_same_outputs(warm.run(None, FEEDS), run_plain(path, FEEDS))
