@@ -16,7 +16,7 @@ Key (:func:`prepared_key`): ``what="prepared"``, the source .onnx identity, the 
 is created with (level, the config entries ortmem reads, disabled optimizers, the packing entries),
 whether conversion was enabled (a QDQ model ortmem converts never gets a prepared entry, so a
 conversion turned back on is not answered by one), the ortmem/onnxruntime/onnx versions and what
-packed blobs depend on (:func:`ortmem.store.prepacked.prepacked_key_parts`: ORT build, CPU), so machines
+a finished model depends on (:func:`ortmem.store.prepared.finished_key_parts`: ORT build, CPU), so machines
 sharing one cache folder each keep their own.
 """
 from __future__ import annotations
