@@ -57,7 +57,7 @@ TESTED_RELEASES = ("1.25.1", "1.28.0", "1.31.1", "1.32.0")
 #: Bumped whenever the probe asks new questions (old cached answers are then asked again). 5: the
 #: import baseline includes the conversion's imports (a warm start no longer imports onnx). 6: pre-packed
 #: weights are asked of ORT's finished model (:func:`ortmem.store.prepared.prepare_model`).
-PROBE_FORMAT = 6
+PROBE_FORMAT = 7
 PROBE_TIMEOUT_S = 300
 
 # x86 / arm flags that select MLAS kernels and with them packed layouts and fused kernels.
