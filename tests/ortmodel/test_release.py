@@ -25,15 +25,6 @@ from ortmem.synth import SynthConfig, write_model
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 
 
-@pytest.fixture
-def fresh_capabilities(monkeypatch):
-    """Forget the process-wide answer so a test can install its own; restored afterwards."""
-    monkeypatch.setattr(rel, "_current", None)
-    rel._warn_once.cache_clear()
-    yield
-    rel._current = None
-
-
 def test_the_probe_decides_and_a_tested_release_agrees_with_its_row():
     """The installed release is decided by its probe. A tested release (one with a table row, run by
     CI) must still measure what the row records: a disagreement means the record is stale."""

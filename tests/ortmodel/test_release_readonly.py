@@ -179,15 +179,6 @@ def test_an_upgrade_under_a_read_only_cache_probes_once_per_boot_and_names_the_s
     assert _tree(cache) == before
 
 
-@pytest.fixture
-def fresh_capabilities(monkeypatch):
-    """Forget the process-wide answer so a test can compute its own; restored afterwards."""
-    monkeypatch.setattr(rel, "_current", None)
-    rel._warn_once.cache_clear()
-    yield
-    rel._current = None
-
-
 def test_answers_with_nowhere_to_go_last_the_process_with_one_notice(tmp_path, monkeypatch, fresh_capabilities):
     """No probe folder can be made (its place is a file) and no runtime folder either (the system temp
     folder is another user's in the real case; none here): the start still works, one notice says the
