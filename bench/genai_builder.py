@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from bench.model_classes import WORKERS, ModelClass, Row, measure
+from bench.model_classes import WORKERS, ModelClass, Row, measure_each
 from ortmem.measure.textable import align
 from ortmem.store.cache import cache_root
 from tests.support.genai_builder import BuilderShape, builder_folder, builder_problem, copy_folder
@@ -97,15 +97,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    rows = []
-    for folder in FOLDERS:
-        if args.only and not any(w.lower() in folder.name.lower() for w in args.only):
-            continue
-        mc = ModelClass(folder.name, build(folder, args.layers, models), plain="genai", warm="genai-prepared")
-        try:
-            rows.append(measure(mc, work, out, args.repeat, say))
-        except (Exception, SystemExit) as exc:  # one folder failing leaves the others' rows
-            say(f"== {folder.name}: FAILED: {exc}")
+    chosen = [ModelClass(folder.name, build(folder, args.layers, models), plain="genai", warm="genai-prepared")
+              for folder in FOLDERS if not args.only or any(w.lower() in folder.name.lower() for w in args.only)]
+    rows = measure_each(chosen, work, out, args.repeat, say)
     if not rows:
         return 1
     print(render(rows))

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -304,6 +303,18 @@ def plot(rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
+def measure_each(chosen: list[ModelClass], work: Path, out: Path, repeat: int,
+                 say: Callable[[str], None]) -> list[Row]:
+    """:func:`measure` for each class in turn; one class failing is said and leaves the others' rows."""
+    rows = []
+    for c in chosen:
+        try:
+            rows.append(measure(c, work, out, repeat, say))
+        except (Exception, SystemExit) as exc:
+            say(f"== {c.name}: FAILED: {exc}")
+    return rows
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llama", default="llama_0_6gb", choices=("demo", "llama_0_6gb"),
@@ -323,12 +334,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     chosen = [c for c in classes(args.llama) if not args.only or any(w.lower() in c.name.lower() for w in args.only)]
-    rows = []
-    for c in chosen:
-        try:
-            rows.append(measure(c, work, out, args.repeat, say))
-        except (Exception, SystemExit) as exc:  # one class failing leaves the others' rows
-            say(f"== {c.name}: FAILED: {exc}")
+    rows = measure_each(chosen, work, out, args.repeat, say)
     if not rows:
         return 1
     print(render(rows))
