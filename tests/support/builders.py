@@ -42,18 +42,24 @@ def tiny_decoder(folder: Path, **config) -> Path:
     return write_model(SynthConfig.tiny(**config), folder / "model.onnx")
 
 
-def matmul_chain(rng: np.random.Generator, widths: list[int], *, name_prefix: str = "W") -> onnx.ModelProto:
-    """x -> MatMul(W0) -> Relu -> MatMul(W1) ... : fp32 weights of chosen sizes."""
+def matmul_chain(rng: np.random.Generator, widths: list[int], *, name_prefix: str = "W",
+                 bias_first: bool = False) -> onnx.ModelProto:
+    """x -> MatMul(W0) -> Relu -> MatMul(W1) ... : fp32 weights of chosen sizes. ``bias_first``: an
+    Add(b<i>) before each MatMul (:func:`biased_chain`)."""
     nodes, inits = [], []
     cur = "x"
     for i, (k, n) in enumerate(zip(widths[:-1], widths[1:])):
+        if bias_first:
+            inits.append(numpy_helper.from_array(rng.standard_normal(k, dtype=np.float32), f"b{i}"))
+            nodes.append(helper.make_node("Add", [cur, f"b{i}"], [f"a{i}"]))
+            cur = f"a{i}"
         w = rng.standard_normal((k, n), dtype=np.float32) / np.float32(np.sqrt(k))
         inits.append(numpy_helper.from_array(w, f"{name_prefix}{i}"))
         nodes.append(helper.make_node("MatMul", [cur, f"{name_prefix}{i}"], [f"h{i}"]))
         nodes.append(helper.make_node("Relu", [f"h{i}"], [f"r{i}"]))
         cur = f"r{i}"
     g = helper.make_graph(
-        nodes, "chain",
+        nodes, "biased_chain" if bias_first else "chain",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", widths[0]])],
         [helper.make_tensor_value_info(cur, TensorProto.FLOAT, ["batch", widths[-1]])],
         inits,
@@ -65,23 +71,7 @@ def biased_chain(rng: np.random.Generator, widths: list[int]) -> onnx.ModelProto
     """x -> Add(b0) -> MatMul(W0) -> Relu -> Add(b1) ...: fp32 weights ORT pre-packs (each MatMul's) beside
     small ordinary ones it does not (each bias, one page of fp32 at width 1024). The bias comes before
     its MatMul, so ORT's MatMul+Add fusion leaves the MatMul's packing as saved (a prepared entry)."""
-    nodes, inits = [], []
-    cur = "x"
-    for i, (k, n) in enumerate(zip(widths[:-1], widths[1:])):
-        inits.append(numpy_helper.from_array(rng.standard_normal(k, dtype=np.float32), f"b{i}"))
-        w = rng.standard_normal((k, n), dtype=np.float32) / np.float32(np.sqrt(k))
-        inits.append(numpy_helper.from_array(w, f"W{i}"))
-        nodes.append(helper.make_node("Add", [cur, f"b{i}"], [f"a{i}"]))
-        nodes.append(helper.make_node("MatMul", [f"a{i}", f"W{i}"], [f"h{i}"]))
-        nodes.append(helper.make_node("Relu", [f"h{i}"], [f"r{i}"]))
-        cur = f"r{i}"
-    g = helper.make_graph(
-        nodes, "biased_chain",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", widths[0]])],
-        [helper.make_tensor_value_info(cur, TensorProto.FLOAT, ["batch", widths[-1]])],
-        inits,
-    )
-    return make_model(g)
+    return matmul_chain(rng, widths, bias_first=True)
 
 
 def embedding_model(rng: np.random.Generator, vocab: int, hidden: int, out: int) -> onnx.ModelProto:
