@@ -13,9 +13,9 @@ import pytest
 
 import ortmem
 from ortmem.store.writer import write_converted
-from ortmem.ortmodel.settings import session_settings
-from ortmem.passes import nbits_layout as nb
-from ortmem.passes.conversion import plan_conversion
+from ortmem.ort.settings import session_settings
+from ortmem.passes.nbits import packing as nb
+from ortmem.passes.engine import plan_conversion
 
 from bench.synth_models import synth_model
 

@@ -23,7 +23,7 @@ dt, after = time.perf_counter() - t, rss()
 print(json.dumps({"ms": dt * 1000, "rss_kib": after['VmRSS'] - before['VmRSS'],
                   "anon_kib": after['RssAnon'] - before['RssAnon'],
                   "loaded": sorted(m for m in ('onnx', 'matplotlib', 'memray', 'rich', 'ortmem.plan.estimate',
-                                               'ortmem.plan.partition', 'ortmem.reach.pipeline') if m in sys.modules)}))
+                                               'ortmem.plan.partition', 'ortmem.plan.partition.run.pipeline_session') if m in sys.modules)}))
 """
 
 CASES = {

@@ -10,7 +10,7 @@ write weights.bin and model.onnx, digest, publish) and reports, as medians and m
 * ``cold_s``: the whole build,
 * ``write_s``: the conversion report's seconds (weights.bin and model.onnx written, and hashed
   while written where the entry needs their digests),
-* ``read_digest_s``: seconds spent in :func:`ortmem.store.digest.file_digest`, i.e. reading files to
+* ``read_digest_s``: seconds spent in :func:`ortmem.files.digest.file_digest`, i.e. reading files to
   digest them (the sources' content digests; entry files are no longer read back).
 
 ``--threads N,M``: convert on each of these thread counts instead of
@@ -33,11 +33,12 @@ _CHILD = r"""
 import functools, json, sys, tempfile, time
 from pathlib import Path
 import ortmem
-from ortmem.passes.conversion import write_weights
-from ortmem.store import digest, writer
+from ortmem.passes.engine import write_weights
+from ortmem.files import digest
+from ortmem.store import writer
 from ortmem.store.cache import Cache
-from ortmem.convert import convert_cached
-from ortmem.ortmodel.settings import session_settings
+from ortmem.session.convert import convert_cached
+from ortmem.ort.settings import session_settings
 
 model = sys.argv[1]
 if sys.argv[3] != "default":

@@ -5,13 +5,13 @@
 A cold start (``ortmem.InferenceSession`` on an empty cache) peaks while ORT creates its session on
 the freshly written entry; what it holds then beyond a process running the native twin with plain
 ORT is fixed, not proportional to the model. Rows, each the RssAnon (private) and RssFile (shared)
-growth in KiB (``ortmem.measure.procfs.read_status``), on a matcher-sized graph (the tiny synthetic
+growth in KiB (``ortmem.base.procfs.read_status``), on a matcher-sized graph (the tiny synthetic
 decoder: every MatMul -> residual Add asks MatMulAddFusion's shape questions):
 
 * ``session_path``: ortmem's session path imported (``onnx`` and ortmem's loader, converter,
   cache), above ``numpy`` + ``onnxruntime``; the probe's baseline holds it for every strategy alike;
 * ``ort_types``: the value types the fusion matcher asks, resolved by the installed ORT
-  (``ortmem.ortmodel.value_types``), measured after ORT's environment exists, as it does in the twin's
+  (``ortmem.ort.value_types``), measured after ORT's environment exists, as it does in the twin's
   process once its session is created;
 * ``onnx_types``, for comparison: the same types from ``onnx.shape_inference``, which the matcher
   used before: its first call builds onnx's operator schema registry, never freed.
@@ -26,7 +26,7 @@ import sys
 
 _CHILD = r"""
 import json
-from ortmem.measure.procfs import read_status
+from ortmem.base.procfs import read_status
 def status():
     now = read_status("self")
     return {k: now[k] >> 10 for k in ("RssAnon", "RssFile")}
@@ -34,10 +34,10 @@ def grew(a, b):
     return {k: b[k] - a[k] for k in a}
 import numpy, onnxruntime
 base = status()
-import ortmem.session, onnx.shape_inference
-from ortmem.ortmodel.value_types import ValueTypes, onnx_inferred_types
+import ortmem.session.inference, onnx.shape_inference
+from ortmem.ort.value_types import ValueTypes, onnx_inferred_types
 imported = status()
-from ortmem.synth import SynthConfig, build_model
+from ortmem.measure.synth import SynthConfig, build_model
 model = build_model(SynthConfig.tiny())
 onnxruntime.InferenceSession(onnx.helper.make_model(onnx.helper.make_graph(
     [onnx.helper.make_node("Relu", ["X"], ["Y"])], "g", [onnx.helper.make_tensor_value_info("X", 1, [1])],

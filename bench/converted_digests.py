@@ -31,11 +31,11 @@ import onnx
 
 import ortmem
 from ortmem.store.cache import Cache
-from ortmem.convert import convert_cached, convert_to
-from ortmem.ortmodel.settings import session_settings
-from ortmem.inmemory import convert_in_memory
-from ortmem.passes.conversion import plan_conversion
-from ortmem.synth import SynthConfig, write_model
+from ortmem.session.convert import convert_cached, convert_to
+from ortmem.ort.settings import session_settings
+from ortmem.session.inmemory import convert_in_memory
+from ortmem.passes.engine import plan_conversion
+from ortmem.measure.synth import SynthConfig, write_model
 from tests.support.dq_graphs import fp16_graphs, hand_gather_models
 
 SYNTH = {

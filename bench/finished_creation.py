@@ -1,7 +1,7 @@
 """Does ORT's parallel pre-packing make a session on a finished model start faster, outputs unchanged?
 
 Why: a warm start of a model ortmem does not convert loads ORT's finished model (ORT's own optimized
-save with its pre-packed blobs, reloaded at ``ORT_DISABLE_ALL``: :mod:`ortmem.store.prepared`). On
+save with its pre-packed blobs, reloaded at ``ORT_DISABLE_ALL``: :mod:`ortmem.store.finished`). On
 onnxruntime 1.32 the reload still packs every weight whose saved blob it uses, to compare the two
 (``SessionState`` ``ValidatePrePackedWeights``), so creation costs about what packing costs. Two ways
 to make that cheaper were asked about: ORT's parallel pre-packing (``session.prepack.enable_parallel``:
@@ -14,7 +14,7 @@ libraries' own key strings: ``session.disable_prepacking``,
 and the parallel key at ORT's default intra-op thread count (and, with ``--threads N``, both at N). The
 comparison stays on with the key: a flipped byte in a saved blob is refused either way on 1.32.0.
 
-What it does: writes a native int4 MatMulNBits decoder (:mod:`ortmem.synth`, external data), has ORT
+What it does: writes a native int4 MatMulNBits decoder (:mod:`ortmem.measure.synth`, external data), has ORT
 finish it at the default level (``optimized_model_filepath`` with
 ``session.optimized_model_external_initializers_file_name``,
 ``session.optimized_model_external_initializers_min_size_in_bytes`` 128 and
@@ -71,7 +71,7 @@ def build(work: Path, preset: str) -> tuple[Path, Path]:
     """The native decoder and ORT's finished save of it, in ``work`` (made once, reused)."""
     import onnxruntime as ort
 
-    from ortmem.synth import SynthConfig, write_model
+    from ortmem.measure.synth import SynthConfig, write_model
 
     source = work / "native" / "model.onnx"
     finished = work / "finished" / "finished.onnx"
@@ -91,7 +91,7 @@ def build(work: Path, preset: str) -> tuple[Path, Path]:
 
 def feeds_for(session: Any, source: Path) -> dict[str, Any]:
     """A fixed feed: a decoder's first step (empty cache), floats from a fixed seed, token ids 0."""
-    from ortmem.measure.inputs import decoder_dims, make_inputs
+    from ortmem.ort.feeds import decoder_dims, make_inputs
 
     return make_inputs(session, {"int_high": 1, "dims": decoder_dims(source)})
 
@@ -120,7 +120,7 @@ def child(args: argparse.Namespace) -> int:
     create_s = time.perf_counter() - t0
     outputs = session.run(None, feeds_for(session, Path(args.source)))
     kept = status_bytes("RssAnon")
-    from ortmem.hygiene import trim
+    from ortmem.base.hygiene import trim
 
     trim()  # malloc_trim(0): what ortmem does after a creation; freed heap in any arena goes back
     measured = {"create_s": create_s, "rss_anon": kept, "rss_anon_trimmed": status_bytes("RssAnon"),
@@ -205,7 +205,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], figure: str) -> dict[str, d
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="demo", help="ortmem.synth preset (demo, llama_0_6gb, ...)")
+    p.add_argument("--preset", default="demo", help="ortmem.measure.synth preset (demo, llama_0_6gb, ...)")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--threads", type=int, default=0,
                    help="explicit intra-op threads of the -tN variants (0: none)")

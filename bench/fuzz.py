@@ -5,7 +5,7 @@
 
 Prints the counts and every failure (a non-OrtmemError out of ortmem, a model whose validity ortmem
 changes, outputs that differ from plain ORT); exits 1 if there is any. The mutations and verdicts
-are those of the default test run (tests/support/fuzz_models.py, tests/test_validity.py), only more of them.
+are those of the default test run (tests/support/fuzz_models.py, tests/passes/test_validity.py), only more of them.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Random malformed requests against a live ``ortmem.reach.serve``: every one must get 4xx, never 500.
+"""Random malformed requests against a live ``ortmem.serve.server``: every one must get 4xx, never 500.
 
     python -m bench.fuzz_serve                          # a tiny synthetic model, 20,000 requests (under a minute)
     python -m bench.fuzz_serve --model m.onnx --requests 20000 --seed 3
@@ -34,9 +34,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import onnxruntime as ort
 
-from ortmem.measure.inputs import make_inputs
-from ortmem.reach.serve import encode
-from ortmem.synth import SynthConfig, cached_model
+from ortmem.ort.feeds import make_inputs
+from ortmem.serve.server import encode
+from ortmem.measure.synth import SynthConfig, cached_model
 
 CLIENT_ERRORS = {400, 413, 422}
 ANY_ANSWER = CLIENT_ERRORS | {200}
@@ -217,7 +217,7 @@ def start_server(model: str, log_path: Path) -> tuple[subprocess.Popen, str]:
     """gunicorn with one uvicorn worker on a free loopback port, answering ``/info``."""
     port = _free_port()
     cmd = [sys.executable, "-m", "gunicorn", "-w", "1", "-k", "uvicorn_worker.UvicornWorker",
-           "--bind", f"127.0.0.1:{port}", "--graceful-timeout", "5", "ortmem.reach.serve:app"]
+           "--bind", f"127.0.0.1:{port}", "--graceful-timeout", "5", "ortmem.serve.server:app"]
     env = {**os.environ, "ORTMEM_SERVE_MODEL": model, "ORTMEM_SERVE_THREADS": "1", **LIMIT_ENV}
     with open(log_path, "wb") as log:
         server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

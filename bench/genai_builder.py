@@ -10,7 +10,7 @@ ORT folds at load), and an untied Llama with the same widths and Phi-3's vocabul
 
 Each is measured as ``ortmem bench FOLDER -s genai -s genai-prepared -n N --workers 4`` measures it
 (:func:`bench.model_classes.measure`: fresh processes, strategies interleaved, ``ortmem prepare``
-unmeasured): ``og.Model(og.Config(FOLDER))`` against ``ortmem.reach.genai.genai_model(FOLDER)``. A
+unmeasured): ``og.Model(og.Config(FOLDER))`` against ``ortmem.session.genai.genai_model(FOLDER)``. A
 run generates 8 tokens greedily from a fixed prompt; "same tokens+logits" means the hashes of the
 sequence and every step's logits were equal in every process of both strategies.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from bench.model_classes import WORKERS, ModelClass, Row, measure_each
-from ortmem.measure.textable import align
+from ortmem.measure.text_table import align
 from ortmem.store.cache import cache_root
 from tests.support.genai_builder import BuilderShape, builder_folder, builder_problem, copy_folder
 

@@ -13,7 +13,7 @@ after numpy and onnxruntime are imported (the client imports them either way):
 - ``hook``: installing it as the launcher does (no rebinding: the program has imported nothing yet);
 - ``client``: running the client, plain in the plain process; in the hooked one it includes
   ``facts_of`` (a handover record's read, or the walk of the model's non-weight bytes, shown as
-  ``walk``, and the record written; :mod:`ortmem.store.handover_records`) and ``trim`` (``malloc_trim`` after each
+  ``walk``, and the record written; :mod:`ortmem.store.handoff_records`) and ``trim`` (``malloc_trim`` after each
   creation), also shown on their own.
 
 ``--wall`` times whole processes instead, alternated per round (the order rotated) with ``sync``
@@ -24,7 +24,7 @@ launcher and the hook.
 
 The fastest of ``--repeat`` processes per stage is printed (noise on this VM only ever adds), with
 the client's plain and hooked times side by side. ortmem's bytecode is brought up to date first, as
-an installed ortmem has it (:func:`ortmem.bytecode.ensure_bytecode`).
+an installed ortmem has it (:func:`ortmem.base.bytecode.ensure_bytecode`).
 """
 from __future__ import annotations
 
@@ -57,11 +57,11 @@ def timed(name, fn):
 if hooked:
     import ortmem.cli
     mark("cli")
-    from ortmem.reach import launcher, session_hook
+    from ortmem.intercept import launcher, session_hook
     mark("launcher")
-    from ortmem.store import handover_records  # imported by the hook with its first model: timed here
-    handover_records.facts_of = timed("  facts_of", handover_records.facts_of)
-    handover_records.read_facts = timed("    walk", handover_records.read_facts)
+    from ortmem.store import handoff_records  # imported by the hook with its first model: timed here
+    handoff_records.facts_of = timed("  facts_of", handoff_records.facts_of)
+    handoff_records.read_facts = timed("    walk", handoff_records.read_facts)
     session_hook.trim_heap = timed("  trim", session_hook.trim_heap)
     session_hook.hook(**launcher.default_options(), rebind=False)
     mark("hook")
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--wall", action="store_true", help="whole processes: plain, the launcher alone, hooked")
     args = p.parse_args(argv)
-    from ortmem.bytecode import ensure_bytecode
+    from ortmem.base.bytecode import ensure_bytecode
 
     print(ensure_bytecode(), file=sys.stderr)
     import onnxruntime

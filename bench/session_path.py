@@ -2,7 +2,7 @@
 
 Why: an architecture review (issue 21) followed ``model`` from ``InferenceSession.__init__`` through
 every branch and counted where it went. This script makes that count repeatable instead of read by
-eye. It creates real sessions of a small Llama-shaped QDQ model (:mod:`ortmem.synth`) under
+eye. It creates real sessions of a small Llama-shaped QDQ model (:mod:`ortmem.measure.synth`) under
 ``sys.setprofile`` in fresh interpreters, one per start: a **cold** start (empty cache: convert and
 publish an entry), a **second** start (the entry's first hit, which saves the pre-packed weights where
 ORT does not leave that to the background packer) and a **warm** start (the entry with its pre-packed
@@ -100,8 +100,8 @@ s = ortmem.InferenceSession(model, providers=["CPUExecutionProvider"], cache=cac
 sys.setprofile(None)
 feeds = {i.name: np.ones([d if isinstance(d, int) else 1 for d in i.shape], dtype=np.int64) for i in s.get_inputs()}
 s.run(None, feeds)
-from ortmem.store import packer
-packer.wait_background(300)
+from ortmem.store import finisher
+finisher.wait_background(300)
 print(json.dumps({"action": s.ortmem_action, "moves": seq}))
 """
 
@@ -154,7 +154,7 @@ SESSION_LAYERS = ("store", "session")
 #: The loading core (docs/architecture.md, ../shared/design.md): the model's own data types and what they
 #: are made of; calling them (``model.store``, ``ref.view()``, ``load(path)``) uses the model, it does not
 #: take the path anywhere.
-LOADING_CORE = ("bottom", "load")
+LOADING_CORE = ("root", "base", "onnxfile")
 
 
 def unit_of(module: str) -> Optional[str]:
@@ -212,7 +212,7 @@ def trace(model: Path, cache: bool, env: dict) -> dict:
 def measure() -> dict[str, dict]:
     """Trace the four starts (cold, second, warm, ``cache=False``) of a small QDQ model in a fresh cache;
     the counts per start and over every branch together (:func:`summarize`)."""
-    from ortmem.synth import SynthConfig, write_model
+    from ortmem.measure.synth import SynthConfig, write_model
 
     layers = import_layers()
     results: dict[str, dict] = {}

@@ -40,11 +40,11 @@ from ortmem.store.cache import LOCK_TIMEOUT_ENV
 #: One start in a fresh interpreter: create, run, save the output, wait for ortmem's background packer.
 CHILD = r"""
 import sys, numpy as np, ortmem
-from ortmem.store import packer as prepack_later
+from ortmem.store import finisher
 sess = ortmem.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
 np.save(sys.argv[2], sess.run(None, {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)})[0])
 print("action", sess.ortmem_action, flush=True)
-prepack_later.wait_background(120)
+finisher.wait_background(120)
 """
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 
@@ -63,7 +63,7 @@ def build_model(folder: Path) -> tuple[Path, np.ndarray]:
     plain ORT's output on it."""
     import onnxruntime as ort
 
-    from ortmem.synth import SynthConfig, write_model
+    from ortmem.measure.synth import SynthConfig, write_model
 
     folder.mkdir(parents=True, exist_ok=True)
     path = write_model(SynthConfig.tiny(hidden=512, intermediate=1408, layers=4, storage="external"),

@@ -4,7 +4,7 @@
     python -m bench.verify_cost --quick      # hashes only
 
 1. Each hash over an in-memory buffer (s/GB): what the algorithm alone costs.
-2. ``ortmem.store.digest.file_digest`` over a hot entry file (s/GB): hash plus reading the page cache.
+2. ``ortmem.files.digest.file_digest`` over a hot entry file (s/GB): hash plus reading the page cache.
 3. Warm starts (session creation, cache hit, no pre-packing so the entry itself is checked) of the
    demo model with ``verify="full"``, ``"sampled"`` and ``"off"``, each in a fresh process, best of
    ``--repeat``: the full check's share of the warm start.
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         return 0
     from bench.synth_models import synth_model
 
-    from ortmem.store.digest import file_digest
+    from ortmem.files.digest import file_digest
 
     model = synth_model("demo")
     cold = warm_start(model, "full")  # builds the entry if it is not there yet

@@ -5,11 +5,11 @@
     PARTS=/shared/parts serve run examples.ray_serve_app:app
     curl -X POST localhost:8000/ -d '{"inputs": {"input_ids": [[1, 2, 3, 4]]}, "outputs": ["logits"]}'
 
-The deployment itself is :class:`ortmem.distributed.serving.PartitionedModel` (tested by
-tests/distributed/test_pipeline.py over loopback).
+The deployment itself is :class:`ortmem.plan.partition.ray.serving.PartitionedModel` (tested by
+tests/plan/partition/ray/test_pipeline.py over loopback).
 """
 import os
 
-from ortmem.distributed.serving import app as build_app
+from ortmem.plan.partition.ray.serving import app as build_app
 
 app = build_app(os.environ.get("PARTS", "parts"))

@@ -9,7 +9,7 @@ The public API fits on one screen:
 - :func:`estimate` predicts memory from metadata alone; :func:`stats` measures it per node;
 - :class:`PipelineSession` runs a model partitioned over devices with memory budgets
   (:func:`ortmem.plan.partition`, ``ortmem partition``); ``ortmem.RayPipeline`` (``pip install ortmem[ray]``)
-  runs it over the nodes of a Ray cluster (:mod:`ortmem.distributed`);
+  runs it over the nodes of a Ray cluster (:mod:`ortmem.plan.partition.ray`);
 - :func:`hook` / :func:`unhook` route every session the process creates through ortmem, code that
   calls ``onnxruntime.InferenceSession`` itself included (``python -m ortmem run`` does it for a
   whole program);
@@ -24,29 +24,29 @@ the planners, plotting or memray, and ``import ortmem`` itself loads nothing but
 """
 from __future__ import annotations
 
-from .errors import OrtmemError
-from .lazy import lazy_attributes
+from ortmem.errors import OrtmemError
+from ortmem.base.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
 #: public name -> module that owns it
 _LAZY = {
-    "InferenceSession": ".session",
-    "load": ".loader",
-    "Model": ".model",
-    "WeightRef": ".weights",
-    "WeightState": ".weights",
-    "allocator_hygiene": ".hygiene",
-    "trim": ".hygiene",
-    "estimate": ".plan.estimate",
-    "partition": ".plan.partition",
-    "stats": ".plan.estimate",
-    "PipelineSession": ".reach.pipeline",
-    "hook": ".reach.session_hook",
-    "unhook": ".reach.session_hook",
+    "InferenceSession": "ortmem.session.inference",
+    "load": "ortmem.onnxfile.loader",
+    "Model": "ortmem.onnxfile.model",
+    "WeightRef": "ortmem.onnxfile.weights",
+    "WeightState": "ortmem.onnxfile.weights",
+    "allocator_hygiene": "ortmem.base.hygiene",
+    "trim": "ortmem.base.hygiene",
+    "estimate": "ortmem.plan.estimate",
+    "partition": "ortmem.plan.partition",
+    "stats": "ortmem.plan.estimate",
+    "PipelineSession": "ortmem.plan.partition.run.pipeline_session",
+    "hook": "ortmem.intercept.session_hook",
+    "unhook": "ortmem.intercept.session_hook",
 }
 #: names that need an optional extra (not in ``__all__``, so ``from ortmem import *`` never imports Ray)
-_OPTIONAL = {"RayPipeline": ".distributed"}
+_OPTIONAL = {"RayPipeline": "ortmem.plan.partition.ray"}
 
 __all__ = ["OrtmemError", *_LAZY]
 

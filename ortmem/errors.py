@@ -58,7 +58,7 @@ class CacheError(OrtmemError):
 
 
 class StageFailedError(OrtmemError):
-    """A pipeline stage on another node died, timed out or could not start (``ortmem.distributed``):
+    """A pipeline stage on another node died, timed out or could not start (``ortmem.plan.partition.ray``):
     ``stage`` (index) and ``node`` say which, so the caller knows what to restart or re-plan."""
 
     def __init__(self, message: str, *, stage: int, node: str | None, file: str | os.PathLike | None = None):

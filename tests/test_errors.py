@@ -1,6 +1,6 @@
 """``ortmem.errors.resource_failure``: ORT running out of memory, threads or descriptors is told apart from
 ORT refusing what it was given, on ORT's own messages (live where a test can provoke them safely, else
-as onnxruntime 1.32.0 words them under ``ulimit -v``: tests/store/test_prepared_resources.py provokes
+as onnxruntime 1.32.0 words them under ``ulimit -v``: tests/store/test_finished_resources.py provokes
 those in fresh processes)."""
 from __future__ import annotations
 

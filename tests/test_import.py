@@ -12,7 +12,7 @@ import sys
 import pytest
 
 HEAVY = ("onnx", "matplotlib", "memray", "rich", "ortmem.plan.estimate", "ortmem.plan.partition",
-         "ortmem.plan.recompute", "ortmem.reach.pipeline", "ortmem.measure")
+         "ortmem.plan.recompute", "ortmem.plan.partition.run.pipeline_session", "ortmem.measure")
 
 
 def _loaded(code: str) -> list[str]:
@@ -40,7 +40,7 @@ def test_cli_help_loads_under_300_modules_and_no_onnx():
     """``ortmem --help`` builds every subcommand's parser and nothing more: no onnx, no passes, no store."""
     loaded = _modules_after("from ortmem.cli import main; main(['--help'])")
     assert len(loaded) < 300, len(loaded)
-    assert [m for m in loaded if m == "onnx" or m.startswith(("ortmem.passes", "ortmem.store", "ortmem.ortmodel.release"))] == []
+    assert [m for m in loaded if m == "onnx" or m.startswith(("ortmem.passes", "ortmem.store", "ortmem.ort.release"))] == []
 
 
 def test_load_loads_no_passes_store_or_release_code():
@@ -48,8 +48,8 @@ def test_load_loads_no_passes_store_or_release_code():
     the store or the release model. onnx itself is inherent: the result holds an onnx ModelProto."""
     loaded = _modules_after("import ortmem; ortmem.load")
     assert "onnx" in loaded
-    assert [m for m in loaded if m.startswith(("ortmem.passes", "ortmem.store", "ortmem.reach", "ortmem.ortmodel.release",
-                                               "ortmem.ortmodel.variants", "ortmem.handoff", "ortmem.session"))] == []
+    assert [m for m in loaded if m.startswith(("ortmem.passes", "ortmem.store", "ortmem.intercept", "ortmem.ort.release",
+                                               "ortmem.ort.variants", "ortmem.session", "ortmem.session.inference"))] == []
 
 
 def test_lazy_names_resolve_to_their_owners():
@@ -57,7 +57,7 @@ def test_lazy_names_resolve_to_their_owners():
 
     for name in ortmem.__all__:
         assert getattr(ortmem, name) is not None
-    assert ortmem.InferenceSession.__module__ == "ortmem.session" and ortmem.estimate.__module__.startswith("ortmem.plan.estimate.")
+    assert ortmem.InferenceSession.__module__ == "ortmem.session.inference" and ortmem.estimate.__module__.startswith("ortmem.plan.estimate.")
     with pytest.raises(AttributeError):
         ortmem.not_a_name  # noqa: B018
 
@@ -68,16 +68,16 @@ def test_a_warm_start_loads_no_passes_and_no_onnx(tmp_path):
     install, recompute metadata is searched in the entry's bytes), so a warm start pays none of it.
     The cold start runs in its own process first, as a user's first start would; the second packs
     ORT's weights on its first hit (which parses the entry); the third only maps. None of them imports
-    hashlib (which loads OpenSSL, 3.6 MiB): names and sampled digests are xxhash's (ortmem.short_hash)."""
+    hashlib (which loads OpenSSL, 3.6 MiB): names and sampled digests are xxhash's (ortmem.base.hashing)."""
     import os
 
-    from ortmem.synth import SynthConfig, write_model
+    from ortmem.measure.synth import SynthConfig, write_model
 
     model = write_model(SynthConfig(storage="external"), tmp_path / "model.onnx")
     env = {**os.environ, "ORTMEM_CACHE_DIR": str(tmp_path / "cache")}
     start = (f"import sys, json, ortmem\ns = ortmem.InferenceSession({str(model)!r}, providers=['CPUExecutionProvider'])\n"
              "print(json.dumps([s.ortmem_action, sorted(m for m in sys.modules if m in ('onnx', 'hashlib') or m.startswith(("
-             "'ortmem.passes', 'ortmem.store.writer', 'ortmem.store.publish', 'ortmem.handoff.conversion')))]))")
+             "'ortmem.passes', 'ortmem.store.writer', 'ortmem.store.publish', 'ortmem.session.cold_start')))]))")
     runs = [json.loads(subprocess.run([sys.executable, "-c", start], env=env, capture_output=True, text=True, check=True,
                                       timeout=300).stdout.strip().splitlines()[-1]) for _ in range(3)]
     assert runs[0][0] == "converted" and "ortmem.store.publish" in runs[0][1] and "hashlib" not in runs[0][1]
@@ -110,7 +110,7 @@ def test_a_prepared_start_loads_no_onnx(tmp_path):
              "print(json.dumps([s.ortmem_action, 'onnx' in sys.modules]))")
     action, onnx_loaded = json.loads(subprocess.run([sys.executable, "-c", start], env=env, capture_output=True, text=True,
                                                     check=True, timeout=300).stdout.strip().splitlines()[-1])
-    from ortmem.ortmodel.release import capabilities
+    from ortmem.ort.release import capabilities
 
     if capabilities().prepacked_save:
         assert action == "prepared" and not onnx_loaded

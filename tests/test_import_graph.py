@@ -23,12 +23,8 @@ ROOT = Path(ortmem.__file__).resolve().parent
 #: Imports that still point up, as (importer prefixes, imported prefix), each with its reason; the test
 #: fails when one no longer matches any import (delete it here).
 UPWARD_ALLOWED: dict[tuple[tuple[str, ...], str], str] = {
-    (("ortmem.session", "ortmem.handoff"), "ortmem.plan.recompute"):
+    (("ortmem.session.inference", "ortmem.session"), "ortmem.plan.recompute"):
         "InferenceSession(recompute=...) and recompute-written models plan or replay on demand (imported only then)",
-    (("ortmem.store.prepared",), "ortmem.measure.inputs"):
-        "worth_mapping builds feeds where it measures, inside the prepared-entry builder only",
-    (("ortmem.store.prepared",), "ortmem.measure.procfs"):
-        "worth_mapping reads RssAnon where it measures, inside the prepared-entry builder only",
 }
 
 
@@ -45,7 +41,7 @@ def _modules() -> dict[str, Path]:
 def _lazy_owner(name: str) -> Optional[str]:
     """The module a name read from the package root comes from (``from ortmem import InferenceSession``)."""
     owners = {**vars(ortmem)["_LAZY"], **vars(ortmem)["_OPTIONAL"]}
-    return "ortmem" + owners[name] if name in owners else None
+    return owners.get(name)
 
 
 def _graph() -> tuple[dict[str, set[str]], list[str]]:

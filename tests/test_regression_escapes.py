@@ -54,18 +54,18 @@ import onnxruntime as ort
 import pytest
 
 import ortmem
-from ortmem import model_facts
-from ortmem.store import layout
-from ortmem.store.prepared import prepared_problem
+from ortmem.onnxfile import scan
+from ortmem.files import layout
+from ortmem.store.finished import prepared_problem
 from ortmem.store.cache import Cache, creator_lock_path
 from ortmem.store.verdict import start
 from ortmem.errors import ExternalDataError, OrtmemError
-from ortmem.ortmodel.release import capabilities
-from ortmem.ortmodel.settings import session_settings
-from ortmem.ortmodel.variants import dq_matmul_model
-from ortmem.passes.dq_matmul_match import dq_matmul_match
-from ortmem.store.packer import PrepackLater, run as run_packer, wait_background
-from ortmem.synth import SynthConfig, write_model
+from ortmem.ort.release import capabilities
+from ortmem.ort.settings import session_settings
+from ortmem.ort.variants import dq_matmul_model
+from ortmem.passes.rules.dq_matmul_match import dq_matmul_match
+from ortmem.store.finisher import PrepackLater, run as run_packer, wait_background
+from ortmem.measure.synth import SynthConfig, write_model
 from tests.support import builders as mb
 from tests.support.compare import assert_same_outputs
 from tests.support.reference import run_plain
@@ -74,7 +74,7 @@ CPU = ["CPUExecutionProvider"]
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 SAVES = capabilities().prepacked_save
 needs_saving = pytest.mark.skipif(not SAVES, reason=f"onnxruntime {ort.__version__} saves no pre-packed "
-                                                    "MatMulNBits weights (ortmem.ortmodel.release)")
+                                                    "MatMulNBits weights (ortmem.ort.release)")
 #: The one ortmem package under test: children started here import this same copy.
 PACKAGE_PARENT = str(Path(ortmem.__file__).resolve().parent.parent)
 #: Longest a lock test waits for a start to reach the lock (it is normally there within a second or two).
@@ -103,14 +103,14 @@ def _child_env() -> dict[str, str]:
 
 
 def _packed_or_packing(entry_dir: Path) -> list[str]:
-    """Files ORT's finishing leaves in an entry, done or under way (``ortmem.store.prepared``'s own names)."""
+    """Files ORT's finishing leaves in an entry, done or under way (``ortmem.store.finished``'s own names)."""
     return sorted(p.name for p in entry_dir.iterdir()
                   if p.name.startswith((layout.FINISHED_STEM, ".prepare-", f".{layout.FINISHED_STEM}.")))
 
 
 def _stem(entry_dir: Path) -> str:
     """The stem of the one finished model ORT's finishing left in an entry ("" when none)."""
-    from ortmem.store.prepared_entries import finished_stems
+    from ortmem.store.finished_entries import finished_stems
 
     stems = finished_stems(entry_dir)
     assert len(stems) <= 1, stems
@@ -167,9 +167,9 @@ def _mapped_inodes() -> set[int]:
 _FOREIGN_PACKER = """
 import json, platform, sys
 import onnxruntime
-from ortmem.ortmodel import release
-from ortmem.store import prepared
-from ortmem.store.packer import PrepackLater, run
+from ortmem.ort import release
+from ortmem.store import finished
+from ortmem.store.finisher import PrepackLater, run
 field = sys.argv[3]
 if field == "cpu_flags":  # one instruction set fewer (or one more): MLAS may pick another layout
     here = release.cpu_flags()
@@ -177,7 +177,7 @@ if field == "cpu_flags":  # one instruction set fewer (or one more): MLAS may pi
 elif field == "machine":
     platform.machine = lambda: "riscv64" if platform.uname().machine != "riscv64" else "x86_64"
 elif field == "finished_format":
-    prepared.PREPARED_FORMAT += 1
+    finished.PREPARED_FORMAT += 1
 elif field == "onnxruntime":
     onnxruntime.__version__ = "0.0.1"
 print(json.dumps(str(run(PrepackLater(sys.argv[1], sys.argv[2], "full")))))
@@ -241,7 +241,7 @@ def test_a_source_edited_in_place_with_its_mtime_restored_is_never_served_stale(
 # ------------------------------------------------------------------------------ 3, 4: creator lock
 @needs_saving
 def test_the_background_packer_does_not_pack_while_another_process_holds_the_creator_lock(qdq, tmp_path):
-    """The packer (``python -m ortmem.store.packer``, as a cold start leaves it) finds the entry's
+    """The packer (``python -m ortmem.store.finisher``, as a cold start leaves it) finds the entry's
     creator lock held by another process: it packs nothing until that process lets go."""
     cache = tmp_path / "cache"
     expected = run_plain(qdq, FEEDS)
@@ -251,7 +251,7 @@ def test_the_background_packer_does_not_pack_while_another_process_holds_the_cre
     holder = LockHolder(cache, entry.key)
     packer = None
     try:
-        packer = subprocess.Popen([sys.executable, "-m", "ortmem.store.packer", json.dumps(asdict(job))],
+        packer = subprocess.Popen([sys.executable, "-m", "ortmem.store.finisher", json.dumps(asdict(job))],
                                   env=_child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         _until(lambda: packer.poll() is not None, holder)
         assert _packed_or_packing(entry.path) == [], "the packer packed while another process held the lock"
@@ -271,7 +271,7 @@ def test_a_hit_does_not_finish_while_another_process_holds_the_creator_lock(qdq,
     """A cache hit of an entry not finished yet leaves ORT's finishing to the job its first run starts;
     with the entry's creator lock held by another process (a job, another worker) nothing is finished
     meanwhile, in the session's process or in that job."""
-    monkeypatch.setenv(model_facts.MIN_BYTES_ENV, "0")  # the small model gets the job a big one gets
+    monkeypatch.setenv(scan.MIN_BYTES_ENV, "0")  # the small model gets the job a big one gets
     cache = tmp_path / "cache"
     expected = run_plain(qdq, FEEDS)
     ortmem.InferenceSession(qdq, providers=CPU, cache=cache)
@@ -304,7 +304,7 @@ _RECORDER = """
 import atexit, json, os, sys
 
 def _record():
-    hook = sys.modules.get("ortmem.reach.session_hook")
+    hook = sys.modules.get("ortmem.intercept.session_hook")
     with open(os.environ["ESCAPES_RECORD"], "a") as f:
         f.write(json.dumps({"pid": os.getpid(), "hooked": bool(hook and hook.is_hooked()),
                             "sessions": len(hook.sessions()) if hook else 0}) + "\\n")
@@ -316,13 +316,13 @@ _HOOKED_PROGRAM = """
 import json, sys
 import numpy as np
 import onnxruntime as ort
-from ortmem.store import packer as prepack_later
+from ortmem.store import finisher
 import os
 os.environ["ORTMEM_PREPARE_MIN_BYTES"] = "0"  # this small model gets the job a big one gets
 s = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
 out = s.run(None, {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)})[0]
-print(json.dumps({"action": s.ortmem_action, "packers": prepack_later.started_packers(),
-                  "waited": prepack_later.wait_background(120), "out": out.tolist()}))
+print(json.dumps({"action": s.ortmem_action, "packers": finisher.started_packers(),
+                  "waited": finisher.wait_background(120), "out": out.tolist()}))
 """
 
 

@@ -5,7 +5,7 @@ request sequentially and pipelined, and the bytes moved between nodes per reques
     python -m bench.distributed.measure $WORK --config p100 --node n0=64MiB --node n1=60MiB \\
         --node n2=400MiB --fraction 0.8 --requests 16 --json bench/distributed/p100_3nodes.json
 
-The cluster is ``ortmem.distributed.local_cluster``: one raylet per node on 127.0.0.1, each with its
+The cluster is ``ortmem.plan.partition.ray.local_cluster``: one raylet per node on 127.0.0.1, each with its
 own Ray ``memory`` (the node's budget) and object store. The plan is made for ``--fraction`` of each
 node's memory (``ortmem partition --ray auto --ray-fraction F``). Every stage runs with one intra-op
 thread (the machine has 2 cores), as do the references (the whole model under
@@ -65,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
 
     import ortmem
-    from ortmem.distributed import RayPipeline, cluster_devices, local_cluster
+    from ortmem.plan.partition.ray import RayPipeline, cluster_devices, local_cluster
     from ortmem.plan.partition import partition
-    from ortmem.synth import SynthConfig, write_model
-    from ortmem.units import parse_bytes
+    from ortmem.measure.synth import SynthConfig, write_model
+    from ortmem.base.units import parse_bytes
 
     nodes = {k: parse_bytes(v) for k, v in (x.split("=", 1) for x in args.node)}
     cfg = SynthConfig(**CONFIGS[args.config], storage="external", name=args.config)
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         result["stages_after_one_run"] = after_one
         result["stages"] = rows
         p.shutdown()
-        from ortmem.reach.pipeline import PipelineSession
+        from ortmem.plan.partition.run.pipeline_session import PipelineSession
 
         local = PipelineSession(plan.out_dir, sess_options=one_thread())
         t = time.perf_counter()

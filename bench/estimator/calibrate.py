@@ -11,7 +11,7 @@ those models and repeats of (measured - predicted with the constant at 0):
   ORT's code and data faulted in, graph and kernel objects, thread pools;
 * ``run_fixed_bytes``: ``ort-hygiene`` steady minus after-creation minus the modelled run (activations,
   first reads of mapped weights);
-* ``ortmem_import_bytes``: what ``import ortmem.session`` adds in a fresh interpreter
+* ``ortmem_import_bytes``: what ``import ortmem.session.inference`` adds in a fresh interpreter
   (``fixed_costs.py``): a first ``ortmem.InferenceSession`` pays it, plain ORT does not;
 * ``ortmem_convert_import_bytes``: what a converting start imports beyond it (``fixed_costs.py``);
 * ``ortmem_fixed_bytes``: ``ortmem-warm`` after creation minus ortmem's modelled figure, the session

@@ -4,13 +4,13 @@
 
 Each child imports numpy, onnxruntime and ``ortmem`` (which loads its exception types only: the
 baseline of a plain-ORT program that has ortmem installed and imported), reads ``/proc/self/status``,
-imports ``ortmem.session`` (the handoff and the store's lookup: what every first
+imports ``ortmem.session.inference`` (the handoff and the store's lookup: what every first
 ``ortmem.InferenceSession`` pays, a warm start's whole import, no onnx) and reads it again, then
 imports what a start that converts adds (onnx, the loader, the passes, the publisher:
-:data:`ortmem.release_probe.CONVERSION_MODULES`) and reads it a third time. The medians are the estimator's
+:data:`ortmem.measure.release_probe.CONVERSION_MODULES`) and reads it a third time. The medians are the estimator's
 ``baseline_bytes`` (for reference: at run time the release probe's figure is used),
 ``ortmem_import_bytes`` and ``ortmem_convert_import_bytes`` (``calibrate.py`` writes them into
-``calibration.json``): the release probe (:func:`ortmem.release_probe.import_baseline_bytes`) measures
+``calibration.json``): the release probe (:func:`ortmem.measure.release_probe.import_baseline_bytes`) measures
 the process *with* both, so plain ORT's baseline is that figure minus the two.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import sys
 
-from ortmem.release_probe import CONVERSION_MODULES
+from ortmem.measure.release_probe import CONVERSION_MODULES
 
 _CHILD = r"""
 import json
@@ -35,7 +35,7 @@ def status():
     return out
 import numpy, onnxruntime, ortmem
 before = status()
-import ortmem.session
+import ortmem.session.inference
 after = status()
 import importlib
 for module in CONVERSION_MODULES:
@@ -47,7 +47,7 @@ print(json.dumps({"before": before, "after": after, "converting": converting}))
 
 def measure_imports(repeat: int = 5) -> dict[str, dict[str, int]]:
     """Medians over ``repeat`` fresh interpreters: ``baseline`` (numpy + onnxruntime + ortmem),
-    ``session_path`` (what ``import ortmem.session`` adds) and ``conversion`` (what a converting start
+    ``session_path`` (what ``import ortmem.session.inference`` adds) and ``conversion`` (what a converting start
     imports beyond it), each as VmRSS / RssAnon / RssFile bytes, plus the spread of each VmRSS."""
     child = f"CONVERSION_MODULES = {CONVERSION_MODULES!r}\n{_CHILD}"
     runs = [json.loads(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,

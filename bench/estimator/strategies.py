@@ -9,9 +9,9 @@ from typing import Any
 
 
 def create_ort_hygiene(model_path: str, options: dict) -> Any:
-    """Plain ORT inside ``ortmem.hygiene.allocator_hygiene()``: resident memory ~ memory in use,
+    """Plain ORT inside ``ortmem.base.hygiene.allocator_hygiene()``: resident memory ~ memory in use,
     which is what the estimator's "with hygiene" figures predict."""
-    from ortmem.hygiene import allocator_hygiene
+    from ortmem.base.hygiene import allocator_hygiene
     from ortmem.measure.strategies import create_ort
 
     with allocator_hygiene():
@@ -20,7 +20,7 @@ def create_ort_hygiene(model_path: str, options: dict) -> Any:
 
 def create_ortmem_warm_hygiene(model_path: str, options: dict) -> Any:
     """``ortmem.InferenceSession`` on a cache hit, inside ``allocator_hygiene()``."""
-    from ortmem.hygiene import allocator_hygiene
+    from ortmem.base.hygiene import allocator_hygiene
     from ortmem.measure.strategies import create_ortmem_warm
 
     with allocator_hygiene():

@@ -33,7 +33,7 @@ CONFIGS = {
 
 
 def parse_bytes(text: str) -> int:
-    from ortmem.units import parse_bytes as pb
+    from ortmem.base.units import parse_bytes as pb
 
     return pb(text)
 
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     from ortmem.measure.probe import probe
     from ortmem.measure.strategies import Strategy
     from ortmem.plan.partition import partition
-    from ortmem.reach.pipeline import PipelineSession
-    from ortmem.synth import SynthConfig, cached_model
+    from ortmem.plan.partition.run.pipeline_session import PipelineSession
+    from ortmem.measure.synth import SynthConfig, cached_model
 
     dims = {k: int(v) for k, v in (kv.split("=") for kv in args.dims.split(","))}
     devices = {}

@@ -30,7 +30,7 @@ def prepare_stage(model_path: str, options: dict, workdir: str) -> str:
 
 def pipeline(model_path: str, options: dict) -> Any:
     """Every stage in one process, run through ``PipelineSession`` (the per-process total)."""
-    from ortmem.reach.pipeline import PipelineSession
+    from ortmem.plan.partition.run.pipeline_session import PipelineSession
 
     return PipelineSession(model_path, cache=_cache())
 
@@ -54,7 +54,7 @@ def stage_session_warmed(model_path: str, options: dict) -> Any:
     """A stage's session that has already run twice (inside the measured creation window): with the
     probe's own run, the peak covers creation and three runs. ORT's memory-pattern planner allocates
     its pattern block on the second run, beside the arena chunks of the first."""
-    from ortmem.measure.inputs import make_inputs
+    from ortmem.ort.feeds import make_inputs
 
     sess = stage_session(model_path, options)
     feeds = make_inputs(sess, options)

@@ -48,7 +48,7 @@ MiB = 1 << 20
 def _feeds(path: str, dims: dict, options: dict) -> dict[str, np.ndarray]:
     import onnxruntime as ort
 
-    from ortmem.measure.inputs import make_inputs
+    from ortmem.ort.feeds import make_inputs
 
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     feeds = make_inputs(sess, {"dims": dims, **options})

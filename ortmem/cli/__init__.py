@@ -13,7 +13,7 @@ import sys
 from types import ModuleType
 from typing import Optional, Sequence
 
-from ..errors import OrtmemError
+from ortmem.errors import OrtmemError
 
 #: Subcommand modules of this package, in the order ``--help`` lists them.
 COMMANDS = ("inspect", "convert", "prepare", "cache", "doctor", "bench", "estimate", "stats", "partition", "recompute", "run")
@@ -28,27 +28,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """The ``ortmem`` command. ``ortmem run -- script.py args`` (no option) goes straight to the
     launcher: argparse's import, parser and message-catalogue probes cost 5-6 ms of every hooked
     process, whose cost over a plain run is held to 20 ms (docs/hook.md); what argparse would have
-    parsed there is every option's default and the program (tests/reach/test_session_hook.py compares).
+    parsed there is every option's default and the program (tests/intercept/test_session_hook.py compares).
 
     Where ``ortmem`` is not this installed package (a folder named ``ortmem`` in the current folder
     shadows it), every command but ``run`` says so and returns 1; an ImportError ends in one line and 1,
     not a traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # a shadowed package: the program runs, its sessions plain (launcher.start)
-        from ..reach import launcher
+        from ortmem.intercept import launcher
 
         program = launcher.bare_program(argv[1:])
         if program is not None:
             return launcher.start(None, program)
     else:
-        from ..reach.own_package import problem
+        from ortmem.intercept.own_package import problem
 
         shadowed = problem()
         if shadowed is not None:  # every command would fail on the package's own names (__version__...)
             print(f"ortmem: error: {shadowed}; run ortmem from another folder, or rename that one", file=sys.stderr)
             return 1
     try:
-        from .parser import build_parser, named_command
+        from ortmem.cli.parser import build_parser, named_command
 
         args = build_parser(named_command(argv)).parse_args(argv)
         return args.func(args)

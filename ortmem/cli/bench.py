@@ -1,5 +1,5 @@
 """``ortmem bench``: measure session creation (memory, time) per strategy, each in fresh processes (owned by ``ortmem.measure.bench``)."""
-from .delegation import delegate
+from ortmem.cli.delegation import delegate
 
 NAME = "bench"
 HELP = "measure session creation (memory, time) per strategy, each in fresh processes"

@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..units import bytes_arg
+from ortmem.base.units import bytes_arg
 
 NAME = "cache"
 HELP = "list, prune, clear or verify (in full) the cache's entries, converted and prepared ($ORTMEM_CACHE_DIR)"
@@ -21,8 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..store.cache import Cache
-    from ..store.layout import disk_use
+    from ortmem.store.cache import Cache
+    from ortmem.files.layout import disk_use
 
     cache = Cache(Path(args.cache) if args.cache else None)
     if args.action == "clear":
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _finished_note(folder: Path) -> str:
     """What a converted entry holds of ORT's finished models: one per settings it was finished at."""
-    from ..store.prepared_entries import finished_stems
+    from ortmem.store.finished_entries import finished_stems
 
     count = sum((folder / f"{stem}.onnx").exists() for stem in finished_stems(folder))
     if count == 0:
@@ -75,8 +75,8 @@ def _verify_cache(cache) -> int:
     """``ortmem cache verify``: every entry (and each finished model a converted entry keeps, one per
     settings) digested in full; damaged ones are removed so the next session rebuilds them. Exit status 1
     when any was damaged."""
-    from ..store.prepared import discard_finished, prepared_problem
-    from ..store.prepared_entries import finished_stems
+    from ortmem.store.finished import discard_finished, prepared_problem
+    from ortmem.store.finished_entries import finished_stems
 
     rows = list(cache.entries())
     damaged = 0

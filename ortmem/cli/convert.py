@@ -21,18 +21,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..convert import convert_to
-    from ..ortmodel.settings import session_settings
-    from ..loader import load
-    from ..progress import progress_bar
+    from ortmem.session.convert import convert_to
+    from ortmem.ort.settings import session_settings
+    from ortmem.onnxfile.loader import load
+    from ortmem.base.progress import progress_bar
 
     with load(args.input) as model, progress_bar("converting") as bar:
         report = convert_to(model, Path(args.output), session_settings(accuracy_level=args.accuracy_level), progress=bar)
     print(report.summary())
     print(f"wrote {Path(args.output) / 'model.onnx'}")
     if args.prepack:
-        from ..store.layout import FINISHED_STEM, MODEL_FILE
-        from ..store.prepared import keep_decision_only, prepare_model
+        from ortmem.files.layout import FINISHED_STEM, MODEL_FILE
+        from ortmem.store.finished import keep_decision_only, prepare_model
 
         out = Path(args.output)
         finished = prepare_model(out / MODEL_FILE, out, FINISHED_STEM)

@@ -1,5 +1,5 @@
 """``ortmem estimate``: predict session-creation and activation memory from metadata alone (owned by ``ortmem.plan.estimate``)."""
-from .delegation import delegate
+from ortmem.cli.delegation import delegate
 
 NAME = "estimate"
 HELP = "predict session-creation and activation memory from metadata alone"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..units import parse_dim
+from ortmem.base.units import parse_dim
 
 NAME = "inspect"
 HELP = "what a model holds and what loading it will cost (reads no weights)"
@@ -19,12 +19,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..inspection import inspect_model, render
-    from ..loader import load
+    from ortmem.plan.inspection import inspect_model, render
+    from ortmem.onnxfile.loader import load
 
     path = args.model
     if args.demo:
-        from ..measure.bench import demo_model
+        from ortmem.measure.bench import demo_model
 
         path = demo_model()
     if path is None:

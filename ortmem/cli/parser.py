@@ -1,21 +1,21 @@
 """The ``ortmem`` command's argparse parser: the subcommands' own, built from their modules in ``ortmem.cli``.
 
 Kept apart from :func:`ortmem.cli.main` so that ``ortmem run -- script.py`` (no option to parse) starts
-the program without importing argparse at all (:func:`ortmem.reach.launcher.bare_program`).
+the program without importing argparse at all (:func:`ortmem.intercept.launcher.bare_program`).
 """
 from __future__ import annotations
 
 import argparse
 from typing import Optional, Sequence
 
-from . import COMMANDS, command
+from ortmem.cli import COMMANDS, command
 
 
 def _version_line() -> str:
     import onnxruntime as ort
 
-    from .. import __version__
-    from ..ortmodel.release import SUPPORTED, TESTED_RELEASES, installed
+    from ortmem import __version__
+    from ortmem.ort.release import SUPPORTED, TESTED_RELEASES, installed
 
     lo = ".".join(map(str, SUPPORTED[0]))
     state = "in range" if installed().supported else "OUT OF RANGE: zero-copy loading only"

@@ -1,5 +1,5 @@
 """``ortmem partition``: split a model over devices with memory budgets (stages + plan.json) (owned by ``ortmem.plan.partition``)."""
-from .delegation import delegate
+from ortmem.cli.delegation import delegate
 
 NAME = "partition"
 HELP = "split a model over devices with memory budgets (stages + plan.json)"

@@ -1,172 +1,24 @@
 """``ortmem prepare``: build ahead of time (a container image build) everything a warm start maps.
 
-A QDQ model ortmem converts gets its converted cache entry (:mod:`ortmem.convert`) and ORT's finished
-model of it (:func:`ortmem.store.prepared_entries.finish_converted`); any other model its prepared entry
-(:mod:`ortmem.store.prepared_entries`); an onnxruntime-genai folder (``genai_config.json``) is handed to
-``ortmem.reach.genai.prepare_genai_folder``, which writes the prepared files inside the folder. The entries are
-those a default ``ortmem.InferenceSession(path, providers=["CPUExecutionProvider"])`` looks up, so
-serving processes only map, and may do so from a cache folder they cannot write.
-
-The exit status and the last line say what happened: 0 when everything is prepared or has nothing to
-prepare (ORT keeps nothing of it: a plain statement, and an entry records it), 1 when anything could
-not be prepared, the reason said once (a check that could not run records nothing: the next start or
-``ortmem prepare`` tries again).
+Parsing only; the work is :func:`ortmem.session.deploy.prepare_path`, whose exit status this returns.
 """
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-from typing import Callable
-
-#: What one model's preparation came to: entries a warm start maps, nothing to prepare, or a failure.
-PREPARED, NOTHING, FAILED = "prepared", "nothing to prepare", "failed"
 
 NAME = "prepare"
-HELP = "build the cache entries warm starts map (converted + pre-packed, or prepared), for a model or a folder"
+HELP = "build the cache entries warm starts map (ORT's finished model, converted first where ortmem converts), for a model or a folder"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="an .onnx model, or a folder: every .onnx in it (genai folders through ortmem.reach.genai)")
+    p.add_argument("model", help="an .onnx model, or a folder: every .onnx in it (genai folders through ortmem.session.genai)")
     p.add_argument("--cache", default=None, metavar="DIR",
                    help="the cache folder the serving processes use (default: $ORTMEM_CACHE_DIR's, as a session's)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..store.cache import Cache
+    from ortmem.session.deploy import prepare_path
+    from ortmem.store.cache import Cache
 
-    target = Path(args.model)
-    cache = Cache(Path(args.cache)) if args.cache else Cache()
-    say = _stage_printer()
-    if target.is_dir():
-        return _prepare_folder(target, cache, say)
-    if not target.is_file():
-        print(f"ortmem prepare: {target} is neither a model file nor a folder", file=sys.stderr)
-        return 2
-    return 1 if _prepare_file(target, cache, say) == FAILED else 0
-
-
-def _stage_printer() -> Callable[[str], None]:
-    """One line per stage on stderr (a terminal gets the conversion's live bar as well)."""
-    def say(line: str) -> None:
-        print(f"ortmem prepare: {line}", file=sys.stderr, flush=True)
-    return say
-
-
-def _prepare_folder(folder: Path, cache, say: Callable[[str], None]) -> int:
-    """Every .onnx under ``folder`` (hidden folders skipped); a genai folder as a whole."""
-    from ..reach.genai import GENAI_CONFIG
-
-    genai = sorted({p.parent for p in folder.rglob(GENAI_CONFIG) if not _hidden(p, folder)})
-    outcomes = [_prepare_genai(g, say) for g in genai]
-    models = [p for p in sorted(folder.rglob("*.onnx"))
-              if p.is_file() and not _hidden(p, folder) and not any(g == p.parent or g in p.parents for g in genai)]
-    if not models and not genai:
-        say(f"no .onnx model in {folder}")
-        return 0
-    outcomes += [_prepare_file(model, cache, say) for model in models]
-    if len(outcomes) > 1:  # one model's own last line already said it
-        say(f"{folder}: " + ", ".join(f"{outcomes.count(o)} {o}" for o in (PREPARED, NOTHING, FAILED) if o in outcomes))
-    return 1 if FAILED in outcomes else 0
-
-
-def _hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
-
-
-def _prepare_genai(folder: Path, say: Callable[[str], None]) -> str:
-    """An onnxruntime-genai folder: its prepared files written inside it (``ortmem.reach.genai``); one
-    line per file, then what the folder came to (:data:`PREPARED`, :data:`NOTHING`, :data:`FAILED`)."""
-    from ..errors import OrtmemError
-    from ..reach.genai import GENAI_CONFIG, prepare_genai_folder
-
-    say(f"{folder}: onnxruntime-genai folder")
-    try:
-        result = prepare_genai_folder(folder)
-    except OrtmemError as exc:
-        say(f"{folder}: not prepared: {exc}")
-        return FAILED
-    for line in result.lines():
-        say(f"{folder}: {line}")
-    if result.failed:
-        say(f"{folder}: {len(result.failed)} file(s) not prepared (see above; nothing was recorded for them)")
-        return FAILED
-    if any(r.useful for r in result.prepared.values()):
-        say(f"{folder}: prepared ({result.seconds:.1f} s)")
-        return PREPARED
-    why = ("onnxruntime keeps no pre-packed weights of its files" if result.prepared
-           else "no file of it runs on the CPU execution provider with pre-packing" if result.skipped
-           else f"its {GENAI_CONFIG} names no ONNX file")
-    say(f"{folder}: nothing to prepare: {why} (genai loads them as given)")
-    return NOTHING
-
-
-def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> str:
-    """One model: its converted entry and pre-packed weights, else its prepared entry; what it came to
-    (:data:`PREPARED`, :data:`NOTHING`, :data:`FAILED`), said in its last line."""
-    from ..convert import convert_cached
-    from ..errors import OrtmemError
-    from ..handoff.conversion import conversion_check
-    from ..loader import load
-    from ..ortmodel.release import capabilities
-    from ..ortmodel.settings import session_settings
-    from ..model_facts import min_prepared_bytes
-    from ..store.prepared_entries import describe, ensure_prepared, is_marker, prepared_key
-    from ..progress import progress_bar
-
-    settings = session_settings(None)
-    try:
-        say(f"{path}: loading")
-        with load(path) as model:
-            converts, fault = conversion_check(model)
-            if fault is not None:
-                say(f"{path}: {fault}: nothing prepared (sessions hand it to onnxruntime as given)")
-                return NOTHING
-            if converts:
-                with progress_bar(f"ortmem prepare: {path}: converting") as bar:
-                    entry, hit, _ = convert_cached(model, settings, cache, progress=bar)
-                if entry is not None:
-                    say(f"{path}: converted entry {entry.key} ({'already there' if hit else 'built'})")
-                    return _finish(entry, cache, settings, say)
-            weights = model.weight_bytes
-        if not capabilities().prepacked_save:
-            say(f"{path}: this onnxruntime saves no pre-packed weights: nothing to prepare")
-            return NOTHING
-        if weights < min_prepared_bytes():
-            say(f"{path}: {weights / 2**20:.1f} MiB of initializers, below {min_prepared_bytes() / 2**20:.0f} MiB: "
-                "nothing to prepare (plain onnxruntime costs as little; $ORTMEM_PREPARE_MIN_BYTES)")
-            return NOTHING
-        say(f"{path}: finishing (onnxruntime saves the model it finishes, with its pre-packed weights)")
-        entry, built = ensure_prepared(cache, path, prepared_key(path, settings, {}, True))
-    except OrtmemError as exc:
-        say(f"{path}: not prepared: {exc}")
-        return FAILED
-    state = "built" if built else "already there"
-    if is_marker(entry):
-        say(f"{path}: nothing to prepare ({entry.manifest().get('why', 'onnxruntime packs nothing')}): sessions load "
-            f"it as given (entry {entry.key}, {state}, records this)")
-        return NOTHING
-    say(f"{path}: prepared entry {entry.key} ({state}): {describe(entry)}")
-    return PREPARED
-
-
-def _finish(entry, cache, settings, say: Callable[[str], None]) -> str:
-    """ORT's finished model of the converted entry, made under its creator lock unless already there (the
-    converted entry alone is what a warm start maps where ORT saves none: :data:`PREPARED` either way)."""
-    from ..errors import OrtmemError
-    from ..ortmodel.release import capabilities
-    from ..store.prepared_entries import finish_converted, finishing_settings
-
-    if not capabilities().prepacked_save:
-        say(f"{entry.path}: this onnxruntime saves no finished model")
-        return PREPARED
-    say(f"{entry.path}: finishing (onnxruntime saves the model it finishes, with its pre-packed weights)")
-    try:
-        with cache.creating(entry.key):
-            path = finish_converted(cache, entry, finishing_settings(settings, {}))
-    except OrtmemError as exc:
-        say(f"{entry.path}: not finished: {exc} (sessions load the converted entry)")
-        return FAILED
-    say(f"{entry.path}: " + (f"finished model {path.name} ready" if path is not None
-                              else "nothing onnxruntime finishes is worth mapping: sessions load the converted entry"))
-    return PREPARED
+    return prepare_path(Path(args.model), Cache(Path(args.cache)) if args.cache else None)

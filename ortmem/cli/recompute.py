@@ -1,5 +1,5 @@
 """``ortmem recompute``: lower the activation peak: recompute cheap tensors, reorder nodes (owned by ``ortmem.plan.recompute``)."""
-from .delegation import delegate
+from ortmem.cli.delegation import delegate
 
 NAME = "recompute"
 HELP = "lower the activation peak: recompute cheap tensors, reorder nodes"

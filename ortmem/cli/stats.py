@@ -1,5 +1,5 @@
 """``ortmem stats``: run the model and record per-node memory (ORT's CSV format) (owned by ``ortmem.plan.estimate``)."""
-from .delegation import delegate
+from ortmem.cli.delegation import delegate
 
 NAME = "stats"
 HELP = "run the model and record per-node memory (ORT's CSV format)"

@@ -5,10 +5,10 @@ repeats, fastest and medians, table/JSON/plot in :mod:`ortmem.measure.bench`), w
 from outside (:func:`ortmem.measure.whole_process.run_whole_process`, ``ortmem bench --whole-process``),
 the strategy registry (:mod:`ortmem.measure.strategies`), N worker processes on one model with summed
 PSS (:func:`ortmem.measure.workers.run_workers`, ``ortmem bench --workers``) and a CI gate
-(:mod:`ortmem.measure.gate`).
+(:mod:`ortmem.measure.budget_gate`).
 Linux only: elsewhere :class:`ProbeUnsupported` is raised.
 
-Why the names are lazy: the measured child imports ``ortmem.measure.procfs`` and
+Why the names are lazy: the measured child imports ``ortmem.base.procfs`` and
 ``ortmem.measure.strategies`` before its clock starts; an eager package ``__init__`` would load the
 parent's machinery (subprocess, tempfile, json, the probe) into every child's baseline, standard
 library an ortmem session would otherwise have paid for inside its own creation.
@@ -20,22 +20,22 @@ imported, so :class:`_Package` turns that binding into the function.
 import sys
 import types
 
-from ..lazy import lazy_attributes
+from ortmem.base.lazy import lazy_attributes
 
 #: public name -> module that owns it
 _LAZY = {
-    "ProbeError": ".errors",
-    "ProbeUnsupported": ".errors",
-    "Prepared": ".probe",
-    "ProbeResult": ".probe",
-    "prepare": ".probe",
-    "probe": ".probe",
-    "STRATEGIES": ".strategies",
-    "Strategy": ".strategies",
-    "get_strategy": ".strategies",
-    "register": ".strategies",
-    "run_bench": ".bench",
-    "run_whole_process": ".whole_process",
+    "ProbeError": "ortmem.measure.failures",
+    "ProbeUnsupported": "ortmem.measure.failures",
+    "Prepared": "ortmem.measure.probe",
+    "ProbeResult": "ortmem.measure.probe",
+    "prepare": "ortmem.measure.probe",
+    "probe": "ortmem.measure.probe",
+    "STRATEGIES": "ortmem.measure.strategies",
+    "Strategy": "ortmem.measure.strategies",
+    "get_strategy": "ortmem.measure.strategies",
+    "register": "ortmem.measure.strategies",
+    "run_bench": "ortmem.measure.bench",
+    "run_whole_process": "ortmem.measure.whole_process",
 }
 
 __all__ = list(_LAZY)

@@ -10,7 +10,7 @@ Why rounds, rotated (A B C, B C A, C A B, ...) rather than each strategy in a bl
 order: the machine drifts (page cache, other tenants, thermal state), and a fixed order puts each
 strategy after the same other one every round (after its writes, or on the same parity of consecutive
 processes): :mod:`ortmem.measure.stats`. Every probe starts from the same state, writes flushed and no
-earlier probe's background process alive (:mod:`ortmem.measure.settle`, applied in
+earlier probe's background process alive (:mod:`ortmem.measure.machine_state`, applied in
 :func:`~ortmem.measure.probe.probe`).
 
 ``--whole-process`` times each strategy as a whole ``python -c`` process instead
@@ -32,10 +32,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from ..units import MiB, bytes_arg, pair_arg
-from .errors import ProbeError
-from .probe import Prepared, ProbeResult, prepare_once, probe
-from .report import (  # noqa: F401  (re-exported: the bench's public API)
+from ortmem.base.units import MiB, bytes_arg, pair_arg
+from ortmem.measure.failures import ProbeError
+from ortmem.measure.probe import Prepared, ProbeResult, prepare_once, probe
+from ortmem.measure.report import (  # noqa: F401  (re-exported: the bench's public API)
     BIMODAL_SPREAD,
     METRICS,
     SCHEMA,
@@ -49,12 +49,12 @@ from .report import (  # noqa: F401  (re-exported: the bench's public API)
     to_json_dict,
     write_json,
 )
-from .stats import schedule  # noqa: F401  (re-exported)
-from .strategies import default_strategies, get_strategy
-from .whole_process import WholeProcessReport, run_whole_process
-from ..bytecode import ensure_bytecode
-from .workers import DEFAULT_STRATEGIES as WORKER_STRATEGIES
-from .workers import DEFAULT_SWEEP, run_workers
+from ortmem.measure.stats import schedule  # noqa: F401  (re-exported)
+from ortmem.measure.strategies import default_strategies, get_strategy
+from ortmem.measure.whole_process import WholeProcessReport, run_whole_process
+from ortmem.base.bytecode import ensure_bytecode
+from ortmem.measure.workers import DEFAULT_STRATEGIES as WORKER_STRATEGIES
+from ortmem.measure.workers import DEFAULT_SWEEP, run_workers
 
 JITTER_MAX = 64 * 1024
 SYNTH_PRESETS = ("demo", "llama_0_6gb", "llama_1_6gb", "llama_7b")  # SynthConfig class methods
@@ -213,7 +213,7 @@ def _interleaved(probes: Callable[[int, int], BenchReport], whole: Callable[[int
 def plot(report: BenchReport, path_png: str | os.PathLike) -> None:
     """Resident memory over time per strategy (median run), and total memory against the number of
     workers when the report has a worker sweep; see :mod:`ortmem.measure.plotting`."""
-    from .plotting import plot as _plot
+    from ortmem.measure.plotting import plot as _plot
 
     _plot(report, path_png)
 
@@ -395,9 +395,9 @@ def demo_model() -> str:
 
 def synth_model(preset: str) -> str:
     """A SynthConfig preset (``SYNTH_PRESETS``) as external data, generated once into the cache."""
-    from ..store.cache import cache_root
-    from ..progress import progress_bar
-    from ..synth import SynthConfig, cached_model
+    from ortmem.store.cache import cache_root
+    from ortmem.base.progress import progress_bar
+    from ortmem.measure.synth import SynthConfig, cached_model
 
     config = getattr(SynthConfig, preset)(storage="external")
     with progress_bar(f"generating the {preset} model") as bar:

@@ -5,11 +5,11 @@ from ``get_inputs()``, runs ``run(None, feeds)`` once and hashes the outputs. A 
 such session; :class:`GenaiRun` gives it those three calls, and its one run is what a genai program
 does first: greedy generation of :data:`NEW_TOKENS` tokens from the fixed prompt :data:`PROMPT`. Its
 outputs are the generated sequence and every step's logits, so equal hashes mean the same tokens and
-bit-identical logits (what ``tests/reach/test_genai.py`` compares).
+bit-identical logits (what ``tests/session/test_genai.py`` compares).
 """
 from __future__ import annotations
 
-import argparse
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,17 +61,17 @@ def create_genai_plain(folder: str, options: dict) -> GenaiRun:
 
 
 def create_genai_prepared(folder: str, options: dict) -> GenaiRun:
-    """``ortmem.reach.genai.genai_model(folder)``: the prepared files where they pass ortmem's check."""
-    from ..reach.genai import genai_model
+    """``ortmem.session.genai.genai_model(folder)``: the prepared files where they pass ortmem's check."""
+    from ortmem.session.genai import genai_model
 
     return GenaiRun(genai_model(folder))
 
 
 def prepare_genai(folder: str, options: dict, workdir: str) -> str:
-    """``ortmem prepare FOLDER`` (:func:`ortmem.cli.prepare.run`): the prepared files inside the folder."""
-    from ..cli.prepare import run as prepare_run
+    """``ortmem prepare FOLDER`` (:func:`ortmem.session.deploy.prepare_path`): the finished files inside the folder."""
+    from ortmem.session.deploy import prepare_path
 
-    code = prepare_run(argparse.Namespace(model=folder, cache=None))
+    code = prepare_path(Path(folder))
     if code:
         raise RuntimeError(f"ortmem prepare {folder} failed (exit code {code})")
     return folder

@@ -17,10 +17,10 @@ import os
 import textwrap
 from typing import TYPE_CHECKING, Any
 
-from ..units import MiB
+from ortmem.base.units import MiB
 
 if TYPE_CHECKING:
-    from .bench import BenchReport
+    from ortmem.measure.bench import BenchReport
 
 DPI = 110
 

@@ -43,12 +43,12 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Sequence
 
-from ..helper_env import helper_environment
-from . import procfs
-from .errors import ProbeError, ProbeUnsupported
-from .settle import Leftovers, flush_writes
-from .strategies import Strategy, get_strategy
-from ..units import MiB
+from ortmem.base.child_env import helper_environment
+from ortmem.base import procfs
+from ortmem.measure.failures import ProbeError, ProbeUnsupported
+from ortmem.measure.machine_state import Leftovers, flush_writes
+from ortmem.measure.strategies import Strategy, get_strategy
+from ortmem.base.units import MiB
 
 
 @dataclass
@@ -102,7 +102,7 @@ class ProbeResult:
     memray: dict[str, Any] | None = None
     prepare_wall_s: float | None = None
     #: A background process the strategy left running after the first run (a cold start's packing of
-    #: ORT's weights, ``ortmem.store.packer``): seconds from the end of the run until it finished,
+    #: ORT's weights, ``ortmem.store.finisher``): seconds from the end of the run until it finished,
     #: and its peak RSS sampled after the run (not part of any peak above: it ran after the measured
     #: phases; ``RUSAGE_CHILDREN`` cannot tell it, since a spawned child's high-water mark includes
     #: the parent's pages it shared until ``exec``).
@@ -113,14 +113,14 @@ class ProbeResult:
     #: of the same round (``stats.RatioStat``); None outside a bench and in reports that lack it.
     round: int | None = None
     heap_jitter_bytes: int = 0  # heap padding before imports (see probe())
-    #: Modules first imported during creation, by package (``onnx``, ``ortmem.session``, ...): the lazy
+    #: Modules first imported during creation, by package (``onnx``, ``ortmem.session.inference``, ...): the lazy
     #: imports a user's first call pays, measured inside ``create_wall_s`` and the creation peak.
     create_imports: list[str] = field(default_factory=list)
     #: ``session.ortmem_action`` of an ortmem session (what it gave ORT: "prepared", "pre-packed",
     #: "as-is", ...); None for other sessions.
     ortmem_action: str | None = None
     #: Processes the child's tree left running after it exited (re-parented to the bench, see
-    #: :mod:`ortmem.measure.settle`), how long the probe waited for them, and any it had to kill.
+    #: :mod:`ortmem.measure.machine_state`), how long the probe waited for them, and any it had to kill.
     leftover_pids: list[int] = field(default_factory=list)
     leftover_wait_s: float | None = None
 
@@ -155,14 +155,14 @@ def _check_supported() -> None:
 
 def _run_child(spec: dict[str, Any], workdir: str, timeout: float, sample_interval: float | None):
     """Start the child, optionally sample its tree, wait for it and for every process it left behind
-    (:class:`~ortmem.measure.settle.Leftovers`); return (result dict, samples)."""
+    (:class:`~ortmem.measure.machine_state.Leftovers`); return (result dict, samples)."""
     result_path = os.path.join(workdir, f"result-{os.getpid()}-{id(spec)}.json")
     log_path = result_path[:-5] + ".log"
     spec = {**spec, "result_path": result_path, "sys_path": [p for p in sys.path if p]}
     with open(log_path, "w+b") as log, Leftovers() as leftovers:
         t_spawn = time.monotonic()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ortmem.measure._child"],
+            [sys.executable, "-m", "ortmem.measure.probe_child"],
             stdin=subprocess.PIPE,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -335,7 +335,7 @@ def _assemble(
     t_end = ev.get("run_end", t_create_end)
     main = raw["pid"]
     slack = 2 * interval  # a sample taken just after an event still belongs to that phase
-    # A cold start's background packer (ortmem.store.packer) is spawned as the first run returns:
+    # A cold start's background packer (ortmem.store.finisher) is spawned as the first run returns:
     # until its exec, /proc shows the measured process's own memory under its pid (a 1.6 GB model's
     # run peak once read 1.96x), and afterwards it is reported apart (background_peak_bytes).
     background = set(raw.get("background_pids") or ())
@@ -387,7 +387,7 @@ def _assemble(
     sampled_helpers = helper_peak(t0, t_create_end)
     if sampled_helpers:
         # Helpers seen alive: what ran at once is in the tree's samples. A cold start's conversion
-        # helper (ortmem.handoff.conversion_process) exits before ORT creates the session: adding its
+        # helper (ortmem.session.cold_start_child) exits before ORT creates the session: adding its
         # peak to the session's counted 315 MiB that never coexisted with the session's 1101.
         helper_create = sampled_helpers
         tree_create = max((sum(q.anon + q.file for q in s.procs.values()) for s in samples

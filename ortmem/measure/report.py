@@ -20,7 +20,7 @@ JSON schema ``"ortmem.bench/2"`` (all sizes in bytes, times in seconds)::
       "schema": "ortmem.bench/2",
       "created": "2025-01-01T12:00:00+00:00",        # ISO 8601, UTC
       "environment": {"python", "onnxruntime", "numpy", "ortmem", "platform", "libc",
-                      "cpu_count", "mem_total_bytes", "ortmem_bytecode"},   # the last: ortmem.bytecode
+                      "cpu_count", "mem_total_bytes", "ortmem_bytecode"},   # the last: ortmem.base.bytecode
       "repeat": 3,
       "memray": false,                               # whether an extra memray probe was made
       "order": [[model_path, strategy, repeat_index], ...],   # the execution order
@@ -66,12 +66,12 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..units import MiB
-from .probe import ProbeResult
-from .stats import BIMODAL_GAP, AGREE_WITHIN, RatioStat, Stat, agreement, metric_modes, modes_text
-from .textable import align
-from .whole_process import WholeProcessReport
-from .workers import WorkersReport
+from ortmem.base.units import MiB
+from ortmem.measure.probe import ProbeResult
+from ortmem.measure.stats import BIMODAL_GAP, AGREE_WITHIN, RatioStat, Stat, agreement, metric_modes, modes_text
+from ortmem.measure.text_table import align
+from ortmem.measure.whole_process import WholeProcessReport
+from ortmem.measure.workers import WorkersReport
 
 SCHEMA = "ortmem.bench/2"
 READABLE_SCHEMAS = ("ortmem.bench/1", SCHEMA)
@@ -412,7 +412,7 @@ def _strategy_flags(sr: StrategyResult) -> list[str]:
     if actions:  # what the ortmem session gave ORT: a warm strategy that missed its entry shows
         flags.append("/".join(actions))
     background = [r for r in sr.runs if r.background_wall_s is not None]
-    if background:  # a cold start's packer, after the measured phases (ortmem.store.packer)
+    if background:  # a cold start's packer, after the measured phases (ortmem.store.finisher)
         flags.append(f"packer {statistics.median(r.background_wall_s for r in background):.1f} s "
                      f"{statistics.median(r.background_peak_bytes or 0 for r in background) / 2**20:.0f} MiB")
     return flags
@@ -474,7 +474,7 @@ def render_table(report: BenchReport, *, wide: bool = False) -> str:
         + "bimodal: samples split at a gap over 3% and 2 MiB (memory) or 20% and 50 ms (time) of the median, "
         "modes' medians "
         "(counts). packer: a cold start's background "
-        "packing of ORT's weights after the first run (ortmem.store.packer), s from the run's end and its "
+        "packing of ORT's weights after the first run (ortmem.store.finisher), s from the run's end and its "
         "sampled peak, outside every column."
         + ("" if wide else " --wide adds the sampled private and shared peaks, the first run, the fastest init and their ratios.")
     )

@@ -208,7 +208,7 @@ def create_ort_hygiene(model_path: str, options: dict) -> Any:
     """Plain ORT inside ``ortmem.allocator_hygiene()`` only: how much of ORT's cost is glibc retention."""
     import onnxruntime as ort
 
-    from ..hygiene import allocator_hygiene
+    from ortmem.base.hygiene import allocator_hygiene
 
     with allocator_hygiene():
         return ort.InferenceSession(model_path, _session_options(options), providers=["CPUExecutionProvider"])
@@ -216,14 +216,14 @@ def create_ort_hygiene(model_path: str, options: dict) -> Any:
 
 def _bench_cache(kind: str):
     """A cache folder private to one bench strategy, under ortmem's cache root."""
-    from ..store.cache import cache_root
+    from ortmem.store.cache import cache_root
 
     return cache_root() / "bench" / kind
 
 
 def prepare_cold(model_path: str, options: dict, workdir: str) -> str:
     """Empty the cold strategy's cache so the measured start converts from scratch."""
-    from ..store.cache import Cache
+    from ortmem.store.cache import Cache
 
     Cache(_bench_cache("cold")).clear()
     return model_path
@@ -248,14 +248,14 @@ def prepare_warm(model_path: str, options: dict, workdir: str) -> str:
     in between, which the copy gives it.
 
     Then one more start once the files are no longer new: it checks every file in full and stamps them
-    (:mod:`ortmem.store.stamps`), as a deployment's first warm start of the boot does, so the measured
+    (:mod:`ortmem.files.stamps`), as a deployment's first warm start of the boot does, so the measured
     starts are the steady ones."""
     import time
 
-    from ..store.stamps import RACY_SECONDS
+    from ortmem.files.stamps import RACY_SECONDS
 
-    from ..store.packer import wait_background
-    from .inputs import make_inputs
+    from ortmem.store.finisher import wait_background
+    from ortmem.ort.feeds import make_inputs
 
     copy = _private_copy(model_path, _bench_cache("warm-sources") / _path_tag(model_path))
     session = create_ortmem_warm(copy, options)
@@ -281,7 +281,7 @@ def _private_copy(model_path: str, folder: Path) -> str:
     import shutil
 
     import ortmem
-    from ..store.writer import source_paths
+    from ortmem.store.writer import source_paths
 
     target = folder / Path(model_path).name
     if target.exists() and target.stat().st_mtime_ns < Path(model_path).stat().st_mtime_ns:
@@ -314,7 +314,7 @@ def create_ortmem_warm_entry(model_path: str, options: dict) -> Any:
 
 def prepare_warm1(model_path: str, options: dict, workdir: str) -> str:
     """A converted entry without ORT's finished model: the next start is the first warm one."""
-    from ..store.prepared_entries import discard_every_finished
+    from ortmem.store.finished_entries import discard_every_finished
 
     session = create_ortmem_warm1(model_path, options)
     discard_every_finished(Path(os.path.dirname(session.ortmem_handoff.fallback or session.ortmem_handoff.model)))
@@ -332,10 +332,10 @@ def create_ortmem_warm1(model_path: str, options: dict) -> Any:
 
 def prepare_start2(model_path: str, options: dict, workdir: str) -> str:
     """Start 1 in this unmeasured process: an empty cache, a cold start and its first run, then wait
-    for the packer it leaves (``ortmem.store.packer``), so the measured start is the second one."""
-    from ..store.cache import Cache
-    from ..store.packer import wait_background
-    from .inputs import make_inputs
+    for the packer it leaves (``ortmem.store.finisher``), so the measured start is the second one."""
+    from ortmem.store.cache import Cache
+    from ortmem.store.finisher import wait_background
+    from ortmem.ort.feeds import make_inputs
 
     Cache(_bench_cache("start2")).clear()
     session = create_ortmem_start2(model_path, options)
@@ -363,8 +363,8 @@ def create_ortmem_nocache(model_path: str, options: dict) -> Any:
 def prepare_twin(model_path: str, options: dict, workdir: str) -> str:
     """Convert the model to its native MatMulNBits form ahead of time; plain ORT then loads that."""
     import ortmem
-    from ..convert import convert_to
-    from ..ortmodel.settings import session_settings
+    from ortmem.session.convert import convert_to
+    from ortmem.ort.settings import session_settings
 
     out = Path(workdir) / ("twin-" + _path_tag(model_path))
     if not (out / "model.onnx").exists():
@@ -374,17 +374,16 @@ def prepare_twin(model_path: str, options: dict, workdir: str) -> str:
 
 
 def prepare_prepared(model_path: str, options: dict, workdir: str) -> str:
-    """What ``ortmem prepare MODEL --cache DIR`` does (its own function, :func:`ortmem.cli.prepare.run`),
+    """What ``ortmem prepare MODEL --cache DIR`` does (:func:`ortmem.session.deploy.prepare_path`),
     into this strategy's cache, unmeasured: a QDQ model's converted entry and its pre-packed weights,
     any other model's prepared entry (or nothing, where ortmem prepares nothing: below
     ``ORTMEM_PREPARE_MIN_BYTES``, or a marker where ORT packs nothing). ``ortmem prepare`` builds what a
     default session looks up, so ``--session-config`` entries that change the key make the measured
     start miss it: the probe's ``ortmem_action`` says what the start did."""
-    import argparse
+    from ortmem.session.deploy import prepare_path
+    from ortmem.store.cache import Cache
 
-    from ..cli.prepare import run as prepare_run
-
-    code = prepare_run(argparse.Namespace(model=model_path, cache=str(_bench_cache("prepared"))))
+    code = prepare_path(Path(model_path), Cache(_bench_cache("prepared")))
     if code:
         raise RuntimeError(f"ortmem prepare {model_path} failed (exit code {code})")
     return model_path
@@ -437,5 +436,5 @@ register("genai", "ortmem.measure.genai_session:create_genai_plain",
          code="import onnxruntime_genai as og\nog.Model(og.Config({model}))")
 register("genai-prepared", "ortmem.measure.genai_session:create_genai_prepared",
          prepare="ortmem.measure.genai_session:prepare_genai",
-         description="ortmem.reach.genai.genai_model(FOLDER) after `ortmem prepare FOLDER`",
-         code="import ortmem.reach.genai\nortmem.reach.genai.genai_model({model})")
+         description="ortmem.session.genai.genai_model(FOLDER) after `ortmem prepare FOLDER`",
+         code="import ortmem.session.genai\nortmem.reach.genai.genai_model({model})")

@@ -27,7 +27,7 @@ a large parent, ``python -c "import onnxruntime"`` reports the parent's size; fr
 ``/usr/bin/time`` (itself a tiny process) reports. The launcher times spawn to reap with
 ``perf_counter`` and writes wall, user, sys, ``ru_maxrss`` and the exit code to a file.
 
-Every run starts from the same state (:mod:`ortmem.measure.settle`): a strategy's preparation step
+Every run starts from the same state (:mod:`ortmem.measure.machine_state`): a strategy's preparation step
 first (once, or before every run for ``prepare_scope="each"``), then ``os.sync()``, then the process;
 any process its tree leaves behind is waited for before the next one starts. Plain ORT (``ort``) is
 always measured in the same run, as the reference of every ratio, and so is a bare
@@ -50,14 +50,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from ..helper_env import helper_environment
-from .errors import ProbeError
-from ..units import MiB
-from .probe import Prepared, prepare, prepare_once
-from .settle import Leftovers, flush_writes
-from .stats import RatioStat, Stat, metric_modes, modes_text, schedule
-from .strategies import Strategy, get_strategy, whole_process_code
-from .textable import align
+from ortmem.base.child_env import helper_environment
+from ortmem.measure.failures import ProbeError
+from ortmem.base.units import MiB
+from ortmem.measure.probe import Prepared, prepare, prepare_once
+from ortmem.measure.machine_state import Leftovers, flush_writes
+from ortmem.measure.stats import RatioStat, Stat, metric_modes, modes_text, schedule
+from ortmem.measure.strategies import Strategy, get_strategy, whole_process_code
+from ortmem.measure.text_table import align
 
 #: The reference every ratio is taken against.
 REFERENCE = "ort"

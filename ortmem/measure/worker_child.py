@@ -28,8 +28,8 @@ def main(argv: list[str]) -> int:
         import numpy  # noqa: F401  (same imports as a probe's baseline)
         import onnxruntime  # noqa: F401
 
-        from ortmem.measure import procfs
-        from ortmem.measure.inputs import hash_outputs, make_inputs
+        from ortmem.base import procfs
+        from ortmem.ort.feeds import hash_outputs, make_inputs
         from ortmem.measure.strategies import resolve
 
         create = resolve(spec["create"])

@@ -45,14 +45,14 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Sequence
 
-from ..helper_env import helper_environment
-from . import procfs
-from .errors import ProbeError
-from ..units import MiB
-from .probe import Prepared, prepare
-from .settle import Leftovers, flush_writes
-from .strategies import get_strategy
-from .textable import align
+from ortmem.base.child_env import helper_environment
+from ortmem.base import procfs
+from ortmem.measure.failures import ProbeError
+from ortmem.base.units import MiB
+from ortmem.measure.probe import Prepared, prepare
+from ortmem.measure.machine_state import Leftovers, flush_writes
+from ortmem.measure.strategies import get_strategy
+from ortmem.measure.text_table import align
 
 DEFAULT_STRATEGIES = ("ort", "twin", "ortmem-warm")
 DEFAULT_SWEEP = (1, 2, 4, 8)
@@ -247,7 +247,7 @@ def measure_workers(
     run = WorkersRun(strategy=strat.name, n=n, together=together)
     procs: list[subprocess.Popen] = []
     ready: dict[int, dict[str, Any]] = {}
-    flush_writes()  # the same starting state as a probe's (ortmem.measure.settle)
+    flush_writes()  # the same starting state as a probe's (ortmem.measure.machine_state)
     with (tempfile.TemporaryDirectory(prefix="ortmem-workers-") as tmp, _UsedMemorySampler() as sampler,
           Leftovers() as leftovers):
         logs = [open(os.path.join(tmp, f"worker-{i}.log"), "w+b") for i in range(n)]

@@ -20,8 +20,8 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from .skeleton_edit import MS_DOMAIN
-from ..weights import page_align
+from ortmem.passes.skeleton_edit import MS_DOMAIN
+from ortmem.onnxfile.weights import page_align
 
 BORROW_KEY = "session.use_external_initializer_file_buffers_directly"
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import onnx
 
-from ..model import Model
-from ..onnx_walk import iter_graphs
-from ..weights import WeightRef, page_align
-from .rule import RuleRewrite
-from .sources import OutTensor
+from ortmem.onnxfile.model import Model
+from ortmem.onnxfile.walk import iter_graphs
+from ortmem.onnxfile.weights import WeightRef, page_align
+from ortmem.passes.rule import RuleRewrite
+from ortmem.passes.tensors import OutTensor
 
 
 @dataclass

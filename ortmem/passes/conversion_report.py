@@ -1,7 +1,7 @@
 """What a conversion did: :class:`ConversionReport`, apart from the plan it summarises.
 
 Why a module of its own, without onnx: a cold start converts in a helper process
-(:mod:`ortmem.handoff.conversion_process`) and the session's process receives the report; unpickling it
+(:mod:`ortmem.session.cold_start_child`) and the session's process receives the report; unpickling it
 from :mod:`.conversion_plan`, which imports onnx, would put onnx's import back into the very process
 the helper keeps it out of.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .conversion_plan import ConversionPlan
+    from ortmem.passes.conversion_plan import ConversionPlan
 
 
 @dataclass
@@ -22,7 +22,7 @@ class ConversionReport:
     output_bytes: int  # bytes written to weights.bin (converted + carried)
     seconds: float
     done: list[str] = field(default_factory=list)  # what each rule did (ConversionPlan.done)
-    #: Full digests (:mod:`ortmem.store.digest`) of the files written, computed while writing them; only
+    #: Full digests (:mod:`ortmem.files.digest`) of the files written, computed while writing them; only
     #: when the caller asked (a cache entry records them in its manifest).
     file_digests: dict[str, str] = field(default_factory=dict)
 

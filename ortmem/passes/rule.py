@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
-from ..model import Model
-from ..ortmodel.release import Capabilities
-from ..ortmodel.settings import OrtSettings
-from .skeleton_edit import Alias, GraphEdit
-from .sources import OutTensor
-from .writers import Sink
+from ortmem.onnxfile.model import Model
+from ortmem.ort.release import Capabilities
+from ortmem.ort.settings import OrtSettings
+from ortmem.passes.skeleton_edit import Alias, GraphEdit
+from ortmem.passes.tensors import OutTensor
+from ortmem.passes.writers import Sink
 
 #: A node of the source model: (graph path, index in that graph).
 NodeKey = tuple[str, int]

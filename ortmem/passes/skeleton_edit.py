@@ -13,9 +13,9 @@ from typing import Iterable
 import onnx
 from onnx import TensorProto
 
-from ..errors import ConversionError
-from ..onnx_walk import is_external, iter_graphs, node_label
-from .sources import OutTensor
+from ortmem.errors import ConversionError
+from ortmem.onnxfile.walk import is_external, iter_graphs, node_label
+from ortmem.passes.tensors import OutTensor
 
 #: The domain of ORT's contrib ops (MatMulNBits, GatherBlockQuantized) the rules emit.
 MS_DOMAIN = "com.microsoft"

@@ -23,10 +23,10 @@ from typing import Callable, Optional, Protocol
 
 import numpy as np
 
-from ..store.digest import RunningDigest
-from ..errors import ConversionError
-from ..weights import PAGE, WeightRef, page_align
-from .sources import OutTensor
+from ortmem.files.digest import RunningDigest
+from ortmem.errors import ConversionError
+from ortmem.onnxfile.weights import PAGE, WeightRef, page_align
+from ortmem.passes.tensors import OutTensor
 
 Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, tensor name)
 

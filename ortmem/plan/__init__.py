@@ -5,18 +5,18 @@
 - :mod:`ortmem.plan.partition`: modules placed on devices with budgets, one sub-model per stage;
 - :mod:`ortmem.plan.recompute`: a lower activation peak by recomputing cheap tensors and reordering.
 
-Names are imported on first use (:mod:`ortmem.lazy`), so importing one planner never loads the others.
+Names are imported on first use (:mod:`ortmem.base.lazy`), so importing one planner never loads the others.
 """
 from __future__ import annotations
 
-from ..errors import PlanError
-from ..lazy import lazy_attributes
+from ortmem.errors import PlanError
+from ortmem.base.lazy import lazy_attributes
 
 _OWNERS = {
-    "NodeCost": ".partition",
-    "PartitionPlan": ".partition",
-    "group_modules": ".partition",
-    "infer_device_map": ".partition",
+    "NodeCost": "ortmem.plan.partition",
+    "PartitionPlan": "ortmem.plan.partition",
+    "group_modules": "ortmem.plan.partition",
+    "infer_device_map": "ortmem.plan.partition",
 }
 __all__ = ["PlanError", *_OWNERS]
 __getattr__, __dir__ = lazy_attributes(__name__, _OWNERS)

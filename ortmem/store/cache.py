@@ -17,13 +17,13 @@ written through a mapping, so a full disk is a clean ``CacheError``, never a SIG
 
 Trust (docs/cache-security.md): the root, every entry and every file in it are created private
 (0700/0600, or the source's mode where stricter) and are read only when this user owns them, they
-are not symbolic links, and neither group nor others may write them (:mod:`ortmem.store.trust`).
-:func:`ortmem.store.trust.cache_file_problem` is the one check every file read from the cache passes (an entry's files and
+are not symbolic links, and neither group nor others may write them (:mod:`ortmem.files.trust`).
+:func:`ortmem.files.trust.cache_file_problem` is the one check every file read from the cache passes (an entry's files and
 manifest, and every other file in its folder, pre-packed weights included), so a new kind of file
 cannot be read unchecked. A folder that already exists is never re-moded (a user's 0777
 ``ORTMEM_CACHE_DIR`` stays 0777 and is then not used; with the sticky bit, as /tmp has, the private
 ``converted/`` folder ortmem creates in it is).
-Integrity: the manifest records a full digest of every file (:mod:`ortmem.store.digest`), checked on
+Integrity: the manifest records a full digest of every file (:mod:`ortmem.files.digest`), checked on
 every lookup in full, sampled or not at all (``verify=``), and in full before anything is derived
 from the entry (pre-packing) and by ``ortmem cache verify``.
 """
@@ -42,24 +42,12 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from . import digest
-from ..errors import CacheError
-from ..helper_env import STORE_FOLDER, cache_folder
-from .layout import MANIFEST, MODEL_FILE, SOURCE_LINK_PREFIX, WEIGHTS_FILE, Entry, reclaimable_bytes
-from .sources import linked_digests, private_mode, source_content, source_record, sources_problem
-from .trust import (
-    PRIVATE_FILE_MODE,
-    TMP_PREFIX,
-    TRASH_PREFIX,
-    cache_file_problem,
-    fsync_dir,
-    make_private_dir,
-    parent_untrusted_reason,
-    read_nofollow,
-    remove_aside,
-    untrusted_reason,
-    write_new,
-)
+from ortmem.files import digest
+from ortmem.errors import CacheError
+from ortmem.base.child_env import STORE_FOLDER, cache_folder
+from ortmem.files.layout import MANIFEST, MODEL_FILE, SOURCE_LINK_PREFIX, WEIGHTS_FILE, Entry, reclaimable_bytes
+from ortmem.store.sources import linked_digests, private_mode, source_content, source_record, sources_problem
+from ortmem.files.trust import (PRIVATE_FILE_MODE, TMP_PREFIX, TRASH_PREFIX, cache_file_problem, fsync_dir, make_private_dir, parent_untrusted_reason, read_nofollow, remove_aside, untrusted_reason, write_new)
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +72,7 @@ def cache_root() -> Path:
 
 
 def spot_digest(path: Path, spans: list[tuple[int, int]]) -> str:
-    """Sampled digest of ``spans`` (:func:`ortmem.store.digest.sampled_digest`)."""
+    """Sampled digest of ``spans`` (:func:`ortmem.files.digest.sampled_digest`)."""
     return digest.sampled_digest(path, spans)
 
 
@@ -173,12 +161,12 @@ class Cache:
         """None when the entry is whole, private and what its manifest says; else what is wrong.
 
         ``mode`` (default: the cache's ``verify``): "always" digests every byte of every file, "full" too
-        unless this boot already did with the file unchanged (:mod:`ortmem.store.stamps`),
+        unless this boot already did with the file unchanged (:mod:`ortmem.files.stamps`),
         "sampled" the first and last page of every weight span of ``weights.bin`` and every small file
-        in full (a prepared entry's data file is sampled by :mod:`ortmem.store.prepared_entries`, which
+        in full (a prepared entry's data file is sampled by :mod:`ortmem.store.finished_entries`, which
         knows its spans), "off" checks sizes and the skeleton.
         Every file in the entry's folder, listed in its manifest or not (pre-packed weights, and any
-        file a later kind of entry adds), passes :func:`ortmem.store.trust.cache_file_problem`: one symbolic link, file of
+        file a later kind of entry adds), passes :func:`ortmem.files.trust.cache_file_problem`: one symbolic link, file of
         another user or file others may write, and the whole entry is refused. Names starting with "."
         are a writer's temporaries, which no reader opens.
         """
@@ -199,7 +187,7 @@ class Cache:
         digests = m.get("digests")
         if not isinstance(files, dict) or not isinstance(digests, dict) or (MODEL_FILE not in files
                                                                           and m.get("marker") is not True):
-            return "manifest lists no files"  # only a marker (a decision, no model: ortmem.store.prepared_entries) has none
+            return "manifest lists no files"  # only a marker (a decision, no model: ortmem.store.finished_entries) has none
         for name in files:
             if os.sep in str(name) or str(name).startswith("."):
                 return f"manifest names {name!r}"
@@ -317,7 +305,7 @@ class Cache:
         holds it after ``timeout``: a stopped or starved holder must never stall later starts, so the
         caller goes on without the entry's new work (loads the entry as it is, or converts without the cache).
         ``timeout=0`` never waits. ``inherited_fd``: a descriptor of the lock file already locked by
-        the process that started this one (:mod:`ortmem.store.packer`), adopted instead of locking anew.
+        the process that started this one (:mod:`ortmem.store.finisher`), adopted instead of locking anew.
 
         The lock is an ``flock`` on ``<root>/.lock-<key>``, whose holder writes its pid into it and
         removes it before it lets go, so nothing is left behind (:func:`acquire_creator_lock`). A lock
@@ -447,7 +435,7 @@ class Cache:
         limit = os.environ.get("ORTMEM_CACHE_MAX_SIZE")
         if not limit:
             return 0
-        from ..units import parse_bytes
+        from ortmem.base.units import parse_bytes
 
         freed = self.prune(parse_bytes(limit), keep=keep)
         if freed:
@@ -677,7 +665,7 @@ def remove_unheld_lock(path: Path) -> bool:
     """Remove the creator lock file ``path`` when no live process holds its lock; True if removed.
 
     A creator killed after publishing leaves its lock file, which no one removes otherwise (and
-    whose presence tells :mod:`ortmem.store.packer` that packing is under way). Safe beside live
+    whose presence tells :mod:`ortmem.store.finisher` that packing is under way). Safe beside live
     processes: the lock is taken without waiting, exactly as a creator takes it, and the file removed
     as its holder removes it (:func:`release_creator_lock`), so a holder keeps its lock and a waiter
     that opened the old file opens the path again. Where ``flock`` is missing the file stays: who

@@ -3,17 +3,17 @@
 Why apart from the lookup (:mod:`ortmem.store.verdict`): a hit is also what a creator finds after
 waiting at the entry's creator lock (:mod:`ortmem.store.publish`), and both answer it the same way.
 A hit never packs or finishes anything and never waits for another process: ORT's finished model is
-made in the background after a session's first run (:mod:`ortmem.store.packer`).
+made in the background after a session's first run (:mod:`ortmem.store.finisher`).
 """
 from __future__ import annotations
 
 import logging
 
-from ..ortmodel.settings import OrtSettings, Packing
-from .cache import Cache
-from .layout import Entry
-from .prepared_entries import converted_finished, finishing_settings, settings_record
-from .start import CACHE_HIT, PREPARED, Start
+from ortmem.ort.settings import OrtSettings, Packing
+from ortmem.store.cache import Cache
+from ortmem.files.layout import Entry
+from ortmem.store.finished_entries import converted_finished, finishing_settings, settings_record
+from ortmem.store.start import CACHE_HIT, PREPARED, Start
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +23,9 @@ def entry_start(cache: Cache, entry: Entry, finishing: bool, settings: OrtSettin
     finished models, every config entry of the caller readable), ORT's finished model of the entry at
     the caller's settings (``"prepared"``, checked as the cache's ``verify`` asks), else the entry itself
     (``"cache-hit"``). An entry not finished yet for these settings carries, in ``later``, the background
-    job that finishes it after this session's first run (:class:`ortmem.store.packer.PrepackLater`: only
+    job that finishes it after this session's first run (:class:`ortmem.store.finisher.PrepackLater`: only
     in a cache that can be written, and for weights of at least
-    :func:`ortmem.model_facts.min_prepared_bytes`)."""
+    :func:`ortmem.onnxfile.scan.min_prepared_bytes`)."""
     if not finishing:
         return Start(CACHE_HIT, path=entry.model_path, entry=entry, cache=cache, hit=True)
     path, settled = converted_finished(cache, entry, finishing_settings(settings, packing[0]))
@@ -33,7 +33,7 @@ def entry_start(cache: Cache, entry: Entry, finishing: bool, settings: OrtSettin
         return Start(PREPARED, path=path, fallback=entry.model_path, entry=entry, cache=cache, hit=True)
     if settled:
         return Start(CACHE_HIT, path=entry.model_path, entry=entry, cache=cache, hit=True)
-    from .packer import PrepackLater  # only a start that leaves work for later imports the packer
+    from ortmem.store.finisher import PrepackLater  # only a start that leaves work for later imports the packer
 
     later = PrepackLater(str(cache.root), entry.key, cache.verify_mode, dict(packing[0]), packing[1],
                          kind="converted", settings=settings_record(settings, True))

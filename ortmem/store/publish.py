@@ -2,7 +2,7 @@
 
 Why apart from the lookup (:mod:`ortmem.store.verdict`): only a start that converts publishes, and it
 comes here with the model loaded and its conversion planned; a warm start never imports this. A
-start whose conversion ran in a helper process (:mod:`ortmem.handoff.conversion_process`) takes only
+start whose conversion ran in a helper process (:mod:`ortmem.session.cold_start_child`) takes only
 :func:`new_entry_start` from here: the writer, and with it the passes and onnx, is imported by
 :func:`publish` alone. The folder is the writer's (:mod:`ortmem.store.writer`), keys and source records are
 :mod:`ortmem.store.sources`', publishing and the creator lock the cache's (:mod:`ortmem.store.cache`).
@@ -12,20 +12,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..model import Model
-from ..ortmodel.settings import OrtSettings, Packing
-from .cache import Cache
-from .hit import entry_start
-from .packer import PrepackLater
-from .layout import Entry
-from .sources import converted_key
-from .start import CONVERTED, Start
+from ortmem.onnxfile.model import Model
+from ortmem.ort.settings import OrtSettings, Packing
+from ortmem.store.cache import Cache
+from ortmem.store.hit import entry_start
+from ortmem.store.finisher import PrepackLater
+from ortmem.files.layout import Entry
+from ortmem.store.sources import converted_key
+from ortmem.store.start import CONVERTED, Start
 
 if TYPE_CHECKING:
-    from ..passes.conversion_plan import ConversionPlan
-    from ..passes.conversion_report import ConversionReport
-    from ..passes.writers import Progress
-    from .writer import Written
+    from ortmem.passes.conversion_plan import ConversionPlan
+    from ortmem.passes.conversion_report import ConversionReport
+    from ortmem.passes.writers import Progress
+    from ortmem.store.writer import Written
 
 def publish(cache: Cache, model: Model, plan: "ConversionPlan", *, settings: OrtSettings,
             progress: Optional["Progress"] = None, fp16_in_fp32: Optional[bool] = None, prepacked: bool = False,
@@ -38,7 +38,7 @@ def publish(cache: Cache, model: Model, plan: "ConversionPlan", *, settings: Ort
     A holder that takes longer raises :class:`ortmem.store.cache.LockBusyError` (a ``CacheError``).
 
     A new entry answers ``"converted"`` (:func:`new_entry_start`)."""
-    from .writer import entry_writer, source_paths  # the passes, and onnx: only a start that converts here
+    from ortmem.store.writer import entry_writer, source_paths  # the passes, and onnx: only a start that converts here
 
     key = converted_key(model.path, settings, {"fp16_in_fp32": fp16_in_fp32})
     # as many threads as ORT's own fusion would take for the caller's options (packing[1]: intra-op)
@@ -65,10 +65,10 @@ def new_entry_start(cache: Cache, entry: Entry, report: Optional["ConversionRepo
                     settings: OrtSettings, packing: Packing) -> Start:
     """The verdict on an entry just built (here or by a helper process): ``"converted"``, with the
     conversion's report and, when ``finishing``, ORT's finishing of the entry at the caller's
-    ``settings`` and ``packing`` after the session's first run (:class:`ortmem.store.packer.PrepackLater`,
+    ``settings`` and ``packing`` after the session's first run (:class:`ortmem.store.finisher.PrepackLater`,
     which starts nothing for small weights or a read-only cache)."""
     later = None
-    if finishing:  # the settings as ortmem.store.prepared_entries.settings_record writes them
+    if finishing:  # the settings as ortmem.store.finished_entries.settings_record writes them
         record = {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
                   "disabled": sorted(settings.disabled_optimizers), "converting": True}
         later = PrepackLater(str(cache.root), entry.key, cache.verify_mode, dict(packing[0]), packing[1],

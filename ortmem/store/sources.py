@@ -20,15 +20,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from .. import __version__
-from ..short_hash import short_hash
-from . import digest
-from .layout import SOURCE_LINK_PREFIX
-from .trust import RACY_SECONDS
-from .trust import PRIVATE_FILE_MODE
+from ortmem import __version__
+from ortmem.base.hashing import short_hash
+from ortmem.files import digest
+from ortmem.files.layout import SOURCE_LINK_PREFIX
+from ortmem.files.trust import RACY_SECONDS
+from ortmem.files.trust import PRIVATE_FILE_MODE
 
 if TYPE_CHECKING:
-    from ..ortmodel.settings import OrtSettings
+    from ortmem.ort.settings import OrtSettings
 
 #: Bumped whenever the converted graph for the same input changes (new rewrites, different layouts),
 #: so entries written by an older conversion are never taken for hits.
@@ -122,7 +122,7 @@ def same_source(recorded: dict[str, Any], current: dict[str, Any]) -> Optional[b
     return False
 
 
-# A source modified within RACY_SECONDS (ortmem.store.trust) may be rewritten again within the same
+# A source modified within RACY_SECONDS (ortmem.files.trust) may be rewritten again within the same
 # filesystem timestamp tick with the same size, which ``stat`` cannot see (git's "racy" files). Such an
 # entry records a full digest of its sources, checked on lookups until the source is older than that.
 
@@ -164,7 +164,7 @@ def sources_problem(manifest: dict[str, Any]) -> tuple[Optional[str], dict[str, 
 
 
 def source_content(paths: list[Path]) -> list[str]:
-    """The full digest of each source file (:func:`ortmem.store.digest.file_digest`), in order."""
+    """The full digest of each source file (:func:`ortmem.files.digest.file_digest`), in order."""
     return [digest.file_digest(Path(p).resolve()) for p in paths]
 
 

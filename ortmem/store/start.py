@@ -9,9 +9,9 @@ Kinds (:attr:`Start.kind`, also the session's ``ortmem_action`` for a hit):
 
 - ``"cache-hit"``: a converted entry's model itself (pre-packing off, not CPU-only, or ORT has not
   finished it yet: ``later`` then finishes it after the first run);
-- ``"prepared"``: ORT's finished model (:mod:`ortmem.store.prepared`), loaded with graph optimizations
+- ``"prepared"``: ORT's finished model (:mod:`ortmem.store.finished`), loaded with graph optimizations
   off: a converted entry's (``fallback`` is the entry's own model) or the prepared entry of a model
-  ortmem does not convert (:mod:`ortmem.store.prepared_entries`; ``fallback`` is the source itself);
+  ortmem does not convert (:mod:`ortmem.store.finished_entries`; ``fallback`` is the source itself);
 - ``"converted"``: the entry :func:`ortmem.store.publish.publish` just built (a cold start);
 - ``"unconverted"``: nothing to load, and the store knows why: the model's prepared entry is a marker
   (nothing of it worth mapping), recorded under these settings and versions by a start whose loader
@@ -25,14 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from .layout import Entry
-from .layout import MODEL_FILE
-from .prepared import discard_finished
+from ortmem.files.layout import Entry
+from ortmem.files.layout import MODEL_FILE
+from ortmem.store.finished import discard_finished
 
 if TYPE_CHECKING:
-    from ..passes.conversion_report import ConversionReport
-    from .cache import Cache
-    from .packer import PrepackLater
+    from ortmem.passes.conversion_report import ConversionReport
+    from ortmem.store.cache import Cache
+    from ortmem.store.finisher import PrepackLater
 
 MISS = "miss"
 CONVERTED = "converted"
@@ -52,14 +52,14 @@ class Start:
     fallback: Optional[Path] = None
     #: The converted or prepared entry behind ``path``.
     entry: Optional[Entry] = None
-    #: Work for after the session's first run (:mod:`ortmem.store.packer`): finishing a converted entry
+    #: Work for after the session's first run (:mod:`ortmem.store.finisher`): finishing a converted entry
     #: (new, or found not yet finished), or, on a miss, building the model's prepared entry if ORT gets
     #: the model unconverted.
     later: Optional["PrepackLater"] = None
     cache: Optional["Cache"] = None
     #: What was converted (``"converted"`` only; None on a hit or a miss).
     report: Optional["ConversionReport"] = None
-    #: ``"converted"`` by a helper process (:mod:`ortmem.handoff.conversion_process`): the starting
+    #: ``"converted"`` by a helper process (:mod:`ortmem.session.cold_start_child`): the starting
     #: process converted nothing.
     in_helper: bool = False
     #: ORT loads a converted entry found in the cache (its model, or ORT's finished one of it).

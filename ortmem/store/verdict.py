@@ -6,12 +6,12 @@ and what is left for after the session's first run. Everything the answer depend
 :func:`start`: the keys (:mod:`ortmem.store.sources`), every lookup with its trust, digest and sources
 checks (:mod:`ortmem.store.cache`), a converted entry's hit with the full check before anything is
 derived from it and ORT's finished model of it (:mod:`ortmem.store.hit`), a prepared
-entry's own check (:mod:`ortmem.store.prepared_entries`), and the work left for the background packer
-(:mod:`ortmem.store.packer`). A miss that converts then publishes its entry through
-:func:`ortmem.store.publish.publish`. The caller (:mod:`ortmem.handoff`) never verifies, discards or
+entry's own check (:mod:`ortmem.store.finished_entries`), and the work left for the background packer
+(:mod:`ortmem.store.finisher`). A miss that converts then publishes its entry through
+:func:`ortmem.store.publish.publish`. The caller (:mod:`ortmem.session`) never verifies, discards or
 locks anything itself, and the store never asks the release whether ORT saves pre-packed weights:
 ``prepacked`` says so, decided once when the caller's request was built
-(:class:`ortmem.handoff.request.Request`), as are the settings packing depends on (``packing``).
+(:class:`ortmem.session.request.Request`), as are the settings packing depends on (``packing``).
 """
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from ..helper_env import STORE_FOLDER, cache_folder
-from ..ortmodel.settings import OrtSettings, Packing
-from .cache import Cache
-from .hit import entry_start
-from .prepared_entries import is_marker, prepared_key, settings_record, usable_prepared
-from .sources import converted_key
-from .start import MISS, PREPARED, UNCONVERTED, Start
+from ortmem.base.child_env import STORE_FOLDER, cache_folder
+from ortmem.ort.settings import OrtSettings, Packing
+from ortmem.store.cache import Cache
+from ortmem.store.hit import entry_start
+from ortmem.store.finished_entries import is_marker, prepared_key, settings_record, usable_prepared
+from ortmem.store.sources import converted_key
+from ortmem.store.start import MISS, PREPARED, UNCONVERTED, Start
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def lookup(cache: Optional[Cache], path: Path, *, settings: OrtSettings, fp16_in
     A miss of a model ORT may get unconverted carries, in ``later``, the building of its prepared
     entry after the first run (only for a cache that can be written: a read-only deployment leaves
     nothing to do); the handoff starts it only if ORT does get the model unconverted and it is large
-    enough (:func:`ortmem.model_facts.min_prepared_bytes`)."""
+    enough (:func:`ortmem.onnxfile.scan.min_prepared_bytes`)."""
     if cache is None or not path.is_file():
         return Start(MISS)
     if converting:
@@ -100,7 +100,7 @@ def lookup(cache: Optional[Cache], path: Path, *, settings: OrtSettings, fp16_in
     if entry is None:  # built after the first run, if ORT gets the model unconverted and the cache can be written
         if not cache.writable:
             return Start(MISS)
-        from .packer import PrepackLater  # only a miss leaves work for later: a warm start never imports it
+        from ortmem.store.finisher import PrepackLater  # only a miss leaves work for later: a warm start never imports it
 
         return Start(MISS, later=PrepackLater(str(cache.root), key, cache.verify_mode, dict(config), threads,
                                               kind="prepared", source=str(path),

@@ -1,9 +1,9 @@
 """The store's writer: a loaded model and its conversion plan in, a converted model folder out.
 
 The folder holds ``model.onnx`` (the rewritten skeleton) and ``weights.bin`` (every weight,
-page-aligned; the names are the store's folder format, :mod:`ortmem.store.layout`). It is what a cache
+page-aligned; the names are the store's folder format, :mod:`ortmem.files.layout`). It is what a cache
 entry holds (:func:`ortmem.store.publish.publish` writes it through :func:`entry_writer`), what
-``ortmem convert`` writes into a folder of the user's (:func:`ortmem.convert.convert_to`) and what a
+``ortmem convert`` writes into a folder of the user's (:func:`ortmem.session.convert.convert_to`) and what a
 converting start writes into a private temporary folder; ORT loads it by path and memory-maps each
 tensor, so nothing is copied again. Keys, lookups, source records and publishing are the rest of the
 store's: this module only writes the folder it is given.
@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from . import digest
-from .layout import MODEL_FILE, SOURCE_LINK_PREFIX, WEIGHTS_FILE
-from .trust import PRIVATE_FILE_MODE, reserve, write_new
-from ..model import Model
-from ..passes.conversion import rewrite_skeleton, write_weights
-from ..passes.conversion_plan import ConversionPlan, out_tensors, relocate_carried
-from ..passes.conversion_report import ConversionReport
-from ..passes.writers import Progress
+from ortmem.files import digest
+from ortmem.files.layout import MODEL_FILE, SOURCE_LINK_PREFIX, WEIGHTS_FILE
+from ortmem.files.trust import PRIVATE_FILE_MODE, reserve, write_new
+from ortmem.onnxfile.model import Model
+from ortmem.passes.engine import rewrite_skeleton, write_weights
+from ortmem.passes.conversion_plan import ConversionPlan, out_tensors, relocate_carried
+from ortmem.passes.conversion_report import ConversionReport
+from ortmem.passes.writers import Progress
 
 
 @dataclass(frozen=True)

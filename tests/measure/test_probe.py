@@ -23,7 +23,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from ortmem.measure import STRATEGIES, ProbeError, ProbeUnsupported, Strategy, probe, procfs
+from ortmem.measure import STRATEGIES, ProbeError, ProbeUnsupported, Strategy, probe
+from ortmem.base import procfs
 from ortmem.measure.bench import (
     SCHEMA,
     StrategyResult,
@@ -37,8 +38,8 @@ from ortmem.measure.bench import (
     to_json_dict,
     write_json,
 )
-from ortmem.measure.gate import assert_session_peak_below, session_memory_budget  # noqa: F401
-from ortmem.measure.inputs import make_inputs, resolve_dim
+from ortmem.measure.budget_gate import assert_session_peak_below, session_memory_budget  # noqa: F401
+from ortmem.ort.feeds import make_inputs, resolve_dim
 
 MiB = 1 << 20
 HERE = os.path.abspath(__file__)

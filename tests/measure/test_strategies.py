@@ -13,8 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ortmem.measure.bench import run_bench
 from ortmem.measure.workers import run_workers
-from ortmem.ortmodel.release import capabilities
-from ortmem.model_facts import MIN_BYTES_ENV
+from ortmem.ort.release import capabilities
+from ortmem.onnxfile.scan import MIN_BYTES_ENV
 
 pytestmark = pytest.mark.skipif(not capabilities().prepacked_save, reason="this onnxruntime saves no pre-packed weights")
 

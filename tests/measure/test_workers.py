@@ -12,8 +12,8 @@ import pytest
 from ortmem.measure.bench import add_arguments, main
 from ortmem.measure.report import read_json
 from ortmem.measure.workers import WorkerReading, WorkersRun, extrapolate, predicted_rise, run_workers
-from ortmem.ortmodel.release import capabilities
-from ortmem.synth import SynthConfig, cached_model
+from ortmem.ort.release import capabilities
+from ortmem.measure.synth import SynthConfig, cached_model
 
 pytestmark = pytest.mark.slow
 HERE = os.path.abspath(__file__)
@@ -40,7 +40,7 @@ def test_warm_workers_share_the_weights_and_ort_does_not(model: str) -> None:
         assert len(r.workers) == r.n and r.ready_wall_s and r.ready_wall_s > 0
     assert ort1.workers[0].peak_private >= ort1.workers[0].pss_anon * 0.9  # VmHWM - RssFile
     if not capabilities().prepacked_save:
-        pytest.skip("this onnxruntime saves no pre-packed weights (ortmem.ortmodel.release): warm workers "
+        pytest.skip("this onnxruntime saves no pre-packed weights (ortmem.ort.release): warm workers "
                     "pack on their own heaps, as ORT's do")
     ort_extra = ort2.total_private_bytes - ort1.total_private_bytes
     warm_extra = warm2.total_private_bytes - warm1.total_private_bytes
@@ -91,7 +91,7 @@ def test_four_workers_on_an_empty_cache_convert_once(model: str, tmp_path: Path)
 def _ort_output_hash(model: str) -> str:
     import onnxruntime as ort
 
-    from ortmem.measure.inputs import hash_outputs, make_inputs
+    from ortmem.ort.feeds import hash_outputs, make_inputs
 
     sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     return hash_outputs([o.name for o in sess.get_outputs()], sess.run(None, make_inputs(sess, {})))

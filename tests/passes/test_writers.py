@@ -12,13 +12,13 @@ import onnxruntime as ort
 import pytest
 
 import ortmem
-from ortmem.store import digest
+from ortmem.files import digest
 from ortmem.store.cache import Cache
-from ortmem.convert import convert_cached
-from ortmem.ortmodel.settings import session_settings
+from ortmem.session.convert import convert_cached
+from ortmem.ort.settings import session_settings
 from ortmem.errors import ConversionError
-from ortmem.passes import dq_matmul
-from ortmem.passes.conversion import plan_conversion, write_weights
+from ortmem.passes.rules import dq_matmul
+from ortmem.passes.engine import plan_conversion, write_weights
 from tests.support.builders import tiny_decoder
 
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
@@ -161,11 +161,11 @@ def test_the_caller_s_intra_op_threads_reach_the_conversion(tmp_path: Path, monk
     """A session with intra_op_num_threads=3 converts its cold start on three threads, as ORT's own
     fusion would use three (with the conversion in this process: the helper takes the count in its
     job the same way)."""
-    from ortmem.passes import conversion
+    from ortmem.passes import engine
 
     monkeypatch.setenv("ORTMEM_CONVERT_HELPER_MIN_BYTES", str(1 << 40))  # convert here, where we can see it
     seen: list[int] = []
-    real = conversion.write_weights
+    real = engine.write_weights
 
     def recording(*a, threads=None, **k):
         seen.append(threads)

@@ -20,16 +20,16 @@ import onnxruntime as ort
 import pytest
 
 import ortmem
-from ortmem.store.prepared_entries import finished_stems
-from ortmem import model_facts
-from ortmem.store import packer as prepack_later
-from ortmem.store import layout
-from ortmem.store.prepared import prepared_problem
+from ortmem.store.finished_entries import finished_stems
+from ortmem.onnxfile import scan
+from ortmem.store import finisher
+from ortmem.files import layout
+from ortmem.store.finished import prepared_problem
 from ortmem.store.cache import creator_lock_path
 from ortmem.store.sources import converted_key
-from ortmem.ortmodel.release import capabilities
-from ortmem.ortmodel.settings import session_settings
-from ortmem.synth import SynthConfig, write_model
+from ortmem.ort.release import capabilities
+from ortmem.ort.settings import session_settings
+from ortmem.measure.synth import SynthConfig, write_model
 from tests.support.reference import run_plain
 
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
@@ -77,7 +77,7 @@ def hold_lock() -> Iterator[Callable[[Path, str], subprocess.Popen]]:
 @pytest.fixture
 def model(tmp_path, monkeypatch) -> Path:
     """A small QDQ model, finished by ORT as a large one is (children inherit the variable)."""
-    monkeypatch.setenv(model_facts.MIN_BYTES_ENV, "0")
+    monkeypatch.setenv(scan.MIN_BYTES_ENV, "0")
     return write_model(SynthConfig.tiny(storage="external"), tmp_path / "model.onnx")
 
 
@@ -124,7 +124,7 @@ def test_a_warm_start_never_waits_for_a_held_lock_and_finishes_nothing(model, tm
     the holder is gone (killed: its lock file stays), the next first run's job finishes the entry and
     the start after it loads ORT's finished model."""
     monkeypatch.setenv("ORTMEM_LOCK_TIMEOUT", "60")  # would be seen if the warm start waited at all
-    monkeypatch.setenv(model_facts.MIN_BYTES_ENV, "0")  # the small model is finished as a large one is
+    monkeypatch.setenv(scan.MIN_BYTES_ENV, "0")  # the small model is finished as a large one is
     cache = tmp_path / "cache"
     expected = run_plain(model, FEEDS)[0]
     cold = ortmem.InferenceSession(model, providers=CPU, cache=cache)
@@ -136,23 +136,23 @@ def test_a_warm_start_never_waits_for_a_held_lock_and_finishes_nothing(model, tm
     assert time.monotonic() - t0 < WATCHDOG_SECONDS / 4
     assert warm.ortmem_cache_hit and warm.ortmem_action == "cache-hit"
     assert np.array_equal(warm.run(None, FEEDS)[0], expected)
-    assert prepack_later.wait_background(120)
+    assert finisher.wait_background(120)
     assert not _finished(entry)
     _release(holder)
     assert creator_lock_path(cache, entry.name).exists()
     again = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     assert again.ortmem_action == "cache-hit"
     assert np.array_equal(again.run(None, FEEDS)[0], expected)
-    assert prepack_later.wait_background(120) and _finished(entry)
+    assert finisher.wait_background(120) and _finished(entry)
     finished = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     assert finished.ortmem_action == "prepared" and finished.ortmem_cache_hit
     assert np.array_equal(finished.run(None, FEEDS)[0], expected)
     assert not creator_lock_path(cache, entry.name).exists()
 
 
-def _packer(job: prepack_later.PrepackLater) -> subprocess.CompletedProcess:
+def _packer(job: finisher.PrepackLater) -> subprocess.CompletedProcess:
     """The background packer's own command, run to the end (no lock handed to it)."""
-    return subprocess.run([sys.executable, "-m", "ortmem.store.packer", json.dumps(asdict(job))],
+    return subprocess.run([sys.executable, "-m", "ortmem.store.finisher", json.dumps(asdict(job))],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -163,10 +163,10 @@ def test_the_packer_never_packs_while_another_process_holds_the_lock(model, tmp_
     cache = tmp_path / "cache"
     ortmem.InferenceSession(model, providers=CPU, cache=cache)
     entry = next(p for p in cache.iterdir() if not p.name.startswith("."))
-    job = prepack_later.PrepackLater(str(cache), entry.name)
+    job = finisher.PrepackLater(str(cache), entry.name)
     holder = hold_lock(cache, entry.name)
-    before = len(prepack_later.started_packers())
-    assert job.start() is None and len(prepack_later.started_packers()) == before
+    before = len(finisher.started_packers())
+    assert job.start() is None and len(finisher.started_packers()) == before
     assert _packer(job).returncode == 0
     assert not _finished(entry)
     _release(holder)
@@ -181,7 +181,7 @@ def test_a_started_packer_holds_the_lock_until_it_is_done(model, tmp_path):
     cache = tmp_path / "cache"
     ortmem.InferenceSession(model, providers=CPU, cache=cache)
     entry = next(p for p in cache.iterdir() if not p.name.startswith("."))
-    job = prepack_later.PrepackLater(str(cache), entry.name)
+    job = finisher.PrepackLater(str(cache), entry.name)
     proc = job.start()
     assert proc is not None
     assert job.start() is None  # claimed by the running packer
@@ -195,7 +195,7 @@ _FORKED = r"""
 import hashlib, json, os, sys
 import numpy as np
 import ortmem
-from ortmem.store import packer as prepack_later
+from ortmem.store import finisher
 os.environ["ORTMEM_PREPARE_MIN_BYTES"] = "0"  # the tiny model gets a background job, as a large one would
 feeds = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 s = ortmem.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"], cache=sys.argv[2])
@@ -208,8 +208,8 @@ for _ in range(int(sys.argv[3])):  # gunicorn --preload: the master created the 
     if pid == 0:
         os.read(go_r, 1)  # every worker's first run at the same moment
         out = s.run(None, feeds)[0]
-        started = len(prepack_later.started_packers())
-        done = prepack_later.wait_background(120)
+        started = len(finisher.started_packers())
+        done = finisher.wait_background(120)
         line = json.dumps({"packers": started, "done": done, "out": hashlib.sha256(out.tobytes()).hexdigest()})
         os.write(res_w, (line + "\n").encode())
         os._exit(0)
@@ -219,7 +219,7 @@ status = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in kids]
 os.close(res_w)
 with os.fdopen(res_r) as f:
     results = [json.loads(line) for line in f]
-print(json.dumps({"status": status, "results": results, "parent": len(prepack_later.started_packers())}))
+print(json.dumps({"status": status, "results": results, "parent": len(finisher.started_packers())}))
 """
 
 

@@ -1,4 +1,4 @@
-"""Warm starts load ORT's finished model (ortmem.store.prepared): the graph ORT optimized at the caller's
+"""Warm starts load ORT's finished model (ortmem.store.finished): the graph ORT optimized at the caller's
 settings, every weight its optimizers and constant folding made, and its pre-packed buffers, mapped.
 
 Per model class (a conv net whose filters ORT reorders to NCHWc at ORT_ENABLE_ALL, a GroupQueryAttention
@@ -22,13 +22,13 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ortmem
-from ortmem import model_facts
+from ortmem.onnxfile import scan
 from ortmem.cli import main as cli_main
-from ortmem.handoff.request import Request
-from ortmem.ortmodel import release, settings as ort_settings
-from ortmem.ortmodel.release import capabilities
-from ortmem.store import packer
-from tests.store.test_prepared import mlp
+from ortmem.session.request import Request
+from ortmem.ort import release, settings as ort_settings
+from ortmem.ort.release import capabilities
+from ortmem.store import finisher
+from tests.store.test_finished_saves import mlp
 from tests.support.decoders import decoder_feeds, gqa_decoder
 from tests.support.reference import CPU, run_plain
 
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.skipif(not capabilities().prepacked_save, reason="this 
 @pytest.fixture
 def any_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every model may get a finished entry (children inherit the variable)."""
-    monkeypatch.setenv(model_facts.MIN_BYTES_ENV, "0")
+    monkeypatch.setenv(scan.MIN_BYTES_ENV, "0")
 
 
 def conv_net(path: Path, layers: int = 6, channels: int = 192) -> Path:
@@ -80,7 +80,7 @@ CLASSES: dict[str, tuple[Callable[[Path], Path], Callable[[], dict]]] = {
 _CHILD = r"""
 import json, sys, numpy as np
 import onnxruntime as ort
-from ortmem.measure import procfs
+from ortmem.base import procfs
 what, model, feeds_file, out_file = sys.argv[1:5]
 feeds = dict(np.load(feeds_file))
 if what == "empty":
@@ -156,7 +156,7 @@ def test_an_entry_answers_only_the_settings_it_was_finished_at(tmp_path: Path, a
         assert s.ortmem_action != "prepared", (options, kwargs)
         plain = ort.InferenceSession(str(model), options, providers=CPU, **kwargs).run(None, feeds)
         assert all(np.array_equal(a, b) for a, b in zip(s.run(None, feeds), plain))
-        assert packer.wait_background(120)
+        assert finisher.wait_background(120)
 
     s = ortmem.InferenceSession(model, no_qdq, providers=CPU, cache=cache)
     assert s.ortmem_action == "prepared"  # its own entry (its first run above left the finishing to the background)

@@ -1,5 +1,5 @@
 """Converted entries finished by ORT: after a cold start's first run the background job saves ORT's
-finished model of the converted entry (:func:`ortmem.store.prepared_entries.finish_converted`), and later
+finished model of the converted entry (:func:`ortmem.store.finished_entries.finish_converted`), and later
 starts load it with graph optimizations off, mapping ORT's pre-packed weights.
 
 Every start gives plain ORT's outputs on the QDQ source; the finished model is used only on the CPU EP
@@ -19,13 +19,14 @@ import onnxruntime as ort
 import pytest
 
 import ortmem
-from ortmem import model_facts
-from ortmem.ortmodel.release import capabilities
-from ortmem.store import layout, packer
-from ortmem.ortmodel.settings import OrtSettings
-from ortmem.store.prepared import prepared_problem
-from ortmem.store.prepared_entries import finished_stem, finished_stems, finishing_settings
-from ortmem.synth import SynthConfig, write_model
+from ortmem.onnxfile import scan
+from ortmem.ort.release import capabilities
+from ortmem.files import layout
+from ortmem.store import finisher
+from ortmem.ort.settings import OrtSettings
+from ortmem.store.finished import prepared_problem
+from ortmem.store.finished_entries import finished_stem, finished_stems, finishing_settings
+from ortmem.measure.synth import SynthConfig, write_model
 from tests.support.reference import CPU, run_plain
 
 SAVES = capabilities().prepacked_save
@@ -39,7 +40,7 @@ FINISHED = f"{STEM}.onnx"
 @pytest.fixture
 def qdq(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A tiny QDQ decoder; every entry is finished, whatever its size (children inherit the variable)."""
-    monkeypatch.setenv(model_facts.MIN_BYTES_ENV, "0")
+    monkeypatch.setenv(scan.MIN_BYTES_ENV, "0")
     path = tmp_path / "q" / "model.onnx"
     path.parent.mkdir()
     return write_model(SynthConfig.tiny(storage="external"), path)
@@ -48,7 +49,7 @@ def qdq(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def _ran(session: ortmem.InferenceSession) -> np.ndarray:
     """The session's output; its first run's background job is waited for."""
     out = session.run(None, FEEDS)[0]
-    assert packer.wait_background(120)
+    assert finisher.wait_background(120)
     return out
 
 
@@ -163,13 +164,13 @@ _START = r"""
 import json, sys
 import numpy as np
 import ortmem
-from ortmem.store import packer
-from ortmem.measure import procfs
+from ortmem.store import finisher
+from ortmem.base import procfs
 s = ortmem.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"], cache=sys.argv[2])
 created = procfs.read_status("self")
 out = s.run(None, {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)})[0]
-print(json.dumps({"action": s.ortmem_action, "anon": created["RssAnon"], "packer": len(packer.started_packers()),
-                  "waited": packer.wait_background(300), "out": out.tolist()}))
+print(json.dumps({"action": s.ortmem_action, "anon": created["RssAnon"], "packer": len(finisher.started_packers()),
+                  "waited": finisher.wait_background(300), "out": out.tolist()}))
 """
 
 
@@ -194,7 +195,7 @@ def test_the_second_start_is_warm(big_qdq: Path, tmp_path: Path) -> None:
     expected = ort.InferenceSession(str(big_qdq), providers=["CPUExecutionProvider"]).run(None, FEEDS)[0]
     first = _start(big_qdq, cache)
     entry = next(p for p in cache.iterdir() if p.is_dir() and not p.name.startswith("."))
-    assert (entry / layout.WEIGHTS_FILE).stat().st_size >= model_facts.MIN_PREPARED_BYTES
+    assert (entry / layout.WEIGHTS_FILE).stat().st_size >= scan.MIN_PREPARED_BYTES
     assert first["action"] == "converted" and first["waited"]
     assert first["packer"] == (1 if SAVES else 0)
     assert (entry / FINISHED).exists() == SAVES
@@ -217,9 +218,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import ortmem
-from ortmem.store import packer
-from ortmem.store.prepared_entries import NO_SPACE_RECORD
-from ortmem.synth import SynthConfig, write_model
+from ortmem.store import finisher
+from ortmem.store.finished_entries import NO_SPACE_RECORD
+from ortmem.measure.synth import SynthConfig, write_model
 
 mnt = Path(sys.argv[1])
 messages = []
@@ -245,7 +246,7 @@ for i in range(4):
         filler.write_bytes(b"\0" * (free - (256 << 10)))
     job = s.ortmem_handoff.prepack_later is not None
     got = s.run(None, feeds)
-    waited = packer.wait_background(120)
+    waited = finisher.wait_background(120)
     starts.append({"action": s.ortmem_action, "hit": s.ortmem_cache_hit, "entry": str(entry), "job": job,
                    "waited": waited, "same": all(np.array_equal(a, b) for a, b in zip(got, want)),
                    "log": list(messages),

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 
 import ortmem
-from ortmem.synth import SynthConfig, write_model
+from ortmem.measure.synth import SynthConfig, write_model
 from tests.support.compare import assert_same_outputs
 
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
@@ -88,8 +88,8 @@ def test_conversion_format(tmp_path, monkeypatch):
 def test_fp16_in_fp32(tmp_path):
     """The CPU EP runs a fused fp16 MatMulNBits in fp32 and CUDA/DML in fp16: the two forms have
     their own entries (asked of the handoff directly: no GPU here)."""
-    from ortmem.handoff.prepare import prepare
-    from ortmem.handoff.request import Request
+    from ortmem.session.decide import prepare
+    from ortmem.session.request import Request
 
     folder = tmp_path / "m"
     folder.mkdir()

@@ -11,12 +11,12 @@ import onnx
 import pytest
 
 import ortmem
-from ortmem import model_facts
+from ortmem.onnxfile import scan
 from ortmem.cli import main as cli_main
-from ortmem.onnx_walk import external_data_dict
-from ortmem.ortmodel.release import capabilities
-from ortmem.store import packer
-from ortmem.store.digest import sampled_digest
+from ortmem.onnxfile.walk import external_data_dict
+from ortmem.ort.release import capabilities
+from ortmem.store import finisher
+from ortmem.files.digest import sampled_digest
 from tests.support.builders import biased_chain, save
 from tests.support.reference import run_plain
 
@@ -47,7 +47,7 @@ def _flip(path: Path, offset: int) -> None:
 
 @pytest.mark.parametrize("where", ["a bias's first page", "a weight's last page"])
 def test_sampled_verification_finds_a_flipped_byte_in_a_prepared_entry(where, tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv(model_facts.MIN_BYTES_ENV, "0")
+    monkeypatch.setenv(scan.MIN_BYTES_ENV, "0")
     model = save(biased_chain(np.random.default_rng(0), [WIDTH] * 4), tmp_path / "m.onnx", external=True)
     cache = tmp_path / "cache"
     assert cli_main(["prepare", str(model), "--cache", str(cache)]) == 0
@@ -65,7 +65,7 @@ def test_sampled_verification_finds_a_flipped_byte_in_a_prepared_entry(where, tm
     assert s.ortmem_action != "prepared"
     assert caplog.text.count("sampled digest") == 1 and "model.data" in caplog.text
     assert np.array_equal(s.run(None, feeds)[0], expected)
-    assert packer.wait_background(120)
+    assert finisher.wait_background(120)
     rebuilt = ortmem.InferenceSession(model, providers=CPU, cache=cache, verify="sampled")  # built after that run
     assert rebuilt.ortmem_action == "prepared" and np.array_equal(rebuilt.run(None, feeds)[0], expected)
 
@@ -73,7 +73,7 @@ def test_sampled_verification_finds_a_flipped_byte_in_a_prepared_entry(where, tm
 def test_sampled_verification_reads_small_files_whole(tmp_path, monkeypatch):
     """The prepared model's own manifest, which records the samples, is digested in full: a damaged data
     file whose recorded sample digest was made to match is still found."""
-    monkeypatch.setenv(model_facts.MIN_BYTES_ENV, "0")
+    monkeypatch.setenv(scan.MIN_BYTES_ENV, "0")
     model = save(biased_chain(np.random.default_rng(0), [WIDTH] * 4), tmp_path / "m.onnx", external=True)
     cache = tmp_path / "cache"
     assert cli_main(["prepare", str(model), "--cache", str(cache)]) == 0
@@ -92,4 +92,4 @@ def test_sampled_verification_reads_small_files_whole(tmp_path, monkeypatch):
     assert s.ortmem_action != "prepared"
     feeds = {"x": np.random.default_rng(7).standard_normal((2, WIDTH)).astype(np.float32)}
     assert np.array_equal(s.run(None, feeds)[0], run_plain(model, feeds)[0])
-    packer.wait_background(120)
+    finisher.wait_background(120)

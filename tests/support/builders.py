@@ -1,5 +1,5 @@
 """Small models for loader, session, cache and measurement tests: hand-built ones that each stress one way
-weights are stored, and ``ortmem.synth``'s tiny decoder written to a folder."""
+weights are stored, and ``ortmem.measure.synth``'s tiny decoder written to a folder."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ortmem.synth import SynthConfig, write_model
+from ortmem.measure.synth import SynthConfig, write_model
 
 OPSET = [helper.make_opsetid("", 21)]
 IR_VERSION = 10  # onnx 1.23 writes IR 14 by default; ORT 1.31 reads up to 13
@@ -36,7 +36,7 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def tiny_decoder(folder: Path, **config) -> Path:
-    """``ortmem.synth``'s tiny QDQ decoder (``SynthConfig.tiny(**config)``) written to ``folder/model.onnx``:
+    """``ortmem.measure.synth``'s tiny QDQ decoder (``SynthConfig.tiny(**config)``) written to ``folder/model.onnx``:
     the model of the conversion, cache and session tests, fed ``input_ids``."""
     folder.mkdir(parents=True, exist_ok=True)
     return write_model(SynthConfig.tiny(**config), folder / "model.onnx")

@@ -1,4 +1,4 @@
-"""Mutation fuzzing of ortmem against plain ORT, shared by tests/test_validity.py (a few thousand cases)
+"""Mutation fuzzing of ortmem against plain ORT, shared by tests/passes/test_validity.py (a few thousand cases)
 and bench/fuzz.py (the long run: 1e5 loads, 5e3 sessions).
 
 Each case is a seed model mutated either on the wire (flipped, inserted, deleted bytes; truncation)

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ortmem.reach import genai
+from ortmem.session import genai
 
 MAX_LENGTH = 16  # genai_config's search.max_length: prompt and generated tokens together
 

@@ -1,36 +1,32 @@
-"""ortmem's layers, declared once: the import-graph test checks that imports point down them, and
-``bench/session_path.py`` counts the session path's moves over them."""
+"""ortmem's layers, read from its folders: the import-graph test checks that imports point down them, and
+``bench/session_path.py`` counts the session path's moves over them.
+
+The order is the package's architecture (docs/architecture.md): each folder may import itself and the
+folders before it, never one after it. ``intercept`` and ``serve`` share a level (neither imports the
+other). The package root holds only ``__init__`` (lazy names), ``errors`` (the bottom) and ``__main__``
+(the top).
+"""
 from __future__ import annotations
 
-#: The layers, bottom first: a module may import its own layer and those below, never one above. A
-#: module belongs to the layer of its longest listed prefix. Ordered by what the code needs:
+from pathlib import Path
+
+import ortmem
+
+#: The folders, bottom first; a tuple is one level of folders that do not import each other.
+ORDER: tuple[tuple[str, ...], ...] = (
+    ("base",), ("onnxfile",), ("files",), ("ort",), ("passes",), ("store",), ("session",),
+    ("intercept", "serve"), ("measure",), ("plan",), ("cli",),
+)
+
+_PACKAGE = Path(ortmem.__file__).resolve().parent
+_FOLDERS = {p.name for p in _PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+assert _FOLDERS == {f for level in ORDER for f in level}, f"folders without a layer: {_FOLDERS}"
+
+#: (name, module prefixes) per layer, bottom first: the root's own modules at both ends.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # stdlib/numpy-level primitives and what the hook reads before it imports anything heavy. The package
-    # root holds only __version__, the exceptions and lazy names. ``store.trust`` and ``store.layout``
-    # import nothing of ortmem: the store is built on them, the release model keeps its probe answers
-    # private with trust, and the converter and the partitioner name their files from layout;
-    # ``store.stamps`` (files checked in full this boot) is built on trust alone, below the digests.
-    ("bottom", ("ortmem", "ortmem.errors", "ortmem.lazy", "ortmem.units", "ortmem.dtypes", "ortmem.protowire",
-                "ortmem.onnx_walk", "ortmem.progress", "ortmem.helper_env", "ortmem.ort_original", "ortmem.options",
-                "ortmem.hygiene", "ortmem.model_facts", "ortmem.store.trust", "ortmem.store.layout",
-                "ortmem.store.stamps")),
-    # one model of ORT: what it fuses, its settings, graph indexes, external-data rules, providers
-    ("ortmodel", ("ortmem.ortmodel",)),
-    # the loader follows ORT's external-data rules (ortmodel.external_data), so it sits just above them;
-    # ``store.digest`` hashes page-aligned spans (weights.PAGE) and the passes' writers digest what they
-    # write, so it sits here though the store's folder holds it; ``store.sources`` (keys, and what an
-    # entry records of its source files: stat identities and digests) is built on digest alone
-    ("load", ("ortmem.loader", "ortmem.weights", "ortmem.model", "ortmem.store.digest", "ortmem.store.sources")),
-    ("passes", ("ortmem.passes",)),
-    ("store", ("ortmem.store",)),
-    ("session", ("ortmem.inmemory", "ortmem.convert", "ortmem.handoff",
-                 "ortmem.session")),
-    ("reach", ("ortmem.reach",)),
-    # planners, measurement, commands and programs; PipelineSession runs a partition plan, so it sits
-    # with the planner it reads; the release probe is a child program that puts ORT's questions to the
-    # session path
-    ("top", ("ortmem.plan", "ortmem.measure", "ortmem.cli", "ortmem.__main__", "ortmem.doctor", "ortmem.inspection",
-             "ortmem.synth", "ortmem.distributed", "ortmem.release_probe", "ortmem.reach.pipeline")),
+    ("root", ("ortmem", "ortmem.errors")),
+    *(("|".join(level), tuple(f"ortmem.{f}" for f in level)) for level in ORDER),
+    ("main", ("ortmem.__main__",)),
 )
 
 
@@ -41,5 +37,5 @@ def layer_of(module: str) -> int:
         for p in prefixes:
             if (module == p or module.startswith(p + ".")) and len(p) > best:
                 best, layer = len(p), i
-    assert layer is not None, f"{module} is in no layer: add it to LAYERS"
+    assert layer is not None, f"{module} is in no layer"
     return layer

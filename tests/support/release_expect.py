@@ -1,13 +1,13 @@
 """What the installed ORT release does, for tests whose expected values depend on it.
 
-Every answer comes from ``ortmem.ortmodel.release`` (table + probe of this very build), never from a
+Every answer comes from ``ortmem.ort.release`` (table + probe of this very build), never from a
 constant measured on another release.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from ortmem.ortmodel.release import capabilities
+from ortmem.ort.release import capabilities
 
 
 def matmul_refusal(weight_type: str, has_zp: bool, scale_type: str, accuracy: int, block_size: int = 32) -> Optional[str]:

@@ -4,7 +4,7 @@ Why this way: activation memory is what ORT's arena holds while a run is in flig
 sum of the tensors alive at each step; their sizes come from shape inference on the weightless
 skeleton (tensor dims are metadata, so it is cheap), symbolic dimensions are resolved from the
 caller's ``dims`` and whatever stays unknown is *reported*, never guessed. Lifetimes follow the
-order ORT executes nodes in (:mod:`ortmem.ortmodel.graph_index`).
+order ORT executes nodes in (:mod:`ortmem.ort.graph_index`).
 
 What ORT's allocation planner does that is modelled (``onnxruntime/core/framework/allocation_planner.cc``):
 aliasing kernels (Reshape, Squeeze, Unsqueeze, Flatten, Identity) share their input's buffer; a
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 
-from ...ortmodel import graph_index as og
-from .shapes import Shapes, UnknownShape, granule, loop_trip_count
+from ortmem.ort import graph_index as og
+from ortmem.plan.estimate.shapes import Shapes, UnknownShape, granule, loop_trip_count
 
 
 ALIAS_OPS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from ...ortmodel.release import capabilities
-from ...units import MiB
+from ortmem.ort.release import capabilities
+from ortmem.base.units import MiB
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.json")
 
@@ -62,7 +62,7 @@ class Calibration:
         release (``ortmodel.release``), when it did: the one constant every estimate adds whole.
 
         The probe measures a process with ortmem's session path and its conversion imported (onnx
-        included, :data:`ortmem.release_probe.CONVERSION_MODULES`); plain ORT's side starts
+        included, :data:`ortmem.measure.release_probe.CONVERSION_MODULES`); plain ORT's side starts
         ``ortmem_import_bytes + ortmem_convert_import_bytes`` lower (measured by
         ``bench/estimator/fixed_costs.py``: what ortmem's imports add does not depend on the ORT
         release, what ``import onnxruntime`` costs does)."""
@@ -74,7 +74,7 @@ class Calibration:
 
     def release_note(self) -> str | None:
         """A warning when the installed ORT is another (major, minor) than the one the constants were fitted on."""
-        from ...ortmodel.release import installed, parse_version
+        from ortmem.ort.release import installed, parse_version
 
         here = installed().version
         if not self.onnxruntime or parse_version(here)[:2] == parse_version(self.onnxruntime)[:2]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
-from . import shapes as shp
-from ...ortmodel import graph_index as og
-from .memsim import MMAP_THRESHOLD_MAX, Heap
-from .recipe import CreatedTensor, Recipe, Weight
+from ortmem.plan.estimate import shapes as shp
+from ortmem.ort import graph_index as og
+from ortmem.plan.estimate.memsim import MMAP_THRESHOLD_MAX, Heap
+from ortmem.plan.estimate.recipe import CreatedTensor, Recipe, Weight
 
 #: Tensors this small stay inside the protobuf: ORT does not copy them into an OrtValue
 #: (``Graph::ConvertInitializersIntoOrtValues``, graph.cc).
@@ -47,7 +47,7 @@ def simulate(plan: Recipe, *, dynamic: bool, all_external: bool, activation_peak
               prepacked: bool = False, blobs_read_at_create: bool = False) -> _Sim:
     """Replay session creation's allocations (and one run) through the glibc model.
 
-    ``prepacked``: ORT loads the cache entry's pre-packed model (ORT's finished model, :mod:`ortmem.store.prepared`): it still
+    ``prepacked``: ORT loads the cache entry's pre-packed model (ORT's finished model, :mod:`ortmem.store.finished`): it still
     packs every MatMulNBits ``B`` on the heap, hashes the result, finds the saved blob and frees its
     copy once that kernel is done; the saved blobs (MatMulNBits ``B`` only, fp32 MatMul/Gemm packs
     stay on the heap) are not touched during creation and are read by the first run, file-backed.

@@ -3,12 +3,12 @@
 What is predicted, for plain ONNX Runtime, for ortmem's hook (cold start, or a warm start without
 pre-packed weights: ORT loading the converted native twin) and for ortmem's default warm start
 (``ortmem_prepacked``: the twin's pre-packed MatMulNBits weights mapped from the cache entry,
-:mod:`ortmem.store.prepared`), in bytes of resident memory, the process included, as ``ortmem bench``
+:mod:`ortmem.store.finished`), in bytes of resident memory, the process included, as ``ortmem bench``
 measures them:
 
 * ``session_peak_bytes``: the high-water mark of session creation;
 * ``steady_bytes``: resident memory after the first run;
-* both with and without allocator hygiene (``ortmem.hygiene``): without it glibc keeps part
+* both with and without allocator hygiene (``ortmem.base.hygiene``): without it glibc keeps part
   of what ORT frees, with it resident memory is memory in use;
 * ``activation_peak_bytes``: what the run itself holds at its worst, and a per-node table.
 
@@ -18,7 +18,7 @@ How (each term is checked against measurements in ``docs/estimator.md``):
    embedded bytes are parsed into the protobuf and copied once more into an OrtValue (tensor by
    tensor); external data is mapped and costs nothing until read; constant folding (level >= 1)
    materialises Cast/Mul/... chains on constants as new heap tensors; ``DQMatMulToMatMulNBits``
-   (level >= 2, exactly the nodes :func:`~ortmem.passes.dq_matmul_match.dq_matmul_match` selects)
+   (level >= 2, exactly the nodes :func:`~ortmem.passes.rules.dq_matmul_match.dq_matmul_match` selects)
    copies weight, scales and zero points out, writes transposed MatMulNBits tensors and drops the
    originals; the NCHWc layout transformer (level 99, x86) writes reordered Conv weights; then kernels
    pre-pack constant inputs (MatMulNBits B: ``B + 8 bytes per (column, block)`` at accuracy level 4,
@@ -36,7 +36,7 @@ How (each term is checked against measurements in ``docs/estimator.md``):
    side. ortmem's DQ -> Gather rewrite (GatherBlockQuantized) is applied on its sides: that DQ never
    runs and its table is read row by row (:func:`~ortmem.plan.estimate.recipe.ortmem_gathers`).
 4. **Activations**: :mod:`ortmem.plan.estimate.activations` (shape inference with ``dims``, ORT's execution
-   order from :mod:`ortmem.ortmodel.graph_index`, known workspaces).
+   order from :mod:`ortmem.ort.graph_index`, known workspaces).
 
 Everything is computed on the graph ORT *receives*, with GELU/BiasGelu fused as ORT does (level >= 2); its other fusions (attention, layer norm,
 MatMul+Add, ...) change the activation picture and are not replayed (see docs/estimator.md for the error).
@@ -51,19 +51,19 @@ from pathlib import Path
 from typing import Mapping, Union
 
 
-from ...model import Model
-from ...model_facts import min_helper_bytes, model_files_bytes
-from ...ortmodel.release import capabilities
-from . import activations as act
-from . import shapes as shp
-from .fusions import ort_fusions
-from ...ortmodel import graph_index as og
-from .graph_context import Context, ort_view
-from .calibration import Calibration
-from .creation import retention_basis, run_touch, simulate
-from ...ortmodel.settings import OrtSettings, session_settings
-from .recipe import Recipe, nchwc_block, node_attr, ortmem_gathers, plan_model, tensor_bytes
-from .result import Estimate, NodeRow, Side
+from ortmem.onnxfile.model import Model
+from ortmem.onnxfile.scan import min_helper_bytes, model_files_bytes
+from ortmem.ort.release import capabilities
+from ortmem.plan.estimate import activations as act
+from ortmem.plan.estimate import shapes as shp
+from ortmem.plan.estimate.fusions import ort_fusions
+from ortmem.ort import graph_index as og
+from ortmem.plan.estimate.graph_context import Context, ort_view
+from ortmem.plan.estimate.calibration import Calibration
+from ortmem.plan.estimate.creation import retention_basis, run_touch, simulate
+from ortmem.ort.settings import OrtSettings, session_settings
+from ortmem.plan.estimate.recipe import Recipe, nchwc_block, node_attr, ortmem_gathers, plan_model, tensor_bytes
+from ortmem.plan.estimate.result import Estimate, NodeRow, Side
 
 ModelLike = Union[str, os.PathLike, Model]
 
@@ -162,11 +162,11 @@ def cold_start(warm: Side, cal: Calibration) -> Side:
     """ortmem's cold start on a model it converts, from its cache-hit side: ORT loads the same
     entry, but the start first imports the conversion (onnx, the loader, the passes: resident from
     then on, ``ortmem_convert_import_bytes``, which a warm start never imports), digests the source
-    file (an 8 MiB read buffer, ``ortmem.store.digest``), resolves the weightless copy's value types
+    file (an 8 MiB read buffer, ``ortmem.files.digest``), resolves the weightless copy's value types
     (``ortmodel.value_types``) and writes the entry. Those temporaries set a floor under the creation
     peak (measured: they decide it on models below ~20 MiB of weights), and what they leave behind
     (``ortmem_cold_retained_bytes``) stays. A model whose files reach
-    :func:`ortmem.model_facts.min_helper_bytes` converts in a helper process instead
+    :func:`ortmem.onnxfile.scan.min_helper_bytes` converts in a helper process instead
     (:func:`cold_start_in_helper`)."""
     imports = cal.ortmem_import_bytes + cal.ortmem_convert_import_bytes
     floor = cal.baseline_bytes + imports + cal.ortmem_cold_peak_bytes
@@ -186,7 +186,7 @@ def cold_start(warm: Side, cal: Calibration) -> Side:
 
 def cold_start_in_helper(warm: Side, cal: Calibration) -> Side:
     """ortmem's cold start on a model large enough to convert in a helper process
-    (:mod:`ortmem.handoff.conversion_process`): the session's process loads the new entry as a hit
+    (:mod:`ortmem.session.cold_start_child`): the session's process loads the new entry as a hit
     does, so its side is the hit's, with a floor. While the helper converts, the session's process
     waits at its baseline with its session path imported, beside a second interpreter that holds the
     same plus the conversion's imports and working memory (the in-process cold start's floor): the
@@ -215,7 +215,7 @@ def estimate(model_or_path: ModelLike, *, dims: Mapping[str, int] | None = None,
     (True) or without (False, ORT as users run it); both are always in ``*_with_hygiene`` /
     ``*_without_hygiene``.
     """
-    from ...loader import load
+    from ortmem.onnxfile.loader import load
 
     cal = calibration or Calibration.load().for_installed_release()
     owned = not isinstance(model_or_path, Model)

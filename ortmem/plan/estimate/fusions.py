@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from onnx import TensorProto
 
-from ...ortmodel import graph_index as og
+from ortmem.ort import graph_index as og
 
 
 # ------------------------------------------------------------------------------------ fusions

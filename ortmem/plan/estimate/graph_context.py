@@ -13,10 +13,10 @@ from typing import Mapping, Sequence, Union
 
 import onnx
 
-from ...model import Model
-from . import activations as act
-from . import shapes as shp
-from ...ortmodel import graph_index as og
+from ortmem.onnxfile.model import Model
+from ortmem.plan.estimate import activations as act
+from ortmem.plan.estimate import shapes as shp
+from ortmem.ort import graph_index as og
 
 ModelLike = Union[str, os.PathLike, onnx.ModelProto, Model]
 

@@ -5,7 +5,7 @@ activation peak; recompute and order planning (:mod:`ortmem.plan.recompute`) nee
 which buffer is alive at which step, who produced it, who reads it last, and which buffers are alive
 *across* the peak (produced before it, read after it) and so could be given back and rebuilt later.
 Nothing is computed twice: shapes come from :func:`ortmem.plan.estimate.shapes.infer_shapes` (symbolic dims
-bound from ``dims``), the order from :mod:`ortmem.ortmodel.graph_index` (ORT's ``DEFAULT`` reverse DFS and
+bound from ``dims``), the order from :mod:`ortmem.ort.graph_index` (ORT's ``DEFAULT`` reverse DFS and
 ``PRIORITY_BASED`` Kahn, ``onnxruntime/core/graph/graph_viewer.cc``), the step-by-step accounting
 (aliasing kernels, in-place writes, graph outputs living to the end, 256-byte arena granules,
 per-node workspace, subgraph peaks) from :func:`ortmem.plan.estimate.activations.graph_activation`, and what
@@ -22,14 +22,14 @@ from typing import Any, Mapping, Sequence, Union
 
 import onnx
 
-from . import activations as act
-from . import shapes as shp
-from ...ortmodel import graph_index as og
-from .estimator import workspace_fn
-from ...ortmodel.settings import session_settings
-from .recipe import nchwc_block, plan_model
-from .graph_context import Context, ModelLike, load_proto, ort_view
-from ...units import MiB
+from ortmem.plan.estimate import activations as act
+from ortmem.plan.estimate import shapes as shp
+from ortmem.ort import graph_index as og
+from ortmem.plan.estimate.estimator import workspace_fn
+from ortmem.ort.settings import session_settings
+from ortmem.plan.estimate.recipe import nchwc_block, plan_model
+from ortmem.plan.estimate.graph_context import Context, ModelLike, load_proto, ort_view
+from ortmem.base.units import MiB
 
 OrderLike = Union[str, Sequence[int]]
 

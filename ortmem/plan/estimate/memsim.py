@@ -10,7 +10,7 @@ embedded load stay resident, while the same net from external data keeps nothing
 mmapped because nothing large has been freed yet). A factor cannot express
 that; an address-level heap with best-fit reuse, coalescing and top trimming does.
 
-With allocator hygiene (``ortmem.hygiene``: both thresholds pinned at 128 KiB, ``malloc_trim(0)``
+With allocator hygiene (``ortmem.base.hygiene``: both thresholds pinned at 128 KiB, ``malloc_trim(0)``
 after creation) every large block is mmapped and resident memory equals memory in use, which the
 same simulator reports with ``dynamic=False``.
 

@@ -22,7 +22,7 @@ Sources, all from one ORT session (onnxruntime 1.31.1, CPU build):
   to the node whose subgraph reads them.
 
 Row names are ORT's unique node names (``IResourceAccountant::MakeUniqueNodeName``, see
-:mod:`ortmem.ortmodel.graph_index`), so a written file is read back by ORT's partitioner as is.
+:mod:`ortmem.ort.graph_index`), so a written file is read back by ORT's partitioner as is.
 
 The measured activation peak is the arena's: the largest ``mem_bytes_in_use`` (or ``mem_in_use_peak``
 where it rose during a node, i.e. a transient inside it) during a run, minus what the arena held before
@@ -42,7 +42,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ...ortmodel import graph_index as og
+from ortmem.ort import graph_index as og
 
 CSV_HEADER = "#name,input_sizes,initializers_sizes,total_dynamic_sizes,total_temp_allocations"
 STATS_KEY = "session.collect_node_memory_stats_to_file"
@@ -176,7 +176,7 @@ def _optimized_graph(model_path: str, base, tmp: str):
 def _initializer_charges(root: og.OrtGraph, order: og.ExecutionOrder) -> dict[int, tuple[int, list[str]]]:
     """id(node) -> (bytes, names) of the initializers first used by that node, in execution order,
     subgraphs right after their parent; outer-scope ones charged to the parent node."""
-    from .recipe import tensor_bytes
+    from ortmem.plan.estimate.recipe import tensor_bytes
 
     charged: set[tuple[str, str]] = set()
     out: dict[int, tuple[int, list[str]]] = {}
@@ -245,7 +245,7 @@ def _liveness_peak(events: list[dict], by_label: dict[str, og.OrtNode]) -> int:
     are the next iteration's feeds (alive until that execution ends, the last ones until the Loop's
     event, which copies them into the Loop's outputs), its scan outputs are kept until the Loop's
     event. Any other parent: its subgraph outputs live until the parent's event."""
-    from .activations import ALIAS_OPS
+    from ortmem.plan.estimate.activations import ALIAS_OPS
 
     # completion order: a node with subgraphs starts before, and ends after, its subgraphs' nodes
     events = sorted(events, key=lambda e: (e.get("ts", 0) + e.get("dur", 0)))
@@ -358,13 +358,13 @@ def stats(model_path: str | os.PathLike, inputs: Mapping[str, np.ndarray] | None
           session_options=None, dims: Mapping[str, int] | None = None) -> Stats:
     """Run ``model_path`` ``runs`` times on CPU and return per-node memory statistics (maxima over runs).
 
-    ``inputs`` default to generated feeds (:func:`ortmem.measure.inputs.make_inputs`, symbolic dims from
+    ``inputs`` default to generated feeds (:func:`ortmem.ort.feeds.make_inputs`, symbolic dims from
     ``dims``). ``out_csv`` gets ORT's node-stats format with the initializer column filled in; ``out_json``
     the full record (profiling fields, arena counters, activation peak).
     """
     import onnxruntime as ort
 
-    from ...measure.inputs import make_inputs
+    from ortmem.ort.feeds import make_inputs
 
     model_path = os.path.abspath(os.fspath(model_path))
     order: og.ExecutionOrder = "PRIORITY_BASED" if session_options is not None and \

@@ -10,12 +10,12 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto
 
-from ...dtypes import byte_size
-from ...ortmodel.settings import OrtSettings
-from ...passes.dq_matmul_match import dq_matmul_match
-from . import activations as act
-from . import shapes as shp
-from ...ortmodel import graph_index as og
+from ortmem.base.dtypes import byte_size
+from ortmem.ort.settings import OrtSettings
+from ortmem.passes.rules.dq_matmul_match import dq_matmul_match
+from ortmem.plan.estimate import activations as act
+from ortmem.plan.estimate import shapes as shp
+from ortmem.ort import graph_index as og
 
 #: NCHWc block (MLAS ``MlasNchwcGetBlockSize``): 16 with AVX-512F, 8 with AVX2.
 _CPU_FLAGS_FILE = "/proc/cpuinfo"
@@ -371,7 +371,7 @@ def _packable_inputs(node: og.OrtNode, g: og.OrtGraph, ws, folded_out, shapes) -
 # -------------------------------------------------------------- ortmem's own DQ+Gather rewrite
 @dataclass
 class OrtmemGathers:
-    """What ortmem's DQ -> Gather rewrite (:mod:`ortmem.passes.dq_gather`) changes in the graph ORT
+    """What ortmem's DQ -> Gather rewrite (:mod:`ortmem.passes.rules.dq_gather`) changes in the graph ORT
     receives: the DQ node no longer runs (ORT has no such fusion, so on plain ORT it dequantizes the
     whole table into a V x D float activation on every run), and the table, its scales and zero
     points are read only in the rows the GatherBlockQuantized gathers."""
@@ -383,10 +383,10 @@ class OrtmemGathers:
 def ortmem_gathers(root: og.OrtGraph, skeleton: onnx.ModelProto, st: OrtSettings) -> OrtmemGathers:
     """The DQ -> Gather pairs ortmem rewrites into GatherBlockQuantized on this release (the
     matcher's candidates the release probe accepts; none below ORT_ENABLE_BASIC)."""
-    from ...passes.dq_gather import gathers_enabled
-    from ...passes.dq_gather_match import dq_gather_match
-    from ...ortmodel.release import capabilities
-    from ...ortmodel.variants import onnx_type_name
+    from ortmem.passes.rules.dq_gather import gathers_enabled
+    from ortmem.passes.rules.dq_gather_match import dq_gather_match
+    from ortmem.ort.release import capabilities
+    from ortmem.ort.variants import onnx_type_name
 
     if not gathers_enabled(st):
         return OrtmemGathers()

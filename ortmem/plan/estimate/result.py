@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ...units import MiB
+from ortmem.base.units import MiB
 
 
 # --------------------------------------------------------------------------------------- results

@@ -11,9 +11,9 @@ from typing import Mapping
 import onnx
 from onnx import TensorProto
 
-from ...dtypes import dtype_info
-from ...onnx_walk import declared_dims
-from ...ortmodel import graph_index as og
+from ortmem.base.dtypes import dtype_info
+from ortmem.onnxfile.walk import declared_dims
+from ortmem.ort import graph_index as og
 
 ARENA_GRANULE = 256
 

@@ -11,22 +11,22 @@ holds, by the estimator), ``devices`` (device names to providers, per-session ov
 """
 from __future__ import annotations
 
-from ...lazy import lazy_attributes
+from ortmem.base.lazy import lazy_attributes
 
 _OWNERS = {
-    "partition": ".driver",
-    "PartitionPlan": ".result",
-    "StageInfo": ".result",
-    "default_provider": ".devices",
-    "is_cpu": ".devices",
-    "split_node": ".devices",
-    "stage_providers": ".devices",
-    "infer_device_map": ".device_map",
-    "plan_placement": ".device_map",
-    "NodeCost": ".graph_modules",
-    "group_modules": ".graph_modules",
-    "add_partition_arguments": ".cli",
-    "main_partition": ".cli",
+    "partition": "ortmem.plan.partition.driver",
+    "PartitionPlan": "ortmem.plan.partition.partition_plan",
+    "StageInfo": "ortmem.plan.partition.partition_plan",
+    "default_provider": "ortmem.plan.partition.devices",
+    "is_cpu": "ortmem.plan.partition.devices",
+    "split_node": "ortmem.plan.partition.devices",
+    "stage_providers": "ortmem.plan.partition.devices",
+    "infer_device_map": "ortmem.plan.partition.device_map",
+    "plan_placement": "ortmem.plan.partition.device_map",
+    "NodeCost": "ortmem.plan.partition.graph_modules",
+    "group_modules": "ortmem.plan.partition.graph_modules",
+    "add_partition_arguments": "ortmem.plan.partition.partition_command",
+    "main_partition": "ortmem.plan.partition.partition_command",
 }
 __all__ = list(_OWNERS)
 __getattr__, __dir__ = lazy_attributes(__name__, _OWNERS)

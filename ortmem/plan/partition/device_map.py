@@ -88,11 +88,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Mapping
 
-from ...errors import PlanError
-from .placement.exact import EXACT_BUDGET, SearchBudget, exact_plan
-from .placement.plans import Limits, Placement, Plan, better_plan, root_bound
-from .placement.sequence import heuristic_plan
-from .placement.tree import INF, Tree, build_tree
+from ortmem.errors import PlanError
+from ortmem.plan.partition.placement.exact import EXACT_BUDGET, SearchBudget, exact_plan
+from ortmem.plan.partition.placement.plans import Limits, Placement, Plan, better_plan, root_bound
+from ortmem.plan.partition.placement.sequence import heuristic_plan
+from ortmem.plan.partition.placement.tree import INF, Tree, build_tree
 
 __all__ = [
     "EXACT_MAX_MODULES",

@@ -1,10 +1,10 @@
 """Device names to ONNX Runtime execution providers, and the fixed bytes a stage's session costs there.
 
-The planner and :class:`ortmem.reach.pipeline.PipelineSession` (which runs a plan) must agree on which
+The planner and :class:`ortmem.plan.partition.run.pipeline_session.PipelineSession` (which runs a plan) must agree on which
 provider a device name means, so both use these functions.
 
 A device on another machine is named ``node:<NODE>/<device>`` (``node:10.0.0.2/cpu``,
-``node:n1/cuda:0``): ``<NODE>`` names a node of a Ray cluster (``ortmem.distributed`` resolves it),
+``node:n1/cuda:0``): ``<NODE>`` names a node of a Ray cluster (``ortmem.plan.partition.ray`` resolves it),
 ``<device>`` is a device name as below. The planner only needs to know which devices share a node
 (a cut between two nodes moves its tensors over the network); nothing here imports Ray.
 """
@@ -93,7 +93,7 @@ def default_overhead(provider: str, device: str = "") -> int:
     runtime's own context)."""
     if not is_cpu(provider):
         return 0
-    from ..estimate import Calibration
+    from ortmem.plan.estimate import Calibration
 
     cal = Calibration.load()
     actor = NODE_ACTOR_OVERHEAD if split_node(device)[0] is not None else 0

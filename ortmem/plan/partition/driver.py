@@ -2,7 +2,7 @@
 
 ``partition(model, {"cuda:0": 6 << 30, "cpu": 32 << 30})`` answers "which part of the graph runs on
 which device", writes one sub-model per stage (all reading ONE shared weights file), and returns a
-:class:`PartitionPlan` that :class:`ortmem.reach.pipeline.PipelineSession` runs. docs/partition.md has the
+:class:`PartitionPlan` that :class:`ortmem.plan.partition.run.pipeline_session.PipelineSession` runs. docs/partition.md has the
 measurements behind the constants below.
 
 How a plan is made
@@ -63,21 +63,21 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ...loader import load
-from ...model import Model
-from ..estimate import shapes as shp
-from ...ortmodel import graph_index as og
-from ...errors import PlanError
-from .graph_modules import ModuleTree, group_modules
-from .devices import default_overhead, default_provider, is_cpu, resolve_provider, split_node
-from .graph import PartitionGraph, module_names, node_costs
-from .ort_session import ANNOTATED_FILE, annotated_model, ort_settings
-from .result import PLAN_FILE, Crossing, DeviceReport, PartitionPlan, StageInfo
-from .stages import CUT_WINDOW, choose_stages, StageCosts, module_boundaries
-from .submodels import find_crossings, build_stage_models, StageGraph
-from .verify import ARENA_STEADY, estimate_stage
-from ...store.layout import WEIGHTS_FILE  # the name of every weights file ortmem writes
-from .weights import WeightsLayout, plan_layout, write_stage_weights
+from ortmem.onnxfile.loader import load
+from ortmem.onnxfile.model import Model
+from ortmem.plan.estimate import shapes as shp
+from ortmem.ort import graph_index as og
+from ortmem.errors import PlanError
+from ortmem.plan.partition.graph_modules import ModuleTree, group_modules
+from ortmem.plan.partition.devices import default_overhead, default_provider, is_cpu, resolve_provider, split_node
+from ortmem.plan.partition.graph import PartitionGraph, module_names, node_costs
+from ortmem.plan.partition.ort_session import ANNOTATED_FILE, annotated_model, ort_settings
+from ortmem.plan.partition.partition_plan import PLAN_FILE, Crossing, DeviceReport, PartitionPlan, StageInfo
+from ortmem.plan.partition.stages import CUT_WINDOW, choose_stages, StageCosts, module_boundaries
+from ortmem.plan.partition.submodels import find_crossings, build_stage_models, StageGraph
+from ortmem.plan.partition.verify import ARENA_STEADY, estimate_stage
+from ortmem.files.layout import WEIGHTS_FILE  # the name of every weights file ortmem writes
+from ortmem.plan.partition.stage_weights import WeightsLayout, plan_layout, write_stage_weights
 
 
 log = logging.getLogger(__name__)

@@ -13,12 +13,12 @@ from typing import Iterable, Mapping, Sequence
 import onnx
 from onnx import AttributeProto, GraphProto, TensorProto
 
-from ...dtypes import byte_size
-from ...model import Model
-from ...onnx_walk import external_data_dict, iter_graphs, node_label, node_subgraphs
-from ...ortmodel import graph_index as og
-from ...errors import PlanError
-from .graph_modules import NodeCost, leaf_modules, position_links
+from ortmem.base.dtypes import byte_size
+from ortmem.onnxfile.model import Model
+from ortmem.onnxfile.walk import external_data_dict, iter_graphs, node_label, node_subgraphs
+from ortmem.ort import graph_index as og
+from ortmem.errors import PlanError
+from ortmem.plan.partition.graph_modules import NodeCost, leaf_modules, position_links
 
 #: Ops whose output differs from run to run: never treated as constants (never replicated).
 _RANDOM_OPS = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
@@ -244,7 +244,7 @@ class PartitionGraph:
 def node_costs(G: PartitionGraph, model: Model, dims: Mapping[str, int], stats_csv: str | os.PathLike | None
                 ) -> tuple[dict[str, int], dict[str, int], list[str]]:
     """Activation and workspace bytes per planned node label; notes on where they came from."""
-    from ..estimate import estimate
+    from ortmem.plan.estimate import estimate
 
     notes: list[str] = []
     est = estimate(model, dims=dict(dims))
@@ -260,7 +260,7 @@ def node_costs(G: PartitionGraph, model: Model, dims: Mapping[str, int], stats_c
         notes.append(f"symbolic dims without a value (counted as 0 bytes): {', '.join(est.unresolved_dims)}; "
                      "give them with dims=")
     if stats_csv is not None:
-        from ..estimate import read_csv
+        from ortmem.plan.estimate import read_csv
 
         measured = {r.name: r for r in read_csv(stats_csv)}
         hit = 0

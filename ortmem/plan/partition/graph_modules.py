@@ -45,9 +45,9 @@ from typing import Iterable, Mapping, Sequence
 
 from onnx import GraphProto, ModelProto
 
-from ...onnx_walk import node_label
-from ...ortmodel.graph_index import index_graph
-from ...errors import PlanError
+from ortmem.onnxfile.walk import node_label
+from ortmem.ort.graph_index import index_graph
+from ortmem.errors import PlanError
 
 __all__ = ["ModuleTree", "NodeCost", "activation_peak", "group_modules", "leaf_modules", "scope_of"]
 
@@ -59,7 +59,7 @@ class NodeCost:
     ``weight_bytes``: initializer name -> bytes (a weight shared between nodes is named by each);
     ``activation_bytes``: bytes of the tensors the node produces; ``workspace_bytes``: scratch memory
     that lives only while the node runs. ``name`` is the node's name (``op_type#index`` when the
-    node has none, as :func:`ortmem.onnx_walk.node_label` writes it).
+    node has none, as :func:`ortmem.onnxfile.walk.node_label` writes it).
     """
 
     name: str

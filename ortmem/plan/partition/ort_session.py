@@ -2,7 +2,7 @@
 devices): the session settings, and the whole model with each node annotated with its device
 (``model_annotated.onnx``).
 
-An alternative to :class:`ortmem.reach.pipeline.PipelineSession`'s one session per stage; written beside
+An alternative to :class:`ortmem.plan.partition.run.pipeline_session.PipelineSession`'s one session per stage; written beside
 the stages, not used by ortmem itself.
 """
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any, Mapping, Sequence
 
 from onnx import ModelProto
 
-from .devices import is_cpu
-from .graph import PartitionGraph
-from .result import PartitionPlan
-from .submodels import StageGraph
-from .weights import WeightsLayout, relocate_graph
+from ortmem.plan.partition.devices import is_cpu
+from ortmem.plan.partition.graph import PartitionGraph
+from ortmem.plan.partition.partition_plan import PartitionPlan
+from ortmem.plan.partition.submodels import StageGraph
+from ortmem.plan.partition.stage_weights import WeightsLayout, relocate_graph
 
 ANNOTATED_FILE = "model_annotated.onnx"
 LAYER_ANN = "layer_ann"  # ORT's node metadata key for session.layer_assignment_settings

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ...errors import PlanError
-from .device_map import Placement, plan_placement
-from .graph_modules import ModuleTree, activation_peak
-from .graph import PartitionGraph
+from ortmem.errors import PlanError
+from ortmem.plan.partition.device_map import Placement, plan_placement
+from ortmem.plan.partition.graph_modules import ModuleTree, activation_peak
+from ortmem.plan.partition.graph import PartitionGraph
 
 #: How many module boundaries either side of a cut the post-pass looks at.
 CUT_WINDOW = 32

@@ -11,12 +11,12 @@ from typing import Sequence
 
 import onnx
 from onnx import GraphProto, ModelProto, helper
-from ..estimate import shapes as shp
-from ...errors import PlanError
-from .graph import PartitionGraph
-from .result import Crossing
-from .stages import CandidateStage
-from .weights import WeightsLayout, relocate_graph
+from ortmem.plan.estimate import shapes as shp
+from ortmem.errors import PlanError
+from ortmem.plan.partition.graph import PartitionGraph
+from ortmem.plan.partition.partition_plan import Crossing
+from ortmem.plan.partition.stages import CandidateStage
+from ortmem.plan.partition.stage_weights import WeightsLayout, relocate_graph
 
 
 def _value_type(name: str, G: PartitionGraph, shapes: shp.Shapes) -> onnx.ValueInfoProto:

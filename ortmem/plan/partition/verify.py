@@ -13,9 +13,9 @@ from typing import Mapping
 import onnx
 from onnx import ModelProto, TensorProto
 
-from ...model import Model
-from ...weights import WeightStore
-from .graph import tensor_nbytes
+from ortmem.onnxfile.model import Model
+from ortmem.onnxfile.weights import WeightStore
+from ortmem.plan.partition.graph import tensor_nbytes
 
 
 #: Steady-state arena bytes per byte of a stage's internal activations (the estimator's liveness,
@@ -42,7 +42,7 @@ def estimate_stage(proto: ModelProto, path: Path, dims: Mapping[str, int], outpu
     table becomes resident, and on this kernel one random row already maps several MiB of it:
     measured +4.8 MiB RSS for one row of a 31 MiB table).
     """
-    from ..estimate import estimate
+    from ortmem.plan.estimate import estimate
 
     m = Model(path=path, skeleton=proto, store=WeightStore())
     e = estimate(m, dims=dict(dims), hygiene=True)

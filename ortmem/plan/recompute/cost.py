@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 
 
-from ...ortmodel import graph_index as og
-from ..estimate.liveness import Context
+from ortmem.ort import graph_index as og
+from ortmem.plan.estimate.liveness import Context
 
 
 FREE_OPS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Shape", "Size"}

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from typing import Iterable
 
 
-from ...ortmodel import graph_index as og
-from ..estimate.liveness import Liveness
-from .cost import CLASS_RANK, cost_class, node_flops
-from .state import State
+from ortmem.ort import graph_index as og
+from ortmem.plan.estimate.liveness import Liveness
+from ortmem.plan.recompute.cost import CLASS_RANK, cost_class, node_flops
+from ortmem.plan.recompute.state import State
 
 
 @dataclass

@@ -11,8 +11,8 @@ from typing import Any, Mapping
 import onnx
 
 
-from .planner import recorded_settings
-from .settings import apply_session_changes
+from ortmem.plan.recompute.planner import recorded_settings
+from ortmem.plan.recompute.plan_settings import apply_session_changes
 
 
 class _Runs:
@@ -41,7 +41,7 @@ def _probe_session(model_path: str, options: Mapping[str, Any], *, live: bool) -
     so = ort.SessionOptions()
     so.log_severity_level = 3
     if live:
-        from ...hygiene import set_malloc_thresholds
+        from ortmem.base.hygiene import set_malloc_thresholds
 
         set_malloc_thresholds(mmap_threshold=128 << 10, trim_threshold=128 << 10)
         so.enable_cpu_mem_arena = False
@@ -85,7 +85,7 @@ def verify(original: str | os.PathLike, rewritten: str | os.PathLike, dims: Mapp
     sets of fresh processes under ORT's defaults, docs/recompute.md). A planner's live-set prediction
     cannot see what ORT's arena and memory patterns do with a new layout (power-of-two arena growth,
     the pattern block, kernel scratch taken beside it), so a rewrite is shipped only when this says so."""
-    from ...measure.probe import probe
+    from ortmem.measure.probe import probe
 
     opts = {"dims": dict(dims), "runs": runs, **dict(options or {})}
     res = {}

@@ -8,9 +8,9 @@ from typing import Any, Mapping
 
 import onnx
 
-from ..estimate.liveness import ModelLike, load_proto
-from .guard import verify
-from .planner import materialize, plan, recorded_settings
+from ortmem.plan.estimate.liveness import ModelLike, load_proto
+from ortmem.plan.recompute.guard import verify
+from ortmem.plan.recompute.planner import materialize, plan, recorded_settings
 
 
 def apply_for_session(model: onnx.ModelProto | ModelLike, recompute: Any, dims: Mapping[str, int] | None = None,
@@ -73,7 +73,7 @@ def apply_for_session(model: onnx.ModelProto | ModelLike, recompute: Any, dims: 
     analysed: onnx.ModelProto = proto
     opt_path = None
     if optimize:
-        from ..estimate.liveness import ort_optimized
+        from ortmem.plan.estimate.liveness import ort_optimized
 
         opt_path = os.path.join(os.fspath(workdir), "model.onnx")  # type: ignore[arg-type]
         src = os.fspath(model) if isinstance(model, (str, os.PathLike)) else proto

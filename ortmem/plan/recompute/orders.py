@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 
-from ..estimate import activations as act
-from ..estimate import shapes as shp
-from ...ortmodel import graph_index as og
-from ..estimate.liveness import Context, analyze
+from ortmem.plan.estimate import activations as act
+from ortmem.plan.estimate import shapes as shp
+from ortmem.ort import graph_index as og
+from ortmem.plan.estimate.liveness import Context, analyze
 
 
 def _active(ctx: Context, order: Sequence[int]) -> list[int]:

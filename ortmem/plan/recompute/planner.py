@@ -8,16 +8,15 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
 import onnx
-from ..estimate import shapes as shp
-from ...ortmodel import graph_index as og
-from ..estimate.liveness import Context, ModelLike, analyze, context
-from .discovery import Cluster, Occurrence, clusters, discover
-from .orders import best_order
-from .rewrite import apply, reorder
-from .settings import (CSE, DISABLE_OPTIMIZERS_KEY, META_PREFIX, ORT_OPTIMIZED_KEY, PLAN_VERSION, PlanEntry, format_plan,
-                       parse_plan, session_changes_for)
-from .state import State, initial_state
-from ...units import MiB
+from ortmem.plan.estimate import shapes as shp
+from ortmem.ort import graph_index as og
+from ortmem.plan.estimate.liveness import Context, ModelLike, analyze, context
+from ortmem.plan.recompute.discovery import Cluster, Occurrence, clusters, discover
+from ortmem.plan.recompute.orders import best_order
+from ortmem.plan.recompute.rewrite import apply, reorder
+from ortmem.plan.recompute.plan_settings import (CSE, DISABLE_OPTIMIZERS_KEY, META_PREFIX, ORT_OPTIMIZED_KEY, PLAN_VERSION, PlanEntry, format_plan, parse_plan, session_changes_for)
+from ortmem.plan.recompute.state import State, initial_state
+from ortmem.base.units import MiB
 
 
 @dataclass

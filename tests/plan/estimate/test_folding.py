@@ -9,7 +9,7 @@ import onnx
 import pytest
 
 from ortmem.plan.estimate import estimate
-from ortmem.synth import TIED_HEAD, SynthConfig, build_model, write_model
+from ortmem.measure.synth import TIED_HEAD, SynthConfig, build_model, write_model
 
 MiB = 1 << 20
 DIMS = {"batch": 1, "seq": 8}

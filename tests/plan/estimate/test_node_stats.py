@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ortmem.ortmodel import graph_index as og
+from ortmem.ort import graph_index as og
 from ortmem.plan.estimate import add_stats_arguments, main_stats
 from ortmem.plan.estimate.node_stats import CSV_HEADER, NodeStats, read_csv, stats, write_csv
 

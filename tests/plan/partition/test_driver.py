@@ -1,5 +1,5 @@
 """Partitioning: stages, crossing tensors, the shared weights file, the plan file,
-the report, ORT's own settings and the CLI. Running the stages is tested in tests/reach/test_pipeline.py."""
+the report, ORT's own settings and the CLI. Running the stages is tested in tests/plan/partition/run/test_pipeline_session.py."""
 from __future__ import annotations
 
 import argparse
@@ -14,15 +14,15 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ortmem
-from ortmem.onnx_walk import external_data_dict, iter_tensor_sites
+from ortmem.onnxfile.walk import external_data_dict, iter_tensor_sites
 from ortmem.plan.partition import driver as P
 from ortmem.plan.partition import stages
 from ortmem.errors import PlanError
 from ortmem.plan.partition import PartitionPlan, default_provider, partition
 from ortmem.plan.partition import add_partition_arguments, main_partition
-from ortmem.units import parse_bytes
-from ortmem.weights import FILE_ALIGN
-from ortmem.synth import SynthConfig, write_model
+from ortmem.base.units import parse_bytes
+from ortmem.onnxfile.weights import FILE_ALIGN
+from ortmem.measure.synth import SynthConfig, write_model
 from tests.support.builders import make_model, save, subgraph_model
 
 DIMS = {"batch": 2, "seq": 16}
@@ -328,7 +328,7 @@ def test_plan_file_round_trips_and_report_says_what_did_not_fit(tiny, tmp_path):
 
 
 def test_stats_csv_replaces_estimated_activations(tiny, tmp_path):
-    from ortmem.ortmodel.graph_index import unique_node_name
+    from ortmem.ort.graph_index import unique_node_name
     from ortmem.plan.estimate.node_stats import NodeStats, write_csv
 
     with ortmem.load(tiny) as m:

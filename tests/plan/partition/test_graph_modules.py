@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ortmem.errors import PlanError
 from ortmem.plan.partition.device_map import infer_device_map
-from ortmem.ortmodel.graph_index import topological_order as execution_order
+from ortmem.ort.graph_index import topological_order as execution_order
 from ortmem.plan.partition.graph_modules import NodeCost, group_modules, scope_of
 from tests.support.builders import make_model
 

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 from ortmem.plan import recompute as rc
 from ortmem.plan.estimate.liveness import analyze, context, load_proto
 from ortmem.plan.recompute import add_recompute_arguments, main_recompute
-from ortmem.units import bytes_arg
+from ortmem.base.units import bytes_arg
 from tests.support.recompute_models import LlamaMaskConfig, llama_shared_mask
 from tests.support.planner_graphs import graph_model, i64, long_cast, two_branches
 from tests.support.compare import assert_same_outputs
@@ -324,7 +324,7 @@ def test_session_hook_applies_recompute(tiny_llama):
     """`ortmem.InferenceSession(..., recompute=True)` rewrites, runs with the recorded order and
     settings, gives ORT's outputs bit for bit, and leaves the user's options as they were."""
     import ortmem
-    from ortmem.measure.inputs import make_inputs
+    from ortmem.ort.feeds import make_inputs
 
     dims = {"batch": 2, "seq": 64}
     so = ort.SessionOptions()

@@ -8,9 +8,9 @@ import math
 import sys
 from typing import Sequence
 
-from .plans import Limits, Plan, objective_len, plan_key
-from .sequence import per_device_mincost
-from .tree import Tree
+from ortmem.plan.partition.placement.plans import Limits, Plan, objective_len, plan_key
+from ortmem.plan.partition.placement.sequence import per_device_mincost
+from ortmem.plan.partition.placement.tree import Tree
 
 
 #: Expansion budget of the exact search (about 1-2 s of CPU on one core).

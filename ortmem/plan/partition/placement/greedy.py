@@ -8,8 +8,8 @@ import heapq
 import itertools
 from bisect import bisect_left, bisect_right, insort
 
-from .plans import Limits, Plan, better_plan, plan_from, plan_key
-from .tree import INF, Tree
+from ortmem.plan.partition.placement.plans import Limits, Plan, better_plan, plan_from, plan_key
+from ortmem.plan.partition.placement.tree import INF, Tree
 
 
 def _fill_device(tree: Tree, pool: list[int], room: int, limit: float) -> tuple[list[int], list[int]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .tree import Tree
+from ortmem.plan.partition.placement.tree import Tree
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ Part of the placement search behind :mod:`ortmem.plan.partition.device_map` (its
 describes the model and the method)."""
 from __future__ import annotations
 
-from .greedy import greedy_by_device, refill_from, regap
-from .plans import Limits, Plan, better_plan, plan_from, plan_key_function
-from .tree import Tree
+from ortmem.plan.partition.placement.greedy import greedy_by_device, refill_from, regap
+from ortmem.plan.partition.placement.plans import Limits, Plan, better_plan, plan_from, plan_key_function
+from ortmem.plan.partition.placement.tree import Tree
 
 
 #: Beam of the sequence heuristic: up to _BEAM plans per state, fewer on large models.

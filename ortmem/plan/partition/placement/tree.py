@@ -8,7 +8,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from ....errors import PlanError
+from ortmem.errors import PlanError
 
 
 INF = float("inf")

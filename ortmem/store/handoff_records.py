@@ -1,0 +1,249 @@
+"""Handover records: what the walk of a model file found, kept so that a program started again skips it.
+
+Why: a model that needs nothing of the session path (no DequantizeLinear to convert, no external data
+to check) is handed to ORT from its bytes (:mod:`ortmem.onnxfile.scan`): as it is, or as a skeleton
+beside a hard link, so that ORT maps its embedded weights instead of copying them. Deciding that
+takes a walk of the file's structure in pure Python, about 4.5 us per protobuf message: rapidocr's
+three models (1552 messages in the recognition model alone) cost a hooked process 22 ms of walks
+and two skeletons written on every start (onnxruntime 1.32.0, this 2-core VM,
+``python -m bench.hook_stages tests/hook_clients/rapidocr_client.py``), more than the hook may
+cost a program whose models ORT gets unconverted (issue 23: +20 ms). A record makes every later
+start of the same file a few ``stat`` calls and one small read.
+
+What a record is: a folder ``<store>/.handover/<key>/``, the key a hash of the file's path, device,
+inode, size and mtime, this record format and ortmem's version. It holds ``facts`` (the
+:class:`~ortmem.onnxfile.scan.FileFacts` fields, the identity, the ctime after the record was made and
+the skeleton's digest) and, for a file whose embedded weights ORT maps, the skeleton and a hard link
+to the file: the pair :func:`ortmem.onnxfile.scan.link_skeleton` would write into a temporary folder.
+Only facts that send the model to ORT without the session path are recorded; the rest is the
+session path's, which reads the file anyway.
+
+A file modified within :data:`~ortmem.files.trust.RACY_SECONDS` gets no record: on a file system
+with coarse timestamps a second write in the same tick would leave mtime and ctime as recorded.
+When a record is used, all of: the folder and its files are this user's and nobody else may write
+them (:mod:`ortmem.files.trust`, the rule of every cache file), the file's ctime is the one recorded
+(any write to it moves its ctime, which no writer can set back, and a replacement is another inode,
+hence another key), the link is still the file's inode, and the skeleton's digest matches (a flipped
+offset would point ORT at other bytes). Otherwise the walk runs as without records, and its record
+replaces the old one, unless that one is under a minute old (:data:`IN_USE_SECONDS`: its maker's ORT
+may be reading its skeleton; the start then hands the skeleton over from a temporary folder, as
+without records). A link made to the file by anyone else (a cache entry's) also moves its ctime: the
+next start walks once more and records again. Workers starting together: one that walked while
+another recorded takes the other's record.
+
+What removes them: ``ortmem cache clear`` (the folder is inside the store's), and every new record:
+before it is made, records whose file no longer has the identity in their key (deleted, replaced,
+edited) are removed, so a record's hard link never keeps a deleted model's bytes on disk for long.
+Everything here is best effort: a read-only, full or untrusted folder gets no record, costs the walk
+as before and logs nothing (nothing the user asked for failed).
+"""
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Optional
+
+from ortmem import __version__
+from ortmem.onnxfile.scan import FileFacts, needs_session_path, read_facts, skeleton_name
+from ortmem.base.hashing import short_hash
+from ortmem.files.trust import (RACY_SECONDS, TMP_PREFIX, cache_file_problem, make_private_dir, parent_untrusted_reason, read_nofollow, remove_aside, untrusted_reason, write_new)
+
+#: The records' folder inside the store's (a "." name: the store's listing and pruning skip it).
+FOLDER = ".handover"
+#: Bumped whenever the walk's facts or the skeleton for the same file would differ.
+FORMAT = 1
+#: A record's description of itself.
+FACTS_FILE = "facts"
+#: A folder left by a writer that died, removed by the next record made after this long.
+STALE_SECONDS = 86400.0
+#: A record made this recently is never replaced (its maker's ORT may be reading its skeleton): a
+#: start that finds it unusable hands its skeleton over from a temporary folder instead.
+IN_USE_SECONDS = 60.0
+#: The identity a record's key is made of, and what it keeps of it.
+_IDENTITY = ("dev", "ino", "size", "mtime_ns")
+_FLAGS = ("needs_loader", "dequantize", "recompute", "main_graph_only", "has_graph", "stopped")
+
+
+def records_folder(store: Path) -> Optional[Path]:
+    """``<store>/.handover``, created private if needed; None when it cannot be made or trusted
+    (the store's folder or the records' is another user's, or others may write it)."""
+    folder = store / FOLDER
+    try:
+        if not folder.is_dir():
+            if store.is_dir() and (untrusted_reason(store) or parent_untrusted_reason(store)):
+                return None
+            make_private_dir(folder, parents=True)
+    except OSError:
+        return None
+    if untrusted_reason(folder) or untrusted_reason(store) or parent_untrusted_reason(store):
+        return None
+    return folder
+
+
+def facts_of(path: Path, folder: Optional[Path], *, stop_outside_main_graph: bool = False) -> FileFacts:
+    """:func:`ortmem.onnxfile.scan.read_facts` of ``path``, from its record in ``folder`` when there is
+    a usable one, else walked and recorded there (no record with ``folder`` None). Raises what the
+    walk raises (:class:`ortmem.errors.CorruptModelError`)."""
+    if folder is None:
+        return read_facts(path, stop_outside_main_graph=stop_outside_main_graph)
+    before = os.stat(path)
+    recorded = recorded_facts(folder, path, before, stop_outside_main_graph=stop_outside_main_graph)
+    if recorded is not None:
+        return recorded
+    facts = read_facts(path, stop_outside_main_graph=stop_outside_main_graph)
+    if needs_session_path(facts, converting=True):
+        return facts  # the session path reads the file anyway
+    return record(folder, path, before, facts, stop_outside_main_graph=stop_outside_main_graph)
+
+
+def recorded_facts(folder: Path, path: Path, st: os.stat_result, *,
+                   stop_outside_main_graph: bool = False) -> Optional[FileFacts]:
+    """The facts recorded for ``path`` as ``st`` describes it, or None when there is no usable record
+    (see the module docstring). A record of a walk that stopped at a weight outside the main graph
+    answers only a caller that would stop there too."""
+    where = folder / _key(path, st)
+    fields = _read_facts_file(where)
+    if fields is None or fields.get("ctime_ns") != str(st.st_ctime_ns):
+        return None
+    if any(fields.get(k) != str(getattr(st, f"st_{k}")) for k in _IDENTITY):
+        return None
+    flags = {k: fields.get(k) == "1" for k in _FLAGS}
+    if flags["stopped"] and not stop_outside_main_graph:
+        return None
+    skeleton_file = None
+    if fields.get("skeleton", "-") != "-":
+        skeleton_file = where / skeleton_name(path)
+        if not _is_file_pair(where / path.name, st) or not _skeleton_matches(skeleton_file, fields["skeleton"]):
+            return None
+    try:
+        embedded = int(fields.get("embedded_bytes", ""))
+    except ValueError:
+        return None
+    return FileFacts(skeleton=None, embedded_bytes=embedded, skeleton_file=skeleton_file, **flags)
+
+
+def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *,
+           stop_outside_main_graph: bool = False) -> FileFacts:
+    """Record ``facts``, walked from ``path`` as ``before`` describes it; returns the facts to hand
+    over with: with ``skeleton_file`` in a record when one holds the skeleton and its link (this
+    one, or one another process made meanwhile), else ``facts`` as given (nothing recorded, or
+    nothing to map)."""
+    key = _key(path, before)
+    target = folder / key
+    pair = facts.skeleton is not None and facts.main_graph_only
+    recorded = _usable(folder, path, stop_outside_main_graph)
+    if recorded is not None:
+        return recorded  # another process recorded it while this one walked (workers starting together)
+    if time.time_ns() - before.st_mtime_ns < RACY_SECONDS * 1e9:
+        return facts  # just written: a second write within the same timestamp tick would go unseen
+    # Old records go first: removing one whose link is this same inode moves the file's ctime.
+    _remove_stale(folder, keep=key)
+    if _age(target) > IN_USE_SECONDS:  # a younger one may be its maker's session's model right now
+        remove_aside(target)
+    building = folder / f"{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        make_private_dir(building)
+        if pair:
+            os.link(path, building / path.name)
+            write_new(building / skeleton_name(path), facts.skeleton)
+        after = os.stat(path)  # after the link, which moved its ctime
+        if any(getattr(after, f"st_{k}") != getattr(before, f"st_{k}") for k in _IDENTITY):
+            raise OSError("the file changed while it was walked")
+        fields = {"format": str(FORMAT), "path": os.path.abspath(path),
+                  **{k: str(getattr(after, f"st_{k}")) for k in _IDENTITY}, "ctime_ns": str(after.st_ctime_ns),
+                  "embedded_bytes": str(facts.embedded_bytes),
+                  **{k: "1" if getattr(facts, k) else "0" for k in _FLAGS},
+                  "skeleton": short_hash(facts.skeleton) if pair else "-"}
+        write_new(building / FACTS_FILE, "".join(f"{k} {v}\n" for k, v in fields.items()).encode())
+        os.rename(building, target)
+    except OSError:  # no room, read-only, a link across file systems, or another writer was first
+        remove_aside(building)
+        return _usable(folder, path, stop_outside_main_graph) or facts
+    if not pair:
+        return facts
+    return facts._replace(skeleton=None, skeleton_file=target / skeleton_name(path))
+
+
+def _usable(folder: Path, path: Path, stop_outside_main_graph: bool) -> Optional[FileFacts]:
+    """The record of ``path`` as it is now, if one is usable."""
+    try:
+        return recorded_facts(folder, path, os.stat(path), stop_outside_main_graph=stop_outside_main_graph)
+    except OSError:
+        return None
+
+
+def _key(path: Path, st: os.stat_result) -> str:
+    parts = [str(FORMAT), __version__, os.path.abspath(path), *(str(getattr(st, f"st_{k}")) for k in _IDENTITY)]
+    return short_hash("\0".join(parts).encode())
+
+
+def _read_facts_file(where: Path) -> Optional[dict[str, str]]:
+    """A record's fields, or None: no record, one that fails the cache's file check
+    (:func:`ortmem.files.trust.cache_file_problem`: not this user's, writable by others, a link),
+    or a damaged one."""
+    facts = where / FACTS_FILE
+    try:
+        if untrusted_reason(where) or cache_file_problem(facts):
+            return None
+        text = read_nofollow(facts).decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    fields = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
+    return fields if fields.get("format") == str(FORMAT) else None
+
+
+def _is_file_pair(link: Path, st: os.stat_result) -> bool:
+    """Whether the record's hard link is still the file ``st`` describes."""
+    try:
+        lst = os.lstat(link)
+    except OSError:
+        return False
+    return stat.S_ISREG(lst.st_mode) and (lst.st_dev, lst.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _skeleton_matches(skeleton: Path, recorded: str) -> bool:
+    """Whether a record's skeleton passes the cache's file check and has the recorded digest."""
+    try:
+        return cache_file_problem(skeleton) is None and short_hash(read_nofollow(skeleton)) == recorded
+    except OSError:
+        return False
+
+
+def _remove_stale(folder: Path, *, keep: str) -> None:
+    """Remove every record (but ``keep``) whose file no longer has the identity in its key, and
+    writers' folders older than :data:`STALE_SECONDS`. One ``stat`` and one small read per record,
+    paid only when a new record is made."""
+    now = time.time()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        where = folder / name
+        if name.startswith("."):
+            try:
+                if now - os.lstat(where).st_mtime > STALE_SECONDS:
+                    remove_aside(where)
+            except OSError:
+                pass
+        elif name != keep:
+            fields = _read_facts_file(where)
+            if fields is None or not _still_names_its_file(name, fields):
+                remove_aside(where)
+
+
+def _age(where: Path) -> float:
+    """Seconds since ``where`` was made (-1 when it is not there)."""
+    try:
+        return time.time() - os.lstat(where).st_mtime
+    except OSError:
+        return -1.0
+
+
+def _still_names_its_file(name: str, fields: dict[str, str]) -> bool:
+    try:
+        return _key(Path(fields["path"]), os.stat(fields["path"])) == name
+    except (OSError, KeyError, ValueError):
+        return False
