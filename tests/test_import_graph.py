@@ -22,10 +22,7 @@ ROOT = Path(ortmem.__file__).resolve().parent
 
 #: Imports that still point up, as (importer prefixes, imported prefix), each with its reason; the test
 #: fails when one no longer matches any import (delete it here).
-UPWARD_ALLOWED: dict[tuple[tuple[str, ...], str], str] = {
-    (("ortmem.session.inference", "ortmem.session"), "ortmem.plan.recompute"):
-        "InferenceSession(recompute=...) and recompute-written models plan or replay on demand (imported only then)",
-}
+UPWARD_ALLOWED: dict[tuple[tuple[str, ...], str], str] = {}
 
 
 def _modules() -> dict[str, Path]:

@@ -2,7 +2,7 @@
 
 A :class:`Handoff` is made by :func:`ortmem.session.decide.prepare` and never edited afterwards. The
 two things that change what ORT loads after it is made are steps that return a new handoff:
-:meth:`Handoff.with_recompute` (a recompute plan, or the settings a recompute-written model records)
+:meth:`Handoff.with_recorded_settings` (the settings a model written by ``ortmem recompute`` records)
 and :meth:`Handoff.refused` (ORT refused its finished model or a mapped skeleton: discard it,
 load the fallback; a failure of resources keeps it).
 The session only reads it (``ortmem.InferenceSession.ortmem_handoff``), and creates ORT's session with
@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import shutil
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +24,9 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
 import onnxruntime as ort
 
-from ortmem.errors import OrtmemError
 from ortmem.onnxfile.model import Model
 from ortmem.onnxfile.scan import FOLDER_KEY, RECOMPUTE_METADATA, file_mentions
+from ortmem.ort.recorded_settings import merge_config_value, recorded_settings
 from ortmem.base.options import get_config, scoped_config
 from ortmem.store.start import CACHE_HIT, CONVERTED, PREPARED, Start
 
@@ -91,7 +90,8 @@ class Handoff:
     #: The conversion ran in a helper process (:mod:`ortmem.session.cold_start_child`): this
     #: process imported and allocated nothing of it.
     converted_in_helper: bool = False
-    #: Session changes of a recompute rewrite (``execution_order``, ``session_config``; :meth:`with_recompute`).
+    #: Session changes a recompute-written model records (``execution_order``, ``session_config``;
+    #: :meth:`with_recorded_settings`).
     recompute: Mapping[str, Any] = field(default_factory=_NOTHING)
 
     def refused(self, *, keep: bool = False) -> "Handoff":
@@ -104,39 +104,15 @@ class Handoff:
         return dataclasses.replace(self, model=self.fallback, fallback=None, start=None,
                                    action=CACHE_HIT if self.cache_hit else "as-is")
 
-    def with_recompute(self, recompute: Any, dims: Optional[Mapping[str, int]]) -> "Handoff":
-        """Plan or replay a recompute rewrite on what ORT is about to get.
-
-        A model rewritten by ``ortmem recompute`` records its execution order and optimizer settings in
-        its metadata: those apply whether or not ``recompute`` is given. A new plan is made on ORT's
-        optimized graph, written into a temporary folder that goes once the session exists.
-        """
-        if self.memory is not None:
-            if recompute not in (None, False):
-                raise OrtmemError("recompute= needs the converted model on disk: use cache=True (the default)")
-            return self
-        if recompute in (None, False) and not self._may_record_recompute():
+    def with_recorded_settings(self) -> "Handoff":
+        """Replay the settings a model written by ``ortmem recompute`` records (its execution order and
+        the optimizers ORT must skip, :mod:`ortmem.ort.recorded_settings`) on what ORT is about to get."""
+        if self.memory is not None or not self._may_record_recompute():
             return self  # a warm start: decided from the entry's bytes, nothing parsed, no onnx imported
         skeleton = self.skeleton()
-        if recompute in (None, False) and not any(p.key.startswith(RECOMPUTE_METADATA) for p in skeleton.metadata_props):
-            return self  # the common case: nothing to plan, nothing recorded (and no planner imported)
-        from ortmem.plan import recompute as rc
-
-        recorded = rc.recorded_settings(skeleton)
-        if recorded or recompute in (None, False):
-            return dataclasses.replace(self, recompute=MappingProxyType(dict(recorded)))
-        workdir = Path(tempfile.mkdtemp(prefix="ortmem-recompute-"))
-        try:
-            new_model, changes = rc.apply_for_session(skeleton, recompute, dims, folder=self.folder, workdir=workdir)
-        except BaseException:
-            shutil.rmtree(workdir, ignore_errors=True)
-            raise
-        planned = dataclasses.replace(self, tempdirs=(*self.tempdirs, workdir), recompute=MappingProxyType(dict(changes)))
-        if not changes:
-            return planned
-        return dataclasses.replace(planned, model=new_model.SerializeToString(),
-                                   config=MappingProxyType({**self.config,
-                                                            FOLDER_KEY: str(changes.get("model_folder") or self.folder)}))
+        if not any(p.key.startswith(RECOMPUTE_METADATA) for p in skeleton.metadata_props):
+            return self  # the common case: nothing recorded
+        return dataclasses.replace(self, recompute=MappingProxyType(recorded_settings(skeleton)))
 
     @contextmanager
     def creation_options(self, user_options: Optional[ort.SessionOptions]) -> Iterator[ort.SessionOptions]:
@@ -146,8 +122,6 @@ class Handoff:
         registered only on options ortmem made itself (:mod:`ortmem.base.options`)."""
         config = dict(self.config)
         for key, value in (self.recompute.get("session_config") or {}).items():
-            from ortmem.plan.recompute import merge_config_value
-
             config[key] = merge_config_value(key, str(value), get_config(user_options, key) if user_options else None)
         with scoped_config(user_options, config) as options:
             if options is not user_options and self.memory is not None:

@@ -46,11 +46,6 @@ class InferenceSession(ORT_SESSION):
     - ``prepacked``: on a cache hit with the CPU EP, load ORT's finished model of the entry (saved in
       the background after a first run), so packed and optimizer-made weights are mapped from the page
       cache instead of copied to the heap (default True; :mod:`ortmem.store.finished`);
-    - ``recompute``: lower the activation peak by recomputing cheap tensors and reordering nodes
-      (``True``/``"auto"``, a budget in bytes, a plan string from ``ortmem recompute``, ``"order"``, or a
-      dict; see :func:`ortmem.plan.recompute.apply_for_session`), planned for ``dims`` (symbolic
-      dimension sizes). A model written by ``ortmem recompute`` always runs with the execution order
-      and optimizer settings it records;
     - ``progress``: ``callable(done_bytes, total_bytes, name)`` called while converting;
     - ``verify``: how a cache entry is checked on every warm start: ``"full"`` (default: every byte
       digested, about 0.05 s/GB, once per boot and again whenever a file changes: a file already found
@@ -59,6 +54,9 @@ class InferenceSession(ORT_SESSION):
       tensor) or ``"off"`` (sizes only). Anything derived from an entry (pre-packing) is checked in full first.
       A cache folder that cannot be used (read-only, someone else's) gives one warning and a
       conversion without it (as ``cache=False``).
+
+    A model written by ``ortmem recompute`` runs with the execution order and optimizer settings it
+    records (for the creation call only; ``self.ortmem_recompute`` names them).
 
     ``self.ortmem_handoff`` is what ORT was given and what ortmem decided (read-only,
     :class:`ortmem.session.handoff.Handoff`); from it, ``self.ortmem_report`` tells what was converted
@@ -87,8 +85,6 @@ class InferenceSession(ORT_SESSION):
         cache: Union[bool, str, os.PathLike] = True,
         trim: bool = True,
         prepacked: bool = True,
-        recompute: Any = None,
-        dims: Optional[dict[str, int]] = None,
         progress: Optional[Callable[[int, int, str], None]] = None,
         verify: str = "full",
         **kwargs: Any,
@@ -112,7 +108,7 @@ class InferenceSession(ORT_SESSION):
                 # weights in If branches (tests/session/test_unconverted.py).
                 pinned.close()
             try:
-                self._ortmem_handoff = self._ortmem_handoff.with_recompute(recompute, dims)
+                self._ortmem_handoff = self._ortmem_handoff.with_recorded_settings()
                 failure: Optional[str] = None
                 short_of_resources = False
                 try:
@@ -155,7 +151,8 @@ class InferenceSession(ORT_SESSION):
 
     @property
     def ortmem_recompute(self) -> Any:
-        """The session changes of a recompute rewrite (``execution_order``, ``session_config``), or empty."""
+        """The session changes a model written by ``ortmem recompute`` records (``execution_order``,
+        ``session_config``), replayed for this session's creation; empty for any other model."""
         return self._ortmem_handoff.recompute
 
     def run(self, output_names, input_feed, run_options=None):  # type: ignore[override]

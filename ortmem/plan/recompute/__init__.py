@@ -72,9 +72,10 @@ blocking could depend on position in the run).
 
 **Modules**, in the order the method uses them: ``cost`` (the allow-list, FLOPs), ``state`` (a model
 under analysis), ``discovery`` (occurrences and clusters), ``rewrite`` (clones placed, reorders),
-``orders`` (peak-minimizing orders), ``settings`` (plan strings, the session settings a rewrite
-records), ``planner`` (the greedy plan, the rewritten model, the summary), ``guard`` (fresh-process
-measurement), ``hook`` (``InferenceSession(recompute=...)``), ``cli`` (``ortmem recompute``).
+``orders`` (peak-minimizing orders), ``plan_settings`` (plan strings; the session settings a rewrite
+records live in :mod:`ortmem.ort.recorded_settings`, where the session replays them), ``planner``
+(the greedy plan, the rewritten model, the summary), ``guard`` (fresh-process measurement),
+``recompute_command`` (``ortmem recompute``, which writes the model any session runs).
 """
 from __future__ import annotations
 
@@ -84,9 +85,8 @@ _OWNERS = {
     "plan": "ortmem.plan.recompute.planner",
     "materialize": "ortmem.plan.recompute.planner",
     "render": "ortmem.plan.recompute.planner",
-    "recorded_settings": "ortmem.plan.recompute.planner",
+    "recorded_settings": "ortmem.ort.recorded_settings",
     "Result": "ortmem.plan.recompute.planner",
-    "apply_for_session": "ortmem.plan.recompute.hook",
     "verify": "ortmem.plan.recompute.guard",
     "Verdict": "ortmem.plan.recompute.guard",
     "probe_default": "ortmem.plan.recompute.guard",
@@ -94,10 +94,10 @@ _OWNERS = {
     "PlanEntry": "ortmem.plan.recompute.plan_settings",
     "parse_plan": "ortmem.plan.recompute.plan_settings",
     "format_plan": "ortmem.plan.recompute.plan_settings",
-    "apply_session_changes": "ortmem.plan.recompute.plan_settings",
-    "merge_config_value": "ortmem.plan.recompute.plan_settings",
+    "apply_session_changes": "ortmem.ort.recorded_settings",
+    "merge_config_value": "ortmem.ort.recorded_settings",
     "CSE": "ortmem.plan.recompute.plan_settings",
-    "DISABLE_OPTIMIZERS_KEY": "ortmem.plan.recompute.plan_settings",
+    "DISABLE_OPTIMIZERS_KEY": "ortmem.ort.recorded_settings",
     "META_PREFIX": "ortmem.plan.recompute.plan_settings",
     "cost_class": "ortmem.plan.recompute.cost",
     "discover": "ortmem.plan.recompute.discovery",

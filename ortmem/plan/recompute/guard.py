@@ -10,9 +10,7 @@ from typing import Any, Mapping
 
 import onnx
 
-
-from ortmem.plan.recompute.planner import recorded_settings
-from ortmem.plan.recompute.plan_settings import apply_session_changes
+from ortmem.ort.recorded_settings import apply_session_changes, recorded_settings
 
 
 class _Runs:

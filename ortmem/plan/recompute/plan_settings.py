@@ -4,11 +4,14 @@ Part of :mod:`ortmem.plan.recompute` (see its docstring for the method)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 from ortmem.onnxfile.scan import RECOMPUTE_METADATA as META_PREFIX
+# the session settings a rewrite records: defined where the session reads them without importing the planner
+from ortmem.ort.recorded_settings import (DISABLE_OPTIMIZERS_KEY, apply_session_changes,  # noqa: F401
+                                          merge_config_value, session_changes_for)
 
-#: keys of the rewritten model's ``metadata_props`` (META_PREFIX: defined where the hook reads it without
+#: keys of the rewritten model's ``metadata_props`` (META_PREFIX: defined where the session reads it without
 #: importing the planner); the optimizer ORT must skip; the plan format
 ORT_OPTIMIZED_KEY = "ortmem.ort_optimized"  # set by liveness.ort_optimized: the file order is ORT's run order
 CSE = "CommonSubexpressionElimination"
@@ -47,50 +50,3 @@ def parse_plan(text: str) -> list[PlanEntry]:
 
 def format_plan(entries: Sequence[PlanEntry]) -> str:
     return ",".join(str(e) for e in entries)
-
-
-# ------------------------------------------------------------------------------------ session settings
-#: ORT's session config key (``onnxruntime_session_options_config_keys.h``) naming graph transformers
-#: to skip, ``;``-separated; checked on 1.31.1 to keep CSE from merging clones.
-DISABLE_OPTIMIZERS_KEY = "optimization.disable_specified_optimizers"
-
-
-def session_changes_for(order: str, disabled: Sequence[str]) -> dict[str, Any]:
-    """The session changes a rewrite needs: ORT's execution order and the optimizers to skip."""
-    out: dict[str, Any] = {"execution_order": order}
-    if disabled:
-        out["session_config"] = {DISABLE_OPTIMIZERS_KEY: ";".join(disabled)}
-    return out
-
-
-def merge_config_value(key: str, ours: str, theirs: str | None) -> str:
-    """A config value combining the user's and ours (the disabled-optimizer list is a union)."""
-    if key != DISABLE_OPTIMIZERS_KEY or not theirs:
-        return ours
-    names = [n for n in theirs.split(";") if n]
-    names += [n for n in ours.split(";") if n and n not in names]
-    return ";".join(names)
-
-
-def apply_session_changes(so, changes: Mapping[str, Any]):
-    """Apply ``changes`` (from :func:`apply_for_session` or :func:`recorded_settings`) to an
-    ``onnxruntime.SessionOptions`` in place, and return it. For people and scripts running a
-    rewritten model with plain ONNX Runtime; the hook applies the same changes to a scoped copy."""
-    import onnxruntime as ort
-
-    if "execution_order" in changes:
-        so.execution_order = getattr(ort.ExecutionOrder, str(changes["execution_order"]))
-    for key, value in (changes.get("session_config") or {}).items():
-        current = so.get_session_config_entry(key) if _has_config(so, key) else None
-        so.add_session_config_entry(key, merge_config_value(key, str(value), current))
-    return so
-
-
-def _has_config(so, key: str) -> bool:
-    try:
-        so.get_session_config_entry(key)
-        return True
-    except Exception:  # noqa: BLE001 - ORT raises for a key never set
-        return False
-
-

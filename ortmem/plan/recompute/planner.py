@@ -14,7 +14,8 @@ from ortmem.plan.estimate.liveness import Context, ModelLike, analyze, context
 from ortmem.plan.recompute.discovery import Cluster, Occurrence, clusters, discover
 from ortmem.plan.recompute.orders import best_order
 from ortmem.plan.recompute.rewrite import apply, reorder
-from ortmem.plan.recompute.plan_settings import (CSE, DISABLE_OPTIMIZERS_KEY, META_PREFIX, ORT_OPTIMIZED_KEY, PLAN_VERSION, PlanEntry, format_plan, parse_plan, session_changes_for)
+from ortmem.ort.recorded_settings import DISABLE_OPTIMIZERS_KEY, recorded_settings, session_changes_for  # noqa: F401 - recorded_settings: re-exported
+from ortmem.plan.recompute.plan_settings import CSE, META_PREFIX, ORT_OPTIMIZED_KEY, PLAN_VERSION, PlanEntry, format_plan, parse_plan
 from ortmem.plan.recompute.state import State, initial_state
 from ortmem.base.units import MiB
 
@@ -280,14 +281,6 @@ def materialize(result: Result, full: onnx.ModelProto | None = None) -> onnx.Mod
         p = out.metadata_props.add()
         p.key, p.value = META_PREFIX + k, v
     return out
-
-
-def recorded_settings(model: onnx.ModelProto) -> dict[str, Any]:
-    """The session changes a rewritten model records (empty for a model ortmem did not rewrite)."""
-    meta = {p.key[len(META_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(META_PREFIX)}
-    if not meta:
-        return {}
-    return session_changes_for(meta.get("execution_order", "DEFAULT"), [x for x in meta.get("disabled_optimizers", "").split(";") if x])
 
 
 # ------------------------------------------------------------------------------------ the summary

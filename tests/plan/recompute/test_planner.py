@@ -1,6 +1,6 @@
 """ortmem.plan.recompute: candidates, savings and plans on graphs whose answer is known by hand, the
 peak-minimizing order against exhaustive search, bit-identical outputs through ORT, plan strings,
-the CLI and the session entry point."""
+the CLI, and the settings a rewritten model records replayed by the session."""
 from __future__ import annotations
 
 import argparse
@@ -277,27 +277,20 @@ def test_shared_mask_llama_bit_identical_and_lower(tiny_llama, tmp_path):
     assert abs(measured - res.saved_bytes) <= 0.1 * res.saved_bytes, (peaks, res.saved_bytes)
 
 
-def test_apply_for_session(tiny_llama, tmp_path):
-    skeleton = load_proto(str(tiny_llama))
-    dims = {"batch": 2, "seq": 256}
-    new, changes = rc.apply_for_session(skeleton, True, dims)
-    assert changes["session_config"] == {rc.DISABLE_OPTIMIZERS_KEY: rc.CSE}
-    assert {p.key for p in new.metadata_props} >= {"ortmem.recompute.plan", "ortmem.recompute.execution_order"}
-    again, recorded = rc.apply_for_session(new, True, dims)  # already rewritten: as is, with its settings
-    assert again is new and recorded == changes
-    assert rc.apply_for_session(skeleton, None, dims) == (skeleton, {})
-    work = tmp_path / "work"
-    new2, ch2 = rc.apply_for_session(str(tiny_llama), {"optimize": True}, dims, workdir=work)
-    assert ch2["model_folder"] == str(work) and (work / "model.onnx.data").exists()
-    with pytest.raises(ValueError):
-        rc.apply_for_session(skeleton, {"verify": True}, dims)
-    with pytest.raises(ValueError):
-        rc.apply_for_session(skeleton, {"colour": "red"}, dims)
-    # merging with a user's own disable list
+def test_recorded_settings_merge_with_the_users():
+    """What a rewrite records comes back from its metadata; a user's own disabled optimizers stay."""
+    m = onnx.ModelProto()
+    for k, v in (("execution_order", "PRIORITY_BASED"), ("disabled_optimizers", rc.CSE)):
+        p = m.metadata_props.add()
+        p.key, p.value = rc.META_PREFIX + k, v
+    changes = rc.recorded_settings(m)
+    assert changes == {"execution_order": "PRIORITY_BASED", "session_config": {rc.DISABLE_OPTIMIZERS_KEY: rc.CSE}}
+    assert rc.recorded_settings(onnx.ModelProto()) == {}
     so = ort.SessionOptions()
     so.add_session_config_entry(rc.DISABLE_OPTIMIZERS_KEY, "ConstantFolding")
     rc.apply_session_changes(so, changes)
     assert so.get_session_config_entry(rc.DISABLE_OPTIMIZERS_KEY) == "ConstantFolding;" + rc.CSE
+    assert so.execution_order == ort.ExecutionOrder.PRIORITY_BASED
 
 
 def test_cli(tiny_llama, tmp_path, capsys):
@@ -320,26 +313,40 @@ def test_cli(tiny_llama, tmp_path, capsys):
         bytes_arg("lots")
 
 
-def test_session_hook_applies_recompute(tiny_llama):
-    """`ortmem.InferenceSession(..., recompute=True)` rewrites, runs with the recorded order and
-    settings, gives ORT's outputs bit for bit, and leaves the user's options as they were."""
+def test_session_replays_recorded_settings(tiny_llama, tmp_path):
+    """A model written by ``ortmem recompute`` runs through ``ortmem.InferenceSession`` with the order
+    and settings it records (merged with the user's disabled optimizers, for the creation call only),
+    and gives what plain ORT with :func:`apply_session_changes` gives, and ORT's outputs on the original."""
     import ortmem
     from ortmem.ort.feeds import make_inputs
 
     dims = {"batch": 2, "seq": 64}
+    out = tmp_path / "out" / "model.onnx"
+    ap = argparse.ArgumentParser()
+    add_recompute_arguments(ap)
+    args = ap.parse_args([str(tiny_llama), "--dim", "batch=2", "--dim", "seq=64", "-o", str(out), "--no-verify"])
+    assert main_recompute(args) == 0
+    changes = rc.recorded_settings(onnx.load(out, load_external_data=False))
+    assert changes["session_config"] == {rc.DISABLE_OPTIMIZERS_KEY: rc.CSE}
+
+    original = ort.InferenceSession(str(tiny_llama), providers=["CPUExecutionProvider"])
+    feeds = make_inputs(original, {"dims": dims})
+    expected = original.run(None, feeds)
+    plain_so = ort.SessionOptions()
+    plain_so.add_session_config_entry(rc.DISABLE_OPTIMIZERS_KEY, "ConstantFolding")
+    rc.apply_session_changes(plain_so, changes)
+    plain = ort.InferenceSession(str(out), plain_so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
     so = ort.SessionOptions()
-    plain = ort.InferenceSession(str(tiny_llama), providers=["CPUExecutionProvider"])
-    feeds = make_inputs(plain, {"dims": dims})
-    expected = plain.run(None, feeds)
-    sess = ortmem.InferenceSession(tiny_llama, so, recompute=True, dims=dims)
-    assert sess.ortmem_recompute.get("execution_order") in ("DEFAULT", "PRIORITY_BASED")
-    assert sess.get_session_options().get_session_config_entry(rc.DISABLE_OPTIMIZERS_KEY) == rc.CSE
+    so.add_session_config_entry(rc.DISABLE_OPTIMIZERS_KEY, "ConstantFolding")
+    sess = ortmem.InferenceSession(str(out), so, providers=["CPUExecutionProvider"])
+    assert sess.ortmem_recompute == changes
+    used = sess.get_session_options()
+    assert used.get_session_config_entry(rc.DISABLE_OPTIMIZERS_KEY) == "ConstantFolding;" + rc.CSE
+    assert used.execution_order == getattr(ort.ExecutionOrder, changes["execution_order"])
     got = sess.run(None, feeds)
+    assert_same_outputs(got, plain)
     assert_same_outputs(got, expected)
-    assert so.execution_order == ort.ExecutionOrder.DEFAULT
-    assert so.get_session_config_entry(rc.DISABLE_OPTIMIZERS_KEY) == ""  # scoped_config blanks what it set
-    # a model written by `ortmem recompute` runs with what it records, without asking
-    rewritten, changes = rc.apply_for_session(load_proto(str(tiny_llama)), True, dims)
-    again = ortmem.InferenceSession(rewritten)
-    assert again.ortmem_recompute == changes
-    assert_same_outputs(again.run(None, feeds), expected)
+    assert so.execution_order == ort.ExecutionOrder.DEFAULT  # the caller's options read back unchanged
+    assert so.get_session_config_entry(rc.DISABLE_OPTIMIZERS_KEY) == "ConstantFolding"
+    assert ortmem.InferenceSession(tiny_llama).ortmem_recompute == {}  # nothing recorded, nothing replayed
