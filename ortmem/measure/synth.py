@@ -191,7 +191,7 @@ class SynthConfig:
 
     def cache_key(self) -> str:
         """Stable digest of everything that determines the output bytes (and the generator version)."""
-        blob = f"ortmem.measure.synth/{_FORMAT_VERSION}/{onnx.__version__.split('.')[0]}/{self.to_json()}"
+        blob = f"ortmem.synth/{_FORMAT_VERSION}/{onnx.__version__.split('.')[0]}/{self.to_json()}"
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
     def matmuls(self) -> list[tuple[str, int, int, float]]:
@@ -514,9 +514,9 @@ def _model(config: SynthConfig, graph: onnx.GraphProto) -> onnx.ModelProto:
     opsets = [helper.make_opsetid("", config.opset)]
     if config.form == "native":
         opsets.append(helper.make_opsetid("com.microsoft", 1))
-    m = helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION, producer_name="ortmem.measure.synth",
+    m = helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION, producer_name="ortmem.synth",
                           producer_version=str(_FORMAT_VERSION))
-    helper.set_model_props(m, {"ortmem.measure.synth.config": config.to_json()})
+    helper.set_model_props(m, {"ortmem.synth.config": config.to_json()})
     return m
 
 
