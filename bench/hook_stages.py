@@ -2,13 +2,13 @@
 
     python -m bench.hook_stages tests/hook_clients/silero_client.py [--repeat 10]
 
-``ortmem run --compare`` gives the whole-process difference, which on this 2-core VM moves by tens
-of milliseconds between sittings. This splits what the hooked side does into the stages
+``ortmem run --compare`` gives the whole-process difference, which on a shared 2-core machine moves by tens
+of milliseconds between runs. This splits what the hooked side does into the stages
 ``python -m ortmem run -- CLIENT`` goes through, each timed with ``perf_counter`` in the same process,
 after numpy and onnxruntime are imported (the client imports them either way):
 
 - ``cli``: ``import ortmem.cli`` (the package; argparse is imported only where options are given);
-- ``launcher``: importing the launcher and the hook (``session_hook``, ``model_facts``, ``hygiene``;
+- ``launcher``: importing the launcher and the hook (``session_hook``, ``scan``, ``hygiene``;
   ``ortmem run -- CLIENT`` gives no option, so no argparse);
 - ``hook``: installing it as the launcher does (no rebinding: the program has imported nothing yet);
 - ``client``: running the client, plain in the plain process; in the hooked one it includes
@@ -22,7 +22,7 @@ CLIENT`` (the launcher alone) and ``python -m ortmem run -- CLIENT`` (hooked), e
 first quartile and median. Unlike ``ortmem run --compare``, no side writes a report, so the three differ only in the
 launcher and the hook.
 
-The fastest of ``--repeat`` processes per stage is printed (noise on this VM only ever adds), with
+The fastest of ``--repeat`` processes per stage is printed (noise on a shared machine only ever adds), with
 the client's plain and hooked times side by side. ortmem's bytecode is brought up to date first, as
 an installed ortmem has it (:func:`ortmem.base.bytecode.ensure_bytecode`).
 """

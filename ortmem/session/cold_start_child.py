@@ -14,7 +14,7 @@ the helper's own peak is 315 MiB, and it has exited before ORT starts.
 
 What it costs: an interpreter with numpy, onnxruntime and onnx (0.30 s, against 0.13 s for the same
 imports in the session's process), which the pin's cost it removes outweighs at this size
-(``bench/cold_entry.py`` times the conversion alone; the whole cold start is timed by ``ortmem bench
+(the whole cold start, this helper included, is timed by ``ortmem bench
 --whole-process``).
 
 When: a model path, a usable cache, converting, no ``progress`` callback (it would run in another
