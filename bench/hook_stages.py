@@ -12,7 +12,7 @@ after numpy and onnxruntime are imported (the client imports them either way):
   ``ortmem run -- CLIENT`` gives no option, so no argparse);
 - ``hook``: installing it as the launcher does (no rebinding: the program has imported nothing yet);
 - ``client``: running the client, plain in the plain process; in the hooked one it includes
-  ``facts_of`` (a handover record's read, or the walk of the model's non-weight bytes, shown as
+  ``facts_of`` (a handoff record's read, or the walk of the model's non-weight bytes, shown as
   ``walk``, and the record written; :mod:`ortmem.store.handoff_records`) and ``trim`` (``malloc_trim`` after each
   creation), also shown on their own.
 

@@ -41,7 +41,7 @@ def cache_folder() -> Path:
     The platform's folder is ``platformdirs.user_cache_dir("ortmem")``, whose Linux rule (the XDG
     Base Directory spec: an absolute ``$XDG_CACHE_HOME``, else ``$HOME/.cache``) is applied here
     without importing it where the environment leaves no doubt: importing platformdirs imports
-    tempfile, shutil, bz2 and lzma, milliseconds that the hook (which looks for handover records in
+    tempfile, shutil, bz2 and lzma, milliseconds that the hook (which looks for handoff records in
     the store on every model it hands to ORT) would add to every hooked process.
     ``tests/base/test_child_env.py`` checks the two agree; anything else (a relative or blank variable,
     Android, another platform) asks platformdirs."""

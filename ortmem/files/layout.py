@@ -1,4 +1,4 @@
-"""The store's folder format: the one place its entries' file names are defined (the handover records'
+"""The store's folder format: the one place its entries' file names are defined (the handoff records'
 are defined in :mod:`ortmem.store.handoff_records`, which the hook imports without this module's json
 and dataclasses).
 
@@ -7,10 +7,10 @@ data), ``weights.bin`` (every converted weight, page-aligned), hard links to unc
 (``source-<i>.<ext>``) and ``manifest.json`` (what the entry claims, checked before use); once ORT
 finished it, also ``finished-<hash>.onnx``, ``.data`` and ``.json`` for each settings it was finished at
 (:data:`FINISHED_STEM`, :func:`ortmem.store.finished_entries.finished_stem`).
-A prepared entry holds ``model.onnx``, ``model.data`` and ``model.json`` under the same manifest
+A finished entry holds ``model.onnx``, ``model.data`` and ``model.json`` under the same manifest
 (:mod:`ortmem.store.finished_entries`). ``ortmem convert`` writes the same ``model.onnx`` +
 ``weights.bin`` pair into a folder of the user's. Names starting with "." are a writer's temporaries
-(``trust.TMP_PREFIX``, ``trust.TRASH_PREFIX``), which no reader opens, or the handover records' folder,
+(``trust.TMP_PREFIX``, ``trust.TRASH_PREFIX``), which no reader opens, or the handoff records' folder,
 which no entry lookup opens.
 """
 from __future__ import annotations

@@ -23,13 +23,13 @@ from typing import Callable, Optional, Union
 PathLike = Union[str, os.PathLike]
 
 PRIVATE_DIR_MODE = 0o700
-#: A folder being built (an entry at the cache root, a handover record), renamed into place when done.
+#: A folder being built (an entry at the cache root, a handoff record), renamed into place when done.
 TMP_PREFIX = ".tmp-"
 #: A folder renamed away before it is deleted (a reader never sees it half removed).
 TRASH_PREFIX = ".trash-"
 #: A file changed this recently may change again within the same timestamp tick, which ``stat`` cannot
 #: see (git's "racy" files): it is not stamped (:mod:`ortmem.files.stamps`), sources changed this
-#: recently are digested again (:mod:`ortmem.store.sources`), and no handover record is made of it
+#: recently are digested again (:mod:`ortmem.store.sources`), and no handoff record is made of it
 #: (:mod:`ortmem.store.handoff_records`).
 RACY_SECONDS = 2.0
 PRIVATE_FILE_MODE = 0o600
@@ -204,7 +204,7 @@ def reserve(path: PathLike, size: int, mode: int = PRIVATE_FILE_MODE) -> int:
 def remove_aside(path: Path) -> None:
     """Remove ``path`` (a folder, a file or a link) best effort: renamed first beside itself under
     :data:`TRASH_PREFIX`, so a reader never sees it half removed under its name, then deleted. A flat
-    folder (a handover record) is deleted without ``shutil``, which the hook never imports; one with
+    folder (a handoff record) is deleted without ``shutil``, which the hook never imports; one with
     subfolders by ``shutil.rmtree``."""
     aside = path.parent / f"{TRASH_PREFIX}{os.getpid()}-{os.urandom(8).hex()}"
     try:

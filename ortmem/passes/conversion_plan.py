@@ -2,9 +2,9 @@
 output tensor lives in weights.bin (or in a linked source file beside it).
 
 Why rule-agnostic: the engine (layout, carried weights, which initializers die, the writer loop, the
-skeleton rebuild in :mod:`.conversion`) sees each rule's rewrite only through
+skeleton rebuild in :mod:`ortmem.passes.engine`) sees each rule's rewrite only through
 :class:`~ortmem.passes.rule.RuleRewrite`, so a rule is its matcher plus a small module
-(:mod:`.dq_matmul`, :mod:`.dq_gather`) listed in :data:`ortmem.passes.rules.RULES`.
+(:mod:`ortmem.passes.rules.dq_matmul`, :mod:`ortmem.passes.rules.dq_gather`) listed in :data:`ortmem.passes.rules.RULES`.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What a rule is to the rewrite engine: :class:`Rule` (plan its rewrites, edit one graph for them,
 say what it did) and :class:`RuleRewrite` (one rewrite: what it writes, which nodes it replaces).
 
-Why protocols: the engine (:mod:`.conversion`, :mod:`.conversion_plan`) iterates
+Why protocols: the engine (:mod:`ortmem.passes.engine`, :mod:`.conversion_plan`) iterates
 :data:`ortmem.passes.rules.RULES` and never names a rule, so a new rewrite is one module that
 implements these two and one line in that list. A rule sees the model and the target session
 through :class:`PlanContext`, and the nodes earlier rules already rewrite through ``claimed``: a node

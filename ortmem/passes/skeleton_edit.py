@@ -1,7 +1,7 @@
 """Edits of a model skeleton that every rewrite rule makes: fresh names, nodes replaced in one graph,
 dead nodes and initializers dropped, tensors pointed at their place in the output, aliases.
 
-Why a module of its own: the rules (:mod:`.dq_matmul`, :mod:`.dq_gather`) only say *what* replaces
+Why a module of its own: the rules (:mod:`ortmem.passes.rules.dq_matmul`, :mod:`ortmem.passes.rules.dq_gather`) only say *what* replaces
 a node; how a graph's node list is rebuilt (once per graph, deepest graph first, names kept unique,
 nodes that nothing reads any more removed to a fixed point) is the same for every rule.
 """

@@ -1,6 +1,6 @@
 """What the rewrites read and write: source tensors of a loaded model, and the tensors of the output model.
 
-Why a module of its own: both rules (:mod:`.dq_matmul` and :mod:`.dq_gather`) read initializers by
+Why a module of its own: both rules (:mod:`ortmem.passes.rules.dq_matmul` and :mod:`ortmem.passes.rules.dq_gather`) read initializers by
 (graph path, name) with ORT's outer-scope lookup and describe the tensors they write the same way;
 keeping these here lets each rule import them without importing the other (no cycle).
 """

@@ -20,7 +20,7 @@ MARGIN_MIB = 4.0
 
 #: Standard-library modules the hook leaves out of a process whose models go to ORT as they are
 #: (about 20 ms of imports and class creation together): logging and json are imported on first use;
-#: shutil and tempfile only where a skeleton is linked (a mapped handover); its records are named
+#: shutil and tempfile only where a skeleton is linked (a mapped handoff); its records are named
 #: tuples, not dataclasses.
 LAZY_STDLIB = {"as-is": ["dataclasses", "json", "logging", "shutil", "tempfile"],
                "mapped": ["dataclasses", "json", "logging"]}

@@ -1,4 +1,4 @@
-"""Handover records (:mod:`ortmem.store.handoff_records`): a model file walked once, its facts and
+"""Handoff records (:mod:`ortmem.store.handoff_records`): a model file walked once, its facts and
 skeleton kept in the store's folder, every later start reading the record instead. On real files
 saved by onnx and real ORT sessions, compared with ORT's run of the file as it is: a record is used
 only while it is exactly the file's (an edit with its mtime set back, a replacement, a damaged
@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 
 from ortmem.base.child_env import store_folder
-from ortmem.onnxfile.scan import plain_handover
+from ortmem.onnxfile.scan import plain_handoff
 from ortmem.store import handoff_records
 from ortmem.store.cache import Cache
 from ortmem.store.handoff_records import facts_of, records_folder
@@ -66,9 +66,9 @@ def embedded(tmp_path: Path) -> Path:
 
 
 def _mapped_output(path: Path, facts) -> np.ndarray:
-    handover = plain_handover(path, facts)
-    assert handover is not None and handover.action == "mapped"
-    return _ort(handover.model)
+    plain = plain_handoff(path, facts)
+    assert plain is not None and plain.action == "mapped"
+    return _ort(plain.model)
 
 
 def test_a_second_start_reads_the_record_and_ort_maps_its_skeleton(embedded: Path, folder: Path, walks: list[Path]):
@@ -80,7 +80,7 @@ def test_a_second_start_reads_the_record_and_ort_maps_its_skeleton(embedded: Pat
     assert second.embedded_bytes == first.embedded_bytes > 0 and second.main_graph_only
     # The record's skeleton, beside its hard link to the file, gives ORT's outputs on the file, bit for bit
     assert np.array_equal(_mapped_output(embedded, second), _ort(embedded))
-    assert plain_handover(embedded, second).workdir is None  # nothing written for this start
+    assert plain_handoff(embedded, second).workdir is None  # nothing written for this start
 
 
 def test_an_edit_with_the_mtime_set_back_is_walked_again(embedded: Path, folder: Path, walks: list[Path]):
@@ -154,9 +154,9 @@ def test_a_read_only_records_folder_costs_only_the_walk(embedded: Path, folder: 
     monkeypatch.setattr(handoff_records, "make_private_dir", read_only)
     facts = facts_of(embedded, folder)
     assert os.listdir(folder) == [] and facts.skeleton is not None
-    handover = plain_handover(embedded, facts)
-    assert handover.workdir is not None
-    assert np.array_equal(_ort(handover.model), _ort(embedded))
+    plain = plain_handoff(embedded, facts)
+    assert plain.workdir is not None
+    assert np.array_equal(_ort(plain.model), _ort(embedded))
 
 
 def test_a_folder_where_no_record_can_be_made_costs_only_the_walk(embedded: Path, folder: Path, walks: list[Path],
@@ -186,7 +186,7 @@ def test_a_stopped_walk_answers_only_callers_that_stop(tmp_path: Path, folder: P
     os.utime(folder / name, (hour_ago, hour_ago))
     assert facts_of(path, folder) == whole and len(walks) == 4  # now it is replaced
     assert facts_of(path, folder, stop_outside_main_graph=True) == facts_of(path, folder) and len(walks) == 4
-    assert whole.skeleton_file is None and plain_handover(path, whole) is None  # the session path decides
+    assert whole.skeleton_file is None and plain_handoff(path, whole) is None  # the session path decides
     assert len(os.listdir(folder)) == 1
 
 

@@ -43,8 +43,8 @@ Per-tensor and per-channel DQ weights are expanded to blocks first (:func:`expan
 ``TransposeDQWeightsForMatMulNBits`` does, with the block size from
 ``session.qdq_matmulnbits_block_size`` (:func:`ortmem.passes.rules.dq_matmul_checks.effective_block_size`).
 
-The byte transpose these kernels share, and how it is made fast, is :mod:`.nbits_transpose`; the
-oracles the tests compare them with, and a benchmark, are :mod:`.nbits_reference`.
+The byte transpose these kernels share, and how it is made fast, is :mod:`.transpose`; the
+oracles the tests compare them with, and a benchmark, are :mod:`.reference`.
 
 Known ORT defect
 ----------------

@@ -1,4 +1,4 @@
-"""Oracles for the MatMulNBits packing kernels (:mod:`.nbits_layout`) and a benchmark of them.
+"""Oracles for the MatMulNBits packing kernels (:mod:`.packing`) and a benchmark of them.
 
 Why apart from the kernels: the oracles are plain, slow numpy (``(q - z) * s`` over whole tensors),
 written to be obviously right rather than fast; tests compare the kernels' output with them

@@ -1,4 +1,4 @@
-"""The byte transpose under the MatMulNBits packing kernels (:mod:`.nbits_layout`): ``[K, N/p] -> [N/p, K]``
+"""The byte transpose under the MatMulNBits packing kernels (:mod:`.packing`): ``[K, N/p] -> [N/p, K]``
 bytes (p = 8/bits) with the sub-byte lanes swapped in place, in bounded scratch.
 
 Why a module of its own: it is the one hot loop of the conversion and its speed tricks (tiles, strips,

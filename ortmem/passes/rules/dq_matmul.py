@@ -11,7 +11,7 @@ one ORT would have built and its outputs are the ones ORT computes for the QDQ m
 This module is the rule (:data:`RULE`, one of :data:`ortmem.passes.rules.RULES`): what one rewrite is
 (:class:`MatMulRewrite`: its output tensors, how they are computed), which candidates become one
 (:meth:`DQMatMulRule.plan`) and which nodes replace the MatMul (:meth:`DQMatMulRule.edit_graph`); the
-engine (:mod:`.conversion`) lays out, writes and edits.
+engine (:mod:`ortmem.passes.engine`) lays out, writes and edits.
 """
 from __future__ import annotations
 
