@@ -1,12 +1,11 @@
 """How the session path walks through ortmem's modules: stays, entries per module, climbs back up.
 
-Why: an architecture review (issue 21) followed ``model`` from ``InferenceSession.__init__`` through
+Why: an architecture review followed ``model`` from ``InferenceSession.__init__`` through
 every branch and counted where it went. This script makes that count repeatable instead of read by
 eye. It creates real sessions of a small Llama-shaped QDQ model (:mod:`ortmem.measure.synth`) under
 ``sys.setprofile`` in fresh interpreters, one per start: a **cold** start (empty cache: convert and
-publish an entry), a **second** start (the entry's first hit, which saves the pre-packed weights where
-ORT does not leave that to the background packer) and a **warm** start (the entry with its pre-packed
-file), plus ``cache=False`` (in memory).
+publish an entry), a **second** start (the entry's first hit, before ORT's finished model of it exists) and a **warm**
+start (the entry's finished model), plus ``cache=False`` (in memory).
 
 What is counted (Python frames only; ORT's C++ is one call):
 

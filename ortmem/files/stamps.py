@@ -1,7 +1,7 @@
 """Cache files checked in full this boot: a warm start reads each file's every byte once, not every time.
 
 Why: ``verify="full"`` digests every byte of an entry (its weights, its pre-packed weights, a source
-whose link count moved). On the 0.6 GB synthetic Llama (onnxruntime 1.32.0, this 2-core VM) that is
+whose link count moved). On the 0.6 GB synthetic Llama (onnxruntime 1.32.0, 2 cores) that is
 about 3 GB per warm start and 1.4-2.5 s, against 1.7-2.2 s for ORT's whole creation of the same model
 (``python -m bench.verify_cost``; docs/cache-security.md): the check cost more than the start it guards.
 

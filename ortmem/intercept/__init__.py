@@ -1,2 +1,3 @@
-"""The ways users reach ortmem without changing their code much: the process-wide hook and `python -m ortmem
-run`, the HTTP server, the in-process pipeline of partitioned stages, onnxruntime-genai folders."""
+"""Unmodified programs through ortmem: the process-wide hook (``session_hook``: ``ortmem.hook()``), ``python -m
+ortmem run`` (``launcher``, ``hook_options``, ``site/``, ``plain_run``) and the guard against a shadowing
+``ortmem`` folder (``own_package``). Named ``intercept`` because ``ortmem.hook`` is the public function."""

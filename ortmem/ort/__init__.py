@@ -6,12 +6,12 @@ knows what differs between releases; ``variants``: the tiny models the release p
 ``providers``: which execution providers ORT fuses quantized patterns for, and which are CPU or GPU.
 ``settings``: the session settings ORT's behaviour depends on, read once from ``SessionOptions``.
 ``graph_index``: one graph indexed once (producers, consumers, subgraphs, constants, ORT's execution
-orders). ``external_data``: ORT's rules for external-data entries (keys, offset parsing, markers).
+orders).
 ``fp16_kernels``: whether this build runs fp16 MatMulNBits in fp32 on the CPU. ``value_types``: value
 types and shapes as the installed ORT's ``Graph::Resolve`` gives them (the fusion rules' shape questions).
 
 This package imports nothing above it (``tests/test_import_graph.py``), and its names are lazy
-(:mod:`ortmem.base.lazy`): the loader reads ``external_data`` and the hook reads ``providers`` without
+(:mod:`ortmem.base.lazy`): the hook reads ``providers`` without
 loading the release table, onnx or the probe's variants.
 """
 from __future__ import annotations

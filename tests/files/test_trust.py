@@ -1,5 +1,5 @@
 """The cache trusts no one but its owner, serves no stale or damaged entry, and degrades instead of
-failing (issue 13, findings 1-4 and 8). Attacks run as a second local user (``nobody`` through
+failing. Attacks run as a second local user (``nobody`` through
 ``setpriv``) where the machine allows it, and are skipped with the reason otherwise.
 
 Every session's outputs are compared with plain ORT on the same (possibly edited) model, and every
@@ -28,7 +28,7 @@ from ortmem.store.finished_entries import finished_stem, finishing_settings
 from ortmem.onnxfile import scan
 from ortmem.files import layout
 from ortmem.store import finisher
-from ortmem.store.finished import prepared_problem
+from ortmem.store.finished import finished_problem
 from ortmem.files import trust
 from ortmem.store.cache import SOURCE_LINK_PREFIX, Cache, UntrustedCacheError, creator_lock_path
 from ortmem.cli import main as cli_main
@@ -149,7 +149,7 @@ def test_finishing_temp_files_never_write_through_a_planted_link(tmp_path, monke
     written through (the finishing fails instead, and nothing it made is trusted)."""
     import uuid
 
-    from ortmem.store.finished import prepare_model
+    from ortmem.store.finished import finish_model
 
     path = tiny_decoder(tmp_path / "m", storage="external")
     cache = tmp_path / "cache"
@@ -164,9 +164,9 @@ def test_finishing_temp_files_never_write_through_a_planted_link(tmp_path, monke
     for name in (f".prepare-{os.getpid()}-{FixedUUID.hex[:12]}", f".{DEFAULT_STEM}.json.{os.getpid()}-{FixedUUID.hex[:8]}"):
         (entry / name).symlink_to(victim)
         with pytest.raises(OSError):
-            prepare_model(entry / layout.MODEL_FILE, entry, DEFAULT_STEM)
+            finish_model(entry / layout.MODEL_FILE, entry, DEFAULT_STEM)
         assert victim.read_bytes() == b"precious"
-        assert prepared_problem(entry, DEFAULT_STEM) is not None
+        assert finished_problem(entry, DEFAULT_STEM) is not None
         (entry / name).unlink(missing_ok=True)
 
 
@@ -408,12 +408,12 @@ def test_a_byte_flip_in_the_finished_data_is_detected(tmp_path, monkeypatch):
     assert Path(warm.ortmem_handoff.model).name == f"{DEFAULT_STEM}.onnx"
     offset, length = json.loads((entry / f"{DEFAULT_STEM}.json").read_text())["spot_spans"][-1]  # a blob
     _flip(entry / f"{DEFAULT_STEM}.data", offset + length // 2 + 7)
-    assert "content changed" in prepared_problem(entry, DEFAULT_STEM, mode="full")
+    assert "content changed" in finished_problem(entry, DEFAULT_STEM, mode="full")
     again = ortmem.InferenceSession(path, cache=cache)
     assert again.ortmem_cache_hit and again.ortmem_action == "cache-hit"
     assert_same_outputs(again.run(None, FEEDS), expected)
     assert finisher.wait_background(120)
-    assert prepared_problem(entry, DEFAULT_STEM, mode="full") is None  # finished afresh
+    assert finished_problem(entry, DEFAULT_STEM, mode="full") is None  # finished afresh
 
 
 def test_verify_rejects_unknown_modes(tmp_path):
@@ -525,7 +525,7 @@ ortmem.InferenceSession(sys.argv[1], cache=sys.argv[2], progress=progress)
     assert_same_outputs(sess.run(None, FEEDS), run_plain(path, FEEDS))
 
 
-# ------------------------------------------- issue 20: every cache file checked, smaller faults
+# ------------------------------------------- every cache file checked, smaller faults
 #: Every file a warm start reads from an entry ORT finished (besides ``source-*`` links).
 #: ``test_every_entry_file_is_in_the_trust_matrix`` fails when an entry gains a file not listed here.
 ENTRY_FILES = ("manifest.json", "model.onnx", "weights.bin", f"{DEFAULT_STEM}.onnx",
@@ -722,7 +722,7 @@ def _stop(child: subprocess.Popen) -> None:
 
 def test_a_lock_left_by_a_killed_creator_is_pruned(tmp_path):
     """Issue 20, finding 8: a creator killed after publishing left ``.lock-<key>`` for good (and with
-    it, prepack_later's sign that packing is under way): prune removes a lock file nobody holds."""
+    it, later's sign that packing is under way): prune removes a lock file nobody holds."""
     cache_dir = tmp_path / "cache"
     lock = creator_lock_path(cache_dir, "k" * 32)
     child = _hold_lock(cache_dir, "k" * 32)

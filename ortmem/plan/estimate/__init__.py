@@ -5,8 +5,8 @@ entry point; ``recipe``: what ORT does with each initializer; ``creation``: crea
 ``memsim``, glibc's heap; ``calibration``: the fitted constants; ``result``: ``Estimate`` and its
 rendering; ``shapes``: shape inference; ``activations``: lifetimes; ``fusions``: what ORT fuses that changes them; ``graph_context``: the ``Context`` estimate and
 liveness share); ``liveness`` replays live bytes over ORT's execution order;
-``stats`` measures per-node memory with ORT itself (``node_stats``); ``cli`` is ``ortmem estimate`` and
-``ortmem stats``. The graph index under all of them is :mod:`ortmem.ort.graph_index`.
+``stats`` measures per-node memory with ORT itself (``node_stats``); ``estimate_command`` is ``ortmem estimate``
+and ``ortmem stats``. The graph index under all of them is :mod:`ortmem.ort.graph_index`.
 """
 from __future__ import annotations
 

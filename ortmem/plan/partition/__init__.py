@@ -4,10 +4,11 @@
 ``graph`` (the graph as the partitioner sees it: node costs, constant chains, modules),
 ``graph_modules`` (nodes grouped into modules), ``device_map`` (modules placed on devices; the
 search behind it, exact and heuristic, in ``placement/``), ``stages`` (stage costs, candidate plans, cuts at module boundaries), ``submodels`` (a
-sub-model per stage, the tensors crossing cuts), ``weights`` (the one shared weights.bin),
+sub-model per stage, the tensors crossing cuts), ``stage_weights`` (the one shared weights.bin),
 ``ort_session`` (ORT's one-session settings and annotated model), ``verify`` (what a stage's session
 holds, by the estimator), ``devices`` (device names to providers, per-session overhead) and
-``result`` (``PartitionPlan``: plan.json and the report); ``cli`` is the command.
+``partition_plan`` (``PartitionPlan``: plan.json and the report); ``partition_command`` is the command;
+``run/`` runs a plan in one process (``PipelineSession``), ``ray/`` over a Ray cluster (``RayPipeline``).
 """
 from __future__ import annotations
 
