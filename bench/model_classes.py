@@ -16,7 +16,7 @@ recurrent models but no ``LSTM``/``GRU`` operator, its cells are unrolled ``Gemm
 model (``quantize_dynamic`` of the MiniLM) and a genai folder (:mod:`tests.support.genai_folder`).
 
 Per class the table gives what ORT pre-packs at the source graph's level (asked of ORT:
-``ortmem.store.finished.prepare_model`` into a scratch folder), what the ortmem start gave ORT
+``ortmem.store.finished.finish_model`` into a scratch folder), what the ortmem start gave ORT
 (``session.ortmem_action``), private memory after the first run (``RssAnon``, medians), the totals
 of 4 workers' PSS, init fastest and median, and whether every output hashed equal to plain ORT's.
 The targets are checked, not tuned for: private <= 0.15x plain ORT's, 4 workers <= 1.2x
@@ -195,14 +195,14 @@ def classes(preset: str) -> list[ModelClass]:
 def ort_packs(model: Path) -> tuple[str, float]:
     """(what ORT pre-packs at the source graph's level, MiB of initializers), asked of ORT itself."""
     from ortmem.onnxfile.loader import load
-    from ortmem.store.finished import prepare_model
+    from ortmem.store.finished import finish_model
 
     if model.is_dir():  # a genai folder: its decoder
         model = model / "model.onnx"
     with load(model) as m:
         weights = m.weight_bytes / MiB
     with tempfile.TemporaryDirectory(prefix="packs-") as tmp:
-        report = prepare_model(model, Path(tmp))
+        report = finish_model(model, Path(tmp))
     if not report.useful:
         return "nothing", weights
     return f"{report.prepacked} initializers", weights
@@ -276,7 +276,8 @@ def render(rows: list[Row]) -> str:
              "started together, when all were ready; init: fastest / median; ORT packs: initializers ORT saves "
              "pre-packed at the source graph's level (asked of ORT); over base: warm/ort of private less the "
              "interpreter's RssAnon before creation (numpy, onnxruntime imported); ortmem start: session.ortmem_action "
-             "(prepared: mapped ORT's packed weights; pre-packed: a converted entry's; as-is/mapped: nothing prepared)")
+             "(finished: ORT's finished model mapped, packed weights included; cache-hit: a converted entry's own "
+             "model; as-is/mapped: nothing finished)")
     return "\n".join(align(table) + [notes])
 
 

@@ -81,8 +81,8 @@ def test_a_warm_start_loads_no_passes_and_no_onnx(tmp_path):
     runs = [json.loads(subprocess.run([sys.executable, "-c", start], env=env, capture_output=True, text=True, check=True,
                                       timeout=300).stdout.strip().splitlines()[-1]) for _ in range(3)]
     assert runs[0][0] == "converted" and "ortmem.store.publish" in runs[0][1] and "hashlib" not in runs[0][1]
-    assert runs[1][0] in ("prepared", "cache-hit") and [m for m in runs[1][1] if m != "onnx"] == []
-    assert runs[2][0] in ("prepared", "cache-hit") and runs[2][1] == []
+    assert runs[1][0] in ("finished", "cache-hit") and [m for m in runs[1][1] if m != "onnx"] == []
+    assert runs[2][0] in ("finished", "cache-hit") and runs[2][1] == []
 
 
 def test_a_prepared_start_loads_no_onnx(tmp_path):
@@ -113,4 +113,4 @@ def test_a_prepared_start_loads_no_onnx(tmp_path):
     from ortmem.ort.release import capabilities
 
     if capabilities().prepacked_save:
-        assert action == "prepared" and not onnx_loaded
+        assert action == "finished" and not onnx_loaded

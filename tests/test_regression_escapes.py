@@ -56,7 +56,7 @@ import pytest
 import ortmem
 from ortmem.onnxfile import scan
 from ortmem.files import layout
-from ortmem.store.finished import prepared_problem
+from ortmem.store.finished import finished_problem
 from ortmem.store.cache import Cache, creator_lock_path
 from ortmem.store.verdict import start
 from ortmem.errors import ExternalDataError, OrtmemError
@@ -64,7 +64,7 @@ from ortmem.ort.release import capabilities
 from ortmem.ort.settings import session_settings
 from ortmem.ort.variants import dq_matmul_model
 from ortmem.passes.rules.dq_matmul_match import dq_matmul_match
-from ortmem.store.finisher import PrepackLater, run as run_packer, wait_background
+from ortmem.store.finisher import FinishLater, run as run_packer, wait_background
 from ortmem.measure.synth import SynthConfig, write_model
 from tests.support import builders as mb
 from tests.support.compare import assert_same_outputs
@@ -169,7 +169,7 @@ import json, platform, sys
 import onnxruntime
 from ortmem.ort import release
 from ortmem.store import finished
-from ortmem.store.finisher import PrepackLater, run
+from ortmem.store.finisher import FinishLater, run
 field = sys.argv[3]
 if field == "cpu_flags":  # one instruction set fewer (or one more): MLAS may pick another layout
     here = release.cpu_flags()
@@ -177,10 +177,10 @@ if field == "cpu_flags":  # one instruction set fewer (or one more): MLAS may pi
 elif field == "machine":
     platform.machine = lambda: "riscv64" if platform.uname().machine != "riscv64" else "x86_64"
 elif field == "finished_format":
-    finished.PREPARED_FORMAT += 1
+    finished.FINISHED_FORMAT += 1
 elif field == "onnxruntime":
     onnxruntime.__version__ = "0.0.1"
-print(json.dumps(str(run(PrepackLater(sys.argv[1], sys.argv[2], "full")))))
+print(json.dumps(str(run(FinishLater(sys.argv[1], sys.argv[2], "full")))))
 """
 
 
@@ -247,7 +247,7 @@ def test_the_background_packer_does_not_pack_while_another_process_holds_the_cre
     expected = run_plain(qdq, FEEDS)
     ortmem.InferenceSession(qdq, providers=CPU, cache=cache)
     entry = _only_entry(cache)
-    job = PrepackLater(str(cache), entry.key, "full")
+    job = FinishLater(str(cache), entry.key, "full")
     holder = LockHolder(cache, entry.key)
     packer = None
     try:
@@ -260,9 +260,9 @@ def test_the_background_packer_does_not_pack_while_another_process_holds_the_cre
         if packer is not None:
             _, err = packer.communicate(timeout=120)
     assert packer.returncode == 0, err[-2000:]
-    assert run_packer(job) is not None and prepared_problem(entry.path, _stem(entry.path)) is None  # once free
+    assert run_packer(job) is not None and finished_problem(entry.path, _stem(entry.path)) is None  # once free
     warm = ortmem.InferenceSession(qdq, providers=CPU, cache=cache)
-    assert warm.ortmem_action == "prepared"
+    assert warm.ortmem_action == "finished"
     assert_same_outputs(warm.run(None, FEEDS), expected)
 
 
@@ -351,7 +351,7 @@ def test_a_packer_started_from_a_hooked_program_runs_unhooked(qdq, tmp_path):
     packer = records[result["packers"][0]]
     assert not packer["hooked"] and packer["sessions"] == 0, f"the packer ran hooked: {packer}"
     assert any(rec["hooked"] for rec in records.values())  # the program itself was (the setup works)
-    assert prepared_problem(_only_entry(cache).path, _stem(_only_entry(cache).path)) is None  # and the job did its work
+    assert finished_problem(_only_entry(cache).path, _stem(_only_entry(cache).path)) is None  # and the job did its work
 
 
 # ---------------------------------------------------------------------- 6: external data end of file

@@ -68,14 +68,14 @@ def _kind(manifest: dict) -> str:
     ortmem does not convert, or the note that ORT packs nothing in it (so its starts stay ORT's)."""
     if manifest.get("kind") != "prepared":
         return "converted"
-    return f"prepared (nothing to map: {manifest.get('why', '?')})" if manifest.get("marker") else "prepared"
+    return f"finished (nothing to map: {manifest.get('why', '?')})" if manifest.get("marker") else "finished"
 
 
 def _verify_cache(cache) -> int:
     """``ortmem cache verify``: every entry (and each finished model a converted entry keeps, one per
     settings) digested in full; damaged ones are removed so the next session rebuilds them. Exit status 1
     when any was damaged."""
-    from ortmem.store.finished import discard_finished, prepared_problem
+    from ortmem.store.finished import discard_finished, finished_problem
     from ortmem.store.finished_entries import finished_stems
 
     rows = list(cache.entries())
@@ -88,7 +88,7 @@ def _verify_cache(cache) -> int:
             for stem in finished_stems(e.path):
                 if not (e.path / f"{stem}.onnx").exists():  # a decision only: nothing to map, nothing to read
                     continue
-                finished = prepared_problem(e.path, stem, mode="always")
+                finished = finished_problem(e.path, stem, mode="always")
                 if finished is not None:
                     problem = f"finished model {stem}: {finished}" if problem is None else f"{problem}; {stem}: {finished}"
                     discard_finished(e.path, stem)

@@ -32,10 +32,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {Path(args.output) / 'model.onnx'}")
     if args.prepack:
         from ortmem.files.layout import FINISHED_STEM, MODEL_FILE
-        from ortmem.store.finished import keep_decision_only, prepare_model
+        from ortmem.store.finished import keep_decision_only, finish_model
 
         out = Path(args.output)
-        finished = prepare_model(out / MODEL_FILE, out, FINISHED_STEM)
+        finished = finish_model(out / MODEL_FILE, out, FINISHED_STEM)
         if finished.useful:
             print(f"wrote {out / (FINISHED_STEM + '.onnx')} (finished for this CPU and onnxruntime; load it with "
                   "plain ORT at graph_optimization_level ORT_DISABLE_ALL)")

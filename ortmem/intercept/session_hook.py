@@ -46,7 +46,7 @@ from ortmem.errors import OrtmemError
 from ortmem.base.child_env import ENV_OPTIONS, ENV_SWITCH, store_folder
 from ortmem.base.hygiene import trim as trim_heap
 from ortmem.base.logs import warning
-from ortmem.onnxfile.scan import FOLDER_KEY, min_prepared_bytes, needs_session_path, plain_handover
+from ortmem.onnxfile.scan import FOLDER_KEY, min_finished_bytes, needs_session_path, plain_handoff
 from ortmem.base.options import get_config
 from ortmem.base.ort_class import ORT_SESSION
 from ortmem.ort.providers import FUSING_PROVIDERS, not_fusing, provider_names
@@ -72,7 +72,7 @@ class SessionRecord(NamedTuple):
 
     model: str
     providers: list[str]
-    action: str  # what ortmem did: Handoff.action, "untouched: <why>" or "fallback: <error>"
+    action: str  # what ortmem did: the session's ortmem_action, "untouched: <why>" or "fallback: <error>"
     create_seconds: float
     rss_anon_mib: float  # the process's private (anonymous) memory right after creation
     rss_file_mib: float  # its file-backed resident memory then
@@ -270,7 +270,7 @@ def _create_hooked(opts: HookOptions, args: tuple, kwargs: dict) -> Any:
         return _quiet_attempt(lambda: InferenceSession(*args, **{**kwargs, "enable_fallback": 0}, **own), kwargs)
 
     try:
-        return _record(model, make, lambda s: s.ortmem_action)
+        return _record(model, make, _action_of)
     except Exception as exc:  # noqa: BLE001 - any failure of ortmem's falls back to ORT
         if opts.strict:
             raise
@@ -287,13 +287,13 @@ def _light_route(model: Any, args: tuple, kwargs: dict, opts: HookOptions) -> Op
     """The session, made without importing ortmem's session path, for a model file that needs nothing
     of it (decided from the file's bytes, :mod:`ortmem.onnxfile.scan`); None when the model needs it:
     DequantizeLinear to convert, recompute metadata, external data or tensors the loader must check,
-    weights enough for a prepared entry (the session path looks it up or builds it), caller options
+    weights enough for a finished entry (the session path looks it up or builds it), caller options
     that set ortmem-relevant keys, or embedded weights that cannot be handed over by a hard link
     without a folder config entry.
 
     What is done here is what the session path would do with such a file: nothing (``as-is``), or
     its skeleton by path beside a hard link (``mapped``). The walk's facts, and that skeleton with
-    its link, are kept as a handover record in the store's folder (not with ``cache=False``), so a
+    its link, are kept as a handoff record in the store's folder (not with ``cache=False``), so a
     program started again reads them instead of walking (:mod:`ortmem.store.handoff_records`). Weights inside subgraphs (``If`` branches)
     with the caller's options cannot be mapped (ORT's checker refuses external data in a subgraph
     from a hard-linked file, and only the caller's options could carry the folder key): those go
@@ -303,7 +303,7 @@ def _light_route(model: Any, args: tuple, kwargs: dict, opts: HookOptions) -> Op
     if not isinstance(model, (str, os.PathLike)):
         return None
     path = Path(os.fspath(model))
-    if not path.is_file() or path.stat().st_size >= min_prepared_bytes() and opts.cache is not False and opts.prepacked:
+    if not path.is_file() or path.stat().st_size >= min_finished_bytes() and opts.cache is not False and opts.prepacked:
         return None
     sess_options = args[1] if len(args) > 1 else kwargs.get("sess_options")
     if sess_options is not None and any(get_config(sess_options, k) is not None for k in (FOLDER_KEY, *_QDQ_CONFIG_KEYS)):
@@ -322,14 +322,14 @@ def _light_route(model: Any, args: tuple, kwargs: dict, opts: HookOptions) -> Op
             return None  # the session path hands the skeleton over as bytes with the folder entry
         return _record(model, _trimmed(lambda: ORIGINAL(*args, **kwargs), opts),
                        lambda s: "untouched: weights inside subgraphs, with the caller's SessionOptions")
-    handover = plain_handover(path, facts)
-    if handover is None:
+    plain = plain_handoff(path, facts)
+    if plain is None:
         return None  # the session path tries the cache's file system too
-    if handover.action == "as-is":
+    if plain.action == "as-is":
         return _record(model, _trimmed(lambda: ORIGINAL(*args, **kwargs), opts), _tagged("as-is"))
     try:
         session = _record(model, _trimmed(lambda: _quiet_attempt(
-            lambda: ORIGINAL(str(handover.model), *args[1:], **{**kwargs, "enable_fallback": 0}), kwargs), opts),
+            lambda: ORIGINAL(str(plain.model), *args[1:], **{**kwargs, "enable_fallback": 0}), kwargs), opts),
             _tagged("mapped"))
     except Exception as exc:  # noqa: BLE001 - ORT refused the skeleton: ORT gets the model as given
         if opts.strict:
@@ -338,10 +338,10 @@ def _light_route(model: Any, args: tuple, kwargs: dict, opts: HookOptions) -> Op
     else:
         return session
     finally:
-        if handover.workdir is not None:  # a skeleton written for this start, not a record's
+        if plain.workdir is not None:  # a skeleton written for this start, not a record's
             import shutil  # only then: a process whose models go as-is or from records never imports it
 
-            shutil.rmtree(handover.workdir, ignore_errors=True)  # ORT has mapped what it needs
+            shutil.rmtree(plain.workdir, ignore_errors=True)  # ORT has mapped what it needs
     return _fall_back(model, args, kwargs, failure)
 
 
@@ -354,6 +354,12 @@ def _trimmed(make: Callable[[], Any], opts: HookOptions) -> Callable[[], Any]:
             trim_heap()
         return session
     return made
+
+
+def _action_of(session: Any) -> str:
+    """The record's action for an ``ortmem.InferenceSession``: its ``ortmem_action``, with its reason
+    where it gives one (``"untouched: <why>"``, as the hook words what it leaves alone itself)."""
+    return f"{session.ortmem_action}: {session.ortmem_reason}" if session.ortmem_reason else session.ortmem_action
 
 
 def _tagged(action: str) -> Callable[[Any], str]:

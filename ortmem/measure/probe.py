@@ -116,7 +116,7 @@ class ProbeResult:
     #: Modules first imported during creation, by package (``onnx``, ``ortmem.session.inference``, ...): the lazy
     #: imports a user's first call pays, measured inside ``create_wall_s`` and the creation peak.
     create_imports: list[str] = field(default_factory=list)
-    #: ``session.ortmem_action`` of an ortmem session (what it gave ORT: "prepared", "pre-packed",
+    #: ``session.ortmem_action`` of an ortmem session (what it gave ORT: "finished", "cache-hit",
     #: "as-is", ...); None for other sessions.
     ortmem_action: str | None = None
     #: Processes the child's tree left running after it exited (re-parented to the bench, see

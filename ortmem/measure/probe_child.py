@@ -170,7 +170,7 @@ def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
         "create_wall_s": t1 - t0,
         "create_cpu_s": create_cpu,
         "create_imports": create_imports,
-        # what an ortmem session gave ORT ("prepared", "pre-packed", "as-is", ...): a warm strategy's
+        # what an ortmem session gave ORT ("finished", "cache-hit", "as-is", ...): a warm strategy's
         # start that missed its entry shows here instead of passing for a warm one
         "ortmem_action": getattr(session, "ortmem_action", None),
     }

@@ -127,7 +127,7 @@ def probe_variant(ort: Any, m: onnx.ModelProto, accuracy: int, work: Path, fused
 
 def probe_prepacked(ort: Any, work: Path) -> dict[str, Any]:
     """Does this release save its finished model of a converted QDQ model with the pre-packed MatMulNBits
-    weights in an external file (:func:`ortmem.store.finished.prepare_model`), and does a session on it at
+    weights in an external file (:func:`ortmem.store.finished.finish_model`), and does a session on it at
     ``ORT_DISABLE_ALL`` give the QDQ model's outputs? (1.25 saves no pre-packed weights; 1.32 re-packs
     and compares them.)"""
     from ortmem.store.writer import write_converted
@@ -135,7 +135,7 @@ def probe_prepacked(ort: Any, work: Path) -> dict[str, Any]:
     from ortmem.onnxfile.loader import load
     from ortmem.passes.engine import plan_conversion
     from ortmem.files.layout import MODEL_FILE
-    from ortmem.store.finished import prepare_model
+    from ortmem.store.finished import finish_model
     from ortmem.ort.release import unrestricted_capabilities
 
     work.mkdir(parents=True, exist_ok=True)
@@ -152,8 +152,8 @@ def probe_prepacked(ort: Any, work: Path) -> dict[str, Any]:
                                                capabilities=unrestricted_capabilities()), out)
     settings = OrtSettings(session_config={"session.qdq_matmulnbits_accuracy_level": "4"})
     try:
-        report = prepare_model(out / MODEL_FILE, out, "finished", settings=settings)
-    except Exception as exc:  # noqa: BLE001 - PrepareError or ORT's own
+        report = finish_model(out / MODEL_FILE, out, "finished", settings=settings)
+    except Exception as exc:  # noqa: BLE001 - FinishError or ORT's own
         return {"saved": False, "error": _short(exc)}
     if not report.prepacked:
         return {"saved": False}
@@ -172,13 +172,13 @@ def probe_prepacked(ort: Any, work: Path) -> dict[str, Any]:
 def _finished_decoder_refusal(work: Path, settings: Any) -> str:
     """Why ORT's finished model of a small converted Llama-shaped decoder (embedding, attention, bias adds,
     norms: what ORT's optimizers rewrite, unlike a lone MatMul) is not used, or "" when its outputs are
-    the converted model's, as :func:`ortmem.store.finished.prepare_model` checks every finished model."""
+    the converted model's, as :func:`ortmem.store.finished.finish_model` checks every finished model."""
     from ortmem.store.writer import write_converted
     from ortmem.ort.settings import session_settings
     from ortmem.onnxfile.loader import load
     from ortmem.passes.engine import plan_conversion
     from ortmem.files.layout import MODEL_FILE
-    from ortmem.store.finished import prepare_model
+    from ortmem.store.finished import finish_model
     from ortmem.ort.release import unrestricted_capabilities
     from ortmem.measure.synth import SynthConfig, write_model
 
@@ -191,8 +191,8 @@ def _finished_decoder_refusal(work: Path, settings: Any) -> str:
         write_converted(model, plan_conversion(model, session_settings(accuracy_level=4),
                                                capabilities=unrestricted_capabilities()), out)
     try:
-        report = prepare_model(out / MODEL_FILE, out, "finished", settings=settings)
-    except Exception as exc:  # noqa: BLE001 - PrepareError or ORT's own
+        report = finish_model(out / MODEL_FILE, out, "finished", settings=settings)
+    except Exception as exc:  # noqa: BLE001 - FinishError or ORT's own
         return _short(exc)
     # a refusal for memory alone ("keeps ... MiB private") says nothing of the release: not a verdict here
     wrong = report.refusal and "MiB private" not in report.refusal

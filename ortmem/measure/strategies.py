@@ -376,7 +376,7 @@ def prepare_twin(model_path: str, options: dict, workdir: str) -> str:
 def prepare_prepared(model_path: str, options: dict, workdir: str) -> str:
     """What ``ortmem prepare MODEL --cache DIR`` does (:func:`ortmem.session.deploy.prepare_path`),
     into this strategy's cache, unmeasured: a QDQ model's converted entry and its pre-packed weights,
-    any other model's prepared entry (or nothing, where ortmem prepares nothing: below
+    any other model's finished entry (or nothing, where ortmem prepares nothing: below
     ``ORTMEM_PREPARE_MIN_BYTES``, or a marker where ORT packs nothing). ``ortmem prepare`` builds what a
     default session looks up, so ``--session-config`` entries that change the key make the measured
     start miss it: the probe's ``ortmem_action`` says what the start did."""
@@ -391,7 +391,7 @@ def prepare_prepared(model_path: str, options: dict, workdir: str) -> str:
 
 def create_ortmem_prepared(model_path: str, options: dict) -> Any:
     """``ortmem.InferenceSession`` on the cache ``ortmem prepare`` filled: the warm start of a
-    deployment that prepared its models beforehand (a prepared entry, or a converted one with its
+    deployment that prepared its models beforehand (a finished entry, or a converted one with its
     pre-packed weights)."""
     import ortmem
 

@@ -3,7 +3,7 @@
 Why a module of its own: importing onnx, ortmem's passes and the loader, and the session path
 itself, costs a process private memory and time (``python -m bench.estimator.fixed_costs``;
 docs/estimator.md), more than ortmem saves on a model it leaves to ORT. So the hook asks this module first and imports the session path only for a model that
-needs it, and the session path asks it before it loads a model (``handoff.prepare``). Everything here
+needs it, and the session path asks it before it loads a model (:mod:`ortmem.session.decide`). Everything here
 uses the standard library and :mod:`ortmem.onnxfile.protowire` (a wire-format reader that needs no onnx,
 imported by the first walk):
 
@@ -17,7 +17,7 @@ imported by the first walk):
 
 It sits at the bottom of the package beside :mod:`ortmem.onnxfile.protowire`: the loader, the handoff, the
 session and the store read their constants here (the inline limit, the folder key, the recompute
-metadata prefix, the prepared-entry threshold), so each of them points down to it.
+metadata prefix, the finished-entry threshold), so each of them points down to it.
 """
 from __future__ import annotations
 
@@ -50,13 +50,13 @@ SEARCH_CHUNK = 1 << 20
 #: walk plus the search is quicker than the whole walk, above it slower).
 STOPPED_SEARCH_MAX_BYTES = 4 << 20
 
-#: Initializer bytes below which a model gets no prepared entry and no background process (overridden
+#: Initializer bytes below which a model gets no finished entry and no background process (overridden
 #: by :data:`MIN_BYTES_ENV`). What a process saves is about the bytes ORT packs (for fp32 MatMul, its
-#: weight bytes); what preparing costs once is the helper process (a second of CPU and tens of MiB
+#: weight bytes); what finishing costs once is the helper process (a second of CPU and tens of MiB
 #: just to start Python, onnxruntime and onnx) and a second copy of the weights on disk. From 16 MiB
 #: a single worker's lifelong saving is of the order of the helper's one-time transient.
-MIN_PREPARED_BYTES = 16 * 1024 * 1024
-#: Environment variable overriding :data:`MIN_PREPARED_BYTES` (bytes; "0": every model).
+MIN_FINISHED_BYTES = 16 * 1024 * 1024
+#: Environment variable overriding :data:`MIN_FINISHED_BYTES` (bytes; "0": every model).
 MIN_BYTES_ENV = "ORTMEM_PREPARE_MIN_BYTES"
 
 
@@ -71,9 +71,9 @@ MIN_HELPER_BYTES = 256 * 1024 * 1024
 HELPER_MIN_BYTES_ENV = "ORTMEM_CONVERT_HELPER_MIN_BYTES"
 
 
-def min_prepared_bytes() -> int:
+def min_finished_bytes() -> int:
     """``$ORTMEM_PREPARE_MIN_BYTES`` (an unreadable value is logged and ignored), else the default."""
-    return _size_setting(MIN_BYTES_ENV, MIN_PREPARED_BYTES)
+    return _size_setting(MIN_BYTES_ENV, MIN_FINISHED_BYTES)
 
 
 def min_helper_bytes() -> int:
@@ -133,14 +133,14 @@ class FileFacts(NamedTuple):
     has_graph: bool = True
     #: The walk stopped at the first embedded weight outside the main graph (``stop_outside_main_graph``).
     stopped: bool = False
-    #: The skeleton already written beside a hard link to the file, in a handover record
+    #: The skeleton already written beside a hard link to the file, in a handoff record
     #: (:mod:`ortmem.store.handoff_records`): facts read from a record carry this instead of
     #: ``skeleton``'s bytes, and ORT is given it as it is.
     skeleton_file: Optional[Path] = None
 
 
-class Handover(NamedTuple):
-    """What ORT is given for a model file that needs nothing of the session path (:func:`plain_handover`)."""
+class PlainHandoff(NamedTuple):
+    """What ORT is given for a model file that needs nothing of the session path (:func:`plain_handoff`)."""
 
     model: Path
     #: "as-is" (the file itself) or "mapped" (a skeleton whose weights point into the file).
@@ -163,7 +163,7 @@ def read_facts(path: Path, *, stop_outside_main_graph: bool = False) -> FileFact
     search reads every byte, and in a larger file it could cost more than the walk it saves.
 
     protowire (with :mod:`ortmem.base.dtypes`) is imported here, by the first walk: a hooked process whose
-    models' facts come from handover records (:mod:`ortmem.store.handoff_records`) never walks, and
+    models' facts come from handoff records (:mod:`ortmem.store.handoff_records`) never walks, and
     the two modules cost it 1.7 ms of a start held to 20 ms over a plain run (docs/hook.md)."""
     from ortmem.onnxfile.protowire import LEN, MODEL_GRAPH, FileBytes, WireReader, externalize_embedded
 
@@ -193,27 +193,27 @@ def read_facts(path: Path, *, stop_outside_main_graph: bool = False) -> FileFact
 def needs_session_path(facts: FileFacts, converting: bool) -> bool:
     """Whether a model file needs ortmem's loader or conversion: DequantizeLinear to convert, recompute
     metadata, external data (or inline tensors) the loader must check, or no graph at all (the loader
-    names that fault). A model that needs none of it is handed to ORT by :func:`plain_handover`, with no
+    names that fault). A model that needs none of it is handed to ORT by :func:`plain_handoff`, with no
     onnx import."""
     return facts.needs_loader or facts.recompute or (facts.dequantize and converting) or not facts.has_graph
 
 
-def plain_handover(path: Path, facts: FileFacts) -> Optional[Handover]:
+def plain_handoff(path: Path, facts: FileFacts) -> Optional[PlainHandoff]:
     """What ORT is given for a model file that needs nothing of the session path (see
     :func:`needs_session_path`): the file itself when nothing is embedded above
     :data:`INLINE_MAX_BYTES`; when every embedded weight sits in the main graph, its skeleton beside a
-    hard link (a handover record's, else one written into a private folder the caller removes); None
+    hard link (a handoff record's, else one written into a private folder the caller removes); None
     when the session path must decide: weights inside subgraphs, or no hard link possible."""
     if not facts.main_graph_only:  # first: a walk that stopped there made no skeleton
         return None
     if facts.skeleton_file is not None:
-        return Handover(facts.skeleton_file, "mapped")
+        return PlainHandoff(facts.skeleton_file, "mapped")
     if not facts.embedded_bytes:
-        return Handover(path, "as-is")
+        return PlainHandoff(path, "as-is")
     if facts.skeleton is None:
         return None  # facts without their skeleton's bytes (a record that kept none): the session path decides
     linked = link_skeleton(path, facts.skeleton)
-    return None if linked is None else Handover(linked[0], "mapped", linked[1])
+    return None if linked is None else PlainHandoff(linked[0], "mapped", linked[1])
 
 
 def mentions_dequantize(path: Path) -> bool:

@@ -55,7 +55,7 @@ SUPPORTED = ((1, 25), (1, 32))
 TESTED_RELEASES = ("1.25.1", "1.28.0", "1.31.1", "1.32.0")
 #: Bumped whenever the probe asks new questions (old cached answers are then asked again). 5: the
 #: import baseline includes the conversion's imports (a warm start no longer imports onnx). 6: pre-packed
-#: weights are asked of ORT's finished model (:func:`ortmem.store.finished.prepare_model`).
+#: weights are asked of ORT's finished model (:func:`ortmem.store.finished.finish_model`).
 PROBE_FORMAT = 7
 PROBE_TIMEOUT_S = 300
 

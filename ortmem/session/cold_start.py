@@ -30,9 +30,9 @@ from ortmem.passes.conversion_report import ConversionReport
 from ortmem.passes.validity import validity_fault
 from ortmem.files.layout import MODEL_FILE
 from ortmem.store.publish import publish
-from ortmem.store.start import Start
+from ortmem.store.start import Decision, Start
 from ortmem.store.writer import write_converted
-from ortmem.session.handoff import CONVERTED_TEMPORARY, Handoff
+from ortmem.session.handoff import Handoff
 from ortmem.session.unconverted import from_model
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ def _convert(model: Model, request: Request, own_folder: bool) -> Union[Handoff,
     report = ConversionReport.from_plan(plan, memory.seconds)
     model.store.release_all()  # source pages read for conversion go back now
     return Handoff(model=memory.skeleton, config=MappingProxyType(memory.config), source=model, memory=memory,
-                   action="in-memory", report=report)
+                   action=Decision.IN_MEMORY, report=report)
 
 
 def into_cache(model: Model, request: Request, own_folder: bool) -> Union[Handoff, Start, None]:
@@ -128,7 +128,7 @@ def _converted_in_tempdir(model: Model, plan: ConversionPlan, request: Request, 
     (``add_external_initializers_from_files_in_memory``), a registration that can be neither undone
     nor kept private (``SessionOptions`` cannot be copied). Left on the caller's object, it made a
     later plain-ORT session of another model whose data file has the same name read *this* model's
-    weights (issue 20). Unchanged tensors are hard-linked from their source files where possible
+    weights. Unchanged tensors are hard-linked from their source files where possible
     (copied otherwise).
     """
     workdir: Optional[Path] = None
@@ -146,7 +146,7 @@ def _converted_in_tempdir(model: Model, plan: ConversionPlan, request: Request, 
             shutil.rmtree(workdir, ignore_errors=True)
         raise
     _consume(model)
-    return Handoff(model=str(workdir / MODEL_FILE), tempdirs=(workdir,), action=CONVERTED_TEMPORARY, report=report)
+    return Handoff(model=str(workdir / MODEL_FILE), tempdirs=(workdir,), action=Decision.CONVERTED_TEMPORARY, report=report)
 
 
 def conversion_check(model: Model) -> tuple[bool, Optional[str]]:

@@ -8,7 +8,7 @@ cold start peaked at 1116.5 MiB against the twin's 1099.2 (1.016x, docs/benchmar
 of the twin was out of reach with onnx imported at all. The allocator pin that held the conversion's
 heap down (:func:`ortmem.base.hygiene.allocator_hygiene`) also stayed on while ORT created the session,
 where it turned ORT's buffers into fresh mappings: 0.2-0.7 s of a 4 s cold start, depending on the
-sitting. Converted here, the session's process imports nothing of the conversion, creates its
+run. Converted here, the session's process imports nothing of the conversion, creates its
 session the way a cache hit does (no pin; a trim after), and peaks at 1101.2 MiB (1.002x the twin);
 the helper's own peak is 315 MiB, and it has exited before ORT starts.
 
@@ -49,7 +49,7 @@ from ortmem.base.logs import debug, warning
 from ortmem.onnxfile.scan import mentions_dequantize, min_helper_bytes, model_files_bytes
 from ortmem.ort.settings import OrtSettings
 from ortmem.store.publish import new_entry_start
-from ortmem.store.start import CONVERTED, Start
+from ortmem.store.start import Decision, Start
 from ortmem.store.verdict import start
 from ortmem.session.handoff import Handoff
 from ortmem.session.request import Request
@@ -107,7 +107,7 @@ def _worth_a_helper(path: Path, request: Request) -> int:
 
 def helper_timeout(model_bytes: int) -> float:
     """How long a start waits for its conversion helper: 120 s plus 30 s per GB of model files, 15 to
-    60 times what the conversion takes on this 2-core VM (0.6 GB in 1.6 s, interpreter included).
+    60 times what the conversion takes on 2 cores (0.6 GB in 1.6 s, interpreter included).
     Past it the helper is killed (its creator lock goes with it, and the cache reclaims its
     unpublished folder) and the start converts in its own process: a helper that cannot start (an
     embedding host whose ``sys.executable`` is not a Python) or hangs never makes the start wait
@@ -211,7 +211,7 @@ def _convert(job: Job) -> object:
         return None
     if outcome is None or outcome.path is None:
         return None
-    if outcome.kind == CONVERTED and outcome.entry is not None:
+    if outcome.kind is Decision.CONVERTED and outcome.entry is not None:
         return Published(outcome.entry.key, outcome.report, records)
     return STORED
 

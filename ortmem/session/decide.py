@@ -2,11 +2,11 @@
 and any model input in, a :class:`~ortmem.session.handoff.Handoff` out.
 
 For a path, the store answers first (:func:`ortmem.store.verdict.start`, one verdict, read without
-parsing the model): a converted entry (pre-packed or not) or a prepared one is loaded by path and
+parsing the model): a converted entry (pre-packed or not) or a finished one is loaded by path and
 nothing else is imported (no onnx either). A miss that converts does so in a helper process
-(:mod:`.conversion_process`), so the session's process imports no onnx then either. A model that needs nothing of the loader or the conversion
+(:mod:`ortmem.session.cold_start_child`), so the session's process imports no onnx then either. A model that needs nothing of the loader or the conversion
 (decided from its bytes, or settled by the store) is handed over from its bytes (:func:`_plain`).
-Otherwise the model is loaded and converted or handed over as given (:mod:`.conversion` and the
+Otherwise the model is loaded and converted or handed over as given (:mod:`ortmem.session.cold_start` and the
 loader, imported only then); bytes and ``onnx.ModelProto`` are written once to a private
 temporary file first, so their weights can be mapped instead of copied.
 
@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from ortmem.onnxfile.model import Model
-from ortmem.onnxfile.scan import (DEQUANTIZE, FOLDER_KEY, file_mentions, min_prepared_bytes, needs_session_path, plain_handover)
+from ortmem.onnxfile.scan import (DEQUANTIZE, FOLDER_KEY, file_mentions, min_finished_bytes, needs_session_path, plain_handoff)
 from ortmem.base.options import get_config
 from ortmem.store.handoff_records import facts_of, records_folder
-from ortmem.store.start import MISS, UNCONVERTED, Start
+from ortmem.store.start import Decision, Start
 from ortmem.store.verdict import start
 from ortmem.session.handoff import Handoff
 from ortmem.session.request import AS_GIVEN, Request
@@ -65,20 +65,20 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
     """A model file: the store's entry when it has one, else the model loaded, converted or as given."""
     if request.sess_options is not None and get_config(request.sess_options, FOLDER_KEY):
         # ORT would look for every external file in the caller's folder, not beside what we give it
-        return Handoff(model=str(model), action=f"untouched: the caller's SessionOptions set {FOLDER_KEY}")
+        return Handoff(model=str(model), action=Decision.UNTOUCHED, reason=f"the caller's SessionOptions set {FOLDER_KEY}")
     path = Path(model)
-    if path.is_file() and path.stat().st_size < min_prepared_bytes():
+    if path.is_file() and path.stat().st_size < min_finished_bytes():
         # No entry can exist for a small file with nothing to convert: the store is not asked
         plain = _plain(path, request, settled=False)
         if plain is not None:
             return plain
-    verdict = Start(MISS)
+    verdict = Start(Decision.MISS)
     if request.cache is not None:
         verdict = start(request.cache, path, settings=request.settings, fp16_in_fp32=request.fp16_in_fp32,
                         converting=request.converting, prepacked=request.prepacked, packing=request.packing)
     if verdict.path is not None:  # a warm start: nothing to parse but the entry, which ORT reads itself
         return _from_verdict(verdict)
-    if verdict.kind == UNCONVERTED:
+    if verdict.kind is Decision.UNCONVERTED:
         plain = _plain(path, request, settled=True)
         if plain is not None:
             return plain
@@ -88,13 +88,14 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
     if FOLDER_KEY in handoff.config and handoff.memory is None and request.sess_options is not None:
         # Only the caller's options could carry the folder entry, and ortmem leaves them alone.
         handoff.after_create()
-        return Handoff(model=str(model), action="untouched: no hard link possible beside the caller's SessionOptions")
-    if (handoff.action in ("as-is", "mapped") and handoff.memory is None and handoff.report is None
+        return Handoff(model=str(model), action=Decision.UNTOUCHED,
+                       reason="no hard link possible beside the caller's SessionOptions")
+    if (handoff.action in (Decision.AS_IS, Decision.MAPPED) and handoff.memory is None and handoff.report is None
             and not handoff.declined and handoff.source is not None):
-        # ORT gets the model unconverted: its prepared entry is built after the first run (if worth it)
+        # ORT gets the model unconverted: its finished entry is built after the first run (if worth it)
         # (small models stay at zero cost)
-        if verdict.later is not None and handoff.source.weight_bytes >= min_prepared_bytes():
-            return replace(handoff, prepack_later=verdict.later)
+        if verdict.later is not None and handoff.source.weight_bytes >= min_finished_bytes():
+            return replace(handoff, later=verdict.later)
     return handoff
 
 
@@ -102,9 +103,9 @@ def _plain(path: Path, request: Request, *, settled: bool) -> Optional[Handoff]:
     """The handoff of a model file that needs nothing of the loader or the conversion, decided from its
     bytes (:mod:`ortmem.onnxfile.scan`, as the hook's light route decides): ORT gets the file, or its
     skeleton beside a hard link (``mapped``), and no onnx, loader or pass is imported, so ortmem costs
-    nothing where it does nothing. Asked of a file below the prepared-entry threshold (nothing in the
+    nothing where it does nothing. Asked of a file below the finished-entry threshold (nothing in the
     store can be meant for it unless it has something to convert: a byte search, cheaper than the
-    walk) and of a model the store has ``settled`` (its verdict ``"unconverted"``: an earlier start
+    walk) and of a model the store has ``settled`` (its verdict ``UNCONVERTED``: an earlier start
     loaded it, converted nothing, and its files are unchanged, so neither the conversion nor the
     loader's checks are needed again). None sends the model the loader's way."""
     if not path.is_file() or not settled and request.converting and file_mentions(path, DEQUANTIZE):
@@ -112,17 +113,17 @@ def _plain(path: Path, request: Request, *, settled: bool) -> Optional[Handoff]:
     records = records_folder(request.cache.root) if request.cache is not None else None
     facts = facts_of(path, records)
     if settled and not facts.embedded_bytes and not facts.recompute and facts.has_graph:
-        return Handoff(model=str(path), action="as-is")  # external data ORT maps itself, as plain ORT does
+        return Handoff(model=str(path), action=Decision.AS_IS)  # external data ORT maps itself, as plain ORT does
     if needs_session_path(facts, request.converting and not settled):
         return None
-    handover = plain_handover(path, facts)
-    if handover is None:
+    plain = plain_handoff(path, facts)
+    if plain is None:
         return None
-    if handover.action == "as-is":
-        return Handoff(model=str(handover.model), action="as-is")
+    if plain.action == Decision.AS_IS.value:  # the scan's own word (onnxfile sits below the store)
+        return Handoff(model=str(plain.model), action=Decision.AS_IS)
     # ORT refusing the skeleton gets the file itself (its own error, or the model as given, one warning)
-    return Handoff(model=str(handover.model), action="mapped",
-                   tempdirs=(handover.workdir,) if handover.workdir is not None else (), fallback=str(path))
+    return Handoff(model=str(plain.model), action=Decision.MAPPED,
+                   tempdirs=(plain.workdir,) if plain.workdir is not None else (), fallback=str(path))
 
 
 def _spill(write: Callable, request: Request) -> Handoff:
@@ -151,6 +152,6 @@ def _from_verdict(outcome: Union[Handoff, Start]) -> Handoff:
         return outcome
     assert outcome.path is not None
     return Handoff(model=str(outcome.path), action=outcome.kind, cache_hit=outcome.hit,
-                   start=outcome, report=outcome.report, prepack_later=outcome.later,
+                   start=outcome, report=outcome.report, later=outcome.later,
                    converted_in_helper=outcome.in_helper,
                    fallback=str(outcome.fallback) if outcome.fallback is not None else None)

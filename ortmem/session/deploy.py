@@ -94,7 +94,7 @@ def _prepare_genai(folder: Path, say: Callable[[str], None]) -> str:
 
 
 def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> str:
-    """One model: its converted entry and pre-packed weights, else its prepared entry; what it came to
+    """One model: its converted entry and pre-packed weights, else its finished entry; what it came to
     (:data:`PREPARED`, :data:`NOTHING`, :data:`FAILED`), said in its last line."""
     from ortmem.session.convert import convert_cached
     from ortmem.errors import OrtmemError
@@ -102,8 +102,8 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> str:
     from ortmem.onnxfile.loader import load
     from ortmem.ort.release import capabilities
     from ortmem.ort.settings import session_settings
-    from ortmem.onnxfile.scan import min_prepared_bytes
-    from ortmem.store.finished_entries import describe, ensure_prepared, is_marker, prepared_key
+    from ortmem.onnxfile.scan import min_finished_bytes
+    from ortmem.store.finished_entries import describe, ensure_finished, is_marker, finished_key
     from ortmem.base.progress import progress_bar
 
     settings = session_settings(None)
@@ -124,12 +124,12 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> str:
         if not capabilities().prepacked_save:
             say(f"{path}: this onnxruntime saves no pre-packed weights: nothing to prepare")
             return NOTHING
-        if weights < min_prepared_bytes():
-            say(f"{path}: {weights / 2**20:.1f} MiB of initializers, below {min_prepared_bytes() / 2**20:.0f} MiB: "
+        if weights < min_finished_bytes():
+            say(f"{path}: {weights / 2**20:.1f} MiB of initializers, below {min_finished_bytes() / 2**20:.0f} MiB: "
                 "nothing to prepare (plain onnxruntime costs as little; $ORTMEM_PREPARE_MIN_BYTES)")
             return NOTHING
         say(f"{path}: finishing (onnxruntime saves the model it finishes, with its pre-packed weights)")
-        entry, built = ensure_prepared(cache, path, prepared_key(path, settings, {}, True))
+        entry, built = ensure_finished(cache, path, finished_key(path, settings, {}, True))
     except OrtmemError as exc:
         say(f"{path}: not prepared: {exc}")
         return FAILED
@@ -138,7 +138,7 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> str:
         say(f"{path}: nothing to prepare ({entry.manifest().get('why', 'onnxruntime packs nothing')}): sessions load "
             f"it as given (entry {entry.key}, {state}, records this)")
         return NOTHING
-    say(f"{path}: prepared entry {entry.key} ({state}): {describe(entry)}")
+    say(f"{path}: finished entry {entry.key} ({state}): {describe(entry)}")
     return PREPARED
 
 

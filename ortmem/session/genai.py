@@ -33,7 +33,7 @@ What genai does with files (read from microsoft/onnxruntime-genai ``src/config.c
 
 What ortmem checks, and when
 ----------------------------
-:func:`genai_config` (each start): for every prepared file, :func:`ortmem.store.finished.prepared_problem`
+:func:`genai_config` (each start): for every prepared file, :func:`ortmem.store.finished.finished_problem`
 in full mode: owner, mode, no symbolic link, sizes and full digests of the prepared ``.onnx``/``.data``,
 key parts equal to this ORT build and CPU, and the source file unchanged; plus the ORT library genai
 has loaded. Anything failing: that file is loaded as given, one warning says why.
@@ -58,7 +58,7 @@ from ortmem.errors import OrtmemError
 from ortmem.base.hygiene import allocator_hygiene
 from ortmem.ort.settings import OrtSettings
 from ortmem.ort.settings import packing_settings as ort_packing_settings
-from ortmem.store.finished import PrepareCheckError, PreparedReport, prepare_model, prepared_problem, read_manifest
+from ortmem.store.finished import FinishCheckError, FinishedReport, finish_model, finished_problem, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class GenaiPrepareReport:
 
     folder: Path
     seconds: float = 0.0
-    prepared: dict[str, PreparedReport] = field(default_factory=dict)
+    prepared: dict[str, FinishedReport] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
 
@@ -298,11 +298,11 @@ class GenaiPrepareReport:
 
 def prepare_genai_folder(folder: Path) -> GenaiPrepareReport:
     """Write ``<source stem>.ortmem-prepared.{onnx,data,json}`` beside every ONNX file of a genai
-    folder that runs on the CPU EP (:func:`ortmem.store.finished.prepare_model`), inside the folder because
+    folder that runs on the CPU EP (:func:`ortmem.store.finished.finish_model`), inside the folder because
     genai refuses paths outside it. ``genai_config.json`` is left as it is (:func:`genai_config` or
     :func:`rewrite_config` make genai use the files). Run it where the folder will be served, as the
     user that serves it: the prepared files record the source's identity, the ORT build and the CPU.
-    A file whose check cannot run (:class:`ortmem.store.finished.PrepareCheckError`) gets nothing
+    A file whose check cannot run (:class:`ortmem.store.finished.FinishCheckError`) gets nothing
     written and is listed in ``failed``; the other files are prepared all the same.
     """
     folder = Path(folder)
@@ -322,8 +322,8 @@ def prepare_genai_folder(folder: Path) -> GenaiPrepareReport:
             raise GenaiFolderError(f"{GENAI_CONFIG} names an ONNX file that does not exist", file=source)
         settings, threads = packing_settings(config, item)
         try:
-            result = prepare_model(source, source.parent, stem=item.stem, settings=settings, threads=threads)
-        except PrepareCheckError as exc:
+            result = finish_model(source, source.parent, stem=item.stem, settings=settings, threads=threads)
+        except FinishCheckError as exc:
             report.failed[item.filename] = str(exc)
             continue
         if not result.useful:  # keep the manifest only: genai loads the source, with no warning
@@ -374,7 +374,7 @@ def _prepared_problem(folder: Path, item: GenaiModelFile, mode: str) -> tuple[Op
         if problem:
             return None, f"{item.source} is not prepared for this ortmem ({problem}): run `ortmem prepare {folder}`"
         return None, None  # prepared, and ORT packs nothing in it (prepare_genai_folder kept no files)
-    problem = prepared_problem(target, item.stem, source=source, mode=mode)
+    problem = finished_problem(target, item.stem, source=source, mode=mode)
     if problem:
         return None, f"{item.prepared_name} not used: {problem}"
     return item.prepared_name, None

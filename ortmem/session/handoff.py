@@ -28,26 +28,24 @@ from ortmem.onnxfile.model import Model
 from ortmem.onnxfile.scan import FOLDER_KEY, RECOMPUTE_METADATA, file_mentions
 from ortmem.ort.recorded_settings import merge_config_value, recorded_settings
 from ortmem.base.options import get_config, scoped_config
-from ortmem.store.start import CACHE_HIT, CONVERTED, PREPARED, Start
+from ortmem.store.start import Decision, Start
 
 if TYPE_CHECKING:  # the conversion (and onnx) is imported only by a start that converts
     import onnx
 
-    from ortmem.store.finisher import PrepackLater  # a warm start leaves nothing for later: no packer imported
+    from ortmem.store.finisher import FinishLater  # a warm start leaves nothing for later: no packer imported
 
     from ortmem.session.inmemory import InMemoryConversion
     from ortmem.passes.conversion_report import ConversionReport
 
-#: The action of a conversion into a private temporary folder (no cache), removed once the session exists.
-CONVERTED_TEMPORARY = "converted-temporary"
-#: The actions whose model is a folder of ortmem's own that ORT maps every weight from: a cache entry
+#: The decisions whose model is a folder of ortmem's own that ORT maps every weight from: a cache entry
 #: (found, or just built here or by a helper process) or a conversion's private temporary folder. ORT
 #: copies none of those weights to its heap but its packed ones, so its creation needs no allocator
 #: pin (``ortmem.InferenceSession`` trims after it instead).
-ENTRY_ACTIONS = frozenset({CACHE_HIT, PREPARED, CONVERTED, CONVERTED_TEMPORARY})
-#: The actions whose model is ORT's finished model (:mod:`ortmem.store.finished`): ORT uses it as it
+ENTRY_ACTIONS = frozenset({Decision.CACHE_HIT, Decision.FINISHED, Decision.CONVERTED, Decision.CONVERTED_TEMPORARY})
+#: The decisions whose model is ORT's finished model (:mod:`ortmem.store.finished`): ORT uses it as it
 #: was saved, so its session is created with graph optimizations off (for that call only).
-FINISHED_ACTIONS = frozenset({PREPARED})
+FINISHED_ACTIONS = frozenset({Decision.FINISHED})
 #: The default of the handoff's read-only mappings: an empty read-only view (of one shared empty dict
 #: nothing else holds, so nothing can fill it).
 _NOTHING = functools.partial(MappingProxyType, {})
@@ -57,23 +55,26 @@ _NOTHING = functools.partial(MappingProxyType, {})
 class Handoff:
     """What ORT is given: a path or skeleton bytes, the session config entries it needs, and (for a
     conversion done in memory) the buffer ORT borrows, which this object keeps alive; and what ortmem
-    decided: :attr:`action`, :attr:`report`, :attr:`cache_hit`."""
+    decided: :attr:`action` (and its :attr:`reason`), :attr:`report`, :attr:`cache_hit`."""
 
     model: Union[str, bytes]
     #: Session config entries ORT needs for ``model`` (set only for the creation call; read-only, a
     #: ``MappingProxyType``).
     config: Mapping[str, str] = field(default_factory=_NOTHING)
-    #: What ortmem did, in a word or two, for reports: "as-is", "mapped", "converted", "cache-hit",
-    #: "prepared" (ORT's finished model, of a converted entry or of a model ortmem does not convert,
-    #: loaded with graph optimizations off: ORT maps its packed weights, :mod:`ortmem.store.finished`), "in-memory", "converted-temporary" (converted into a private
-    #: folder removed after creation), or "untouched: <why>".
-    action: str = "as-is"
+    #: What ortmem did (:class:`ortmem.store.start.Decision`): the store's verdict for what it loads
+    #: (``CONVERTED``, ``CACHE_HIT``, ``FINISHED``: ORT's finished model, loaded with graph
+    #: optimizations off, :mod:`ortmem.store.finished`), or ``AS_IS``, ``MAPPED``, ``IN_MEMORY``,
+    #: ``CONVERTED_TEMPORARY`` (a private folder removed after creation) or ``UNTOUCHED``.
+    action: Decision = Decision.AS_IS
+    #: Why, where the decision needs a reason (``UNTOUCHED``: what made ortmem leave the model alone);
+    #: for reading, never parsed.
+    reason: str = ""
     #: What was converted (None when nothing was, or on a cache hit).
     report: Optional["ConversionReport"] = None
     #: Whether ORT loads a converted entry found in the cache.
     cache_hit: bool = False
     #: ortmem declined to convert a model it could have (a validity fault, a failed rewrite): ORT
-    #: judges such a model as given, and nothing is prepared from it either.
+    #: judges such a model as given, and nothing is finished from it either.
     declined: bool = False
     source: Optional[Model] = None
     memory: Optional["InMemoryConversion"] = None
@@ -84,9 +85,9 @@ class Handoff:
     fallback: Optional[str] = None
     #: The store's verdict behind ``model`` (:meth:`refused` asks it to discard what ORT refused).
     start: Optional[Start] = None
-    #: ORT's finishing of a converted entry (or building of a prepared entry), started once the
+    #: ORT's finishing of a converted entry (or building of a finished entry), started once the
     #: session has run (:mod:`ortmem.store.finisher`); None when nothing is left for the background.
-    prepack_later: Optional[PrepackLater] = None
+    later: Optional[FinishLater] = None
     #: The conversion ran in a helper process (:mod:`ortmem.session.cold_start_child`): this
     #: process imported and allocated nothing of it.
     converted_in_helper: bool = False
@@ -102,7 +103,7 @@ class Handoff:
         if self.start is not None and not keep:
             self.start.refused()
         return dataclasses.replace(self, model=self.fallback, fallback=None, start=None,
-                                   action=CACHE_HIT if self.cache_hit else "as-is")
+                                   action=Decision.CACHE_HIT if self.cache_hit else Decision.AS_IS)
 
     def with_recorded_settings(self) -> "Handoff":
         """Replay the settings a model written by ``ortmem recompute`` records (its execution order and

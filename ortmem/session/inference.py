@@ -17,6 +17,7 @@ import onnxruntime as ort
 
 from ortmem.errors import resource_failure
 from ortmem.session.handoff import ENTRY_ACTIONS, Handoff
+from ortmem.store.start import Decision
 from ortmem.session.decide import ModelInput, prepare
 from ortmem.session.request import Request
 from ortmem.base.hygiene import allocator_hygiene
@@ -61,16 +62,17 @@ class InferenceSession(ORT_SESSION):
     ``self.ortmem_handoff`` is what ORT was given and what ortmem decided (read-only,
     :class:`ortmem.session.handoff.Handoff`); from it, ``self.ortmem_report`` tells what was converted
     (None when nothing was, or on a cache hit), ``self.ortmem_cache_hit`` whether the conversion came
-    from the cache, and ``self.ortmem_action`` what ORT was given (``"converted"``: a cold start;
-    ``"pre-packed"``: a warm start mapping ORT's packed weights; ``"cache-hit"``: one loading the entry
-    itself; see ``Handoff.action``).
+    from the cache, ``self.ortmem_action`` what ORT was given (``"converted"``: a cold start;
+    ``"finished"``: a warm start mapping ORT's finished model and its packed weights; ``"cache-hit"``:
+    one loading the entry itself; the values of :class:`ortmem.store.start.Decision`) and
+    ``self.ortmem_reason`` why, where that needs saying (``"untouched"``).
 
     Starts: the first (cold) converts into the cache and, after its session's first ``run``, has ORT
     finish the entry in a background process (:mod:`ortmem.store.finisher`); from the second start on,
-    sessions load ORT's finished model with graph optimizations off (``ortmem_action == "prepared"``).
-    A model ortmem does not convert (a path, CPU EP, at least 16 MiB of initializers) gets a *prepared*
+    sessions load ORT's finished model with graph optimizations off (``ortmem_action == "finished"``).
+    A model ortmem does not convert (a path, CPU EP, at least 16 MiB of initializers) gets a *finished*
     entry the same way: ORT's finished model of it, mapped from the second start on
-    (``ortmem_action == "prepared"``; :mod:`ortmem.store.finished_entries`, ``ortmem prepare`` builds it at
+    (``ortmem_action == "finished"``; :mod:`ortmem.store.finished_entries`, ``ortmem prepare`` builds it at
     deploy time, after which a read-only cache folder is enough).
     """
 
@@ -127,7 +129,7 @@ class InferenceSession(ORT_SESSION):
         if trim and unpinned:
             release_free_heap()
         #: What a cold start left for after its first run (started once, by the first run).
-        self._ortmem_later = self._ortmem_handoff.prepack_later
+        self._ortmem_later = self._ortmem_handoff.later
 
     @property
     def ortmem_handoff(self) -> Handoff:
@@ -136,8 +138,13 @@ class InferenceSession(ORT_SESSION):
 
     @property
     def ortmem_action(self) -> str:
-        """What ortmem gave ORT: ``Handoff.action`` ("converted", "prepared", "cache-hit", ...)."""
-        return self._ortmem_handoff.action
+        """What ortmem gave ORT: the value of ``Handoff.action`` ("converted", "finished", "cache-hit", ...)."""
+        return self._ortmem_handoff.action.value
+
+    @property
+    def ortmem_reason(self) -> str:
+        """Why ortmem decided :attr:`ortmem_action`, where that needs saying (``"untouched"``); else ""."""
+        return self._ortmem_handoff.reason
 
     @property
     def ortmem_report(self):
@@ -173,7 +180,7 @@ class InferenceSession(ORT_SESSION):
         return result
 
     def _retry_with_fallback(self, failure: str, short_of_resources: bool, *args: Any, **kwargs: Any) -> None:
-        """ORT failed on ORT's finished model (a converted entry's or a prepared entry) or a mapped skeleton: load
+        """ORT failed on ORT's finished model (a converted entry's or a finished entry) or a mapped skeleton: load
         the handoff's fallback (the entry itself, or the model as given). Where ORT refused what it was
         given, the handoff's next step discards it (no later start tries it again); where the process
         ran short of memory, threads or descriptors (:func:`ortmem.errors.resource_failure`) the entry
@@ -181,7 +188,8 @@ class InferenceSession(ORT_SESSION):
         first (its session collected, the heap trimmed), so the fallback needs no more than plain ORT
         would; should it fail too, the caller gets ORT's own error on the fallback, nothing chained."""
         refused = self._ortmem_handoff
-        what = {"prepared": "prepared model", "mapped": "skeleton of the mapped model"}.get(refused.action, "model")
+        what = {Decision.FINISHED: "finished model",
+                Decision.MAPPED: "skeleton of the mapped model"}.get(refused.action, "model")
         gc.collect()  # ORT's half-made session, its thread pools and mappings, held by reference cycles
         release_free_heap()
         if short_of_resources:

@@ -27,6 +27,7 @@ from ortmem.onnxfile.model import Model
 from ortmem.onnxfile.scan import FOLDER_KEY
 from ortmem.onnxfile.walk import is_external, iter_tensor_sites
 from ortmem.session.handoff import Handoff
+from ortmem.store.start import Decision
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def from_model(model: Model, own_folder: bool = False, link_root: Optional[Path]
     if model.pristine:
         return Handoff(model=str(model.path), source=model)
     if own_folder:
-        return Handoff(model=str(_write_skeleton(model, model.folder)), source=model, action="mapped")
+        return Handoff(model=str(_write_skeleton(model, model.folder)), source=model, action=Decision.MAPPED)
     for root in (None, link_root):  # the system temp folder first, then the cache's file system
         handoff = _linked_skeleton(model, root)
         if handoff is not None:
@@ -49,7 +50,7 @@ def from_model(model: Model, own_folder: bool = False, link_root: Optional[Path]
         model=model.skeleton.SerializeToString(),
         config=MappingProxyType({FOLDER_KEY: str(model.folder)}),
         source=model,
-        action="mapped",
+        action=Decision.MAPPED,
     )
 
 
@@ -70,7 +71,7 @@ def _linked_skeleton(model: Model, root: Optional[Path]) -> Optional[Handoff]:
         log.debug("ortmem: cannot hard-link %s into %s (%s)", model.path, workdir, exc)
         shutil.rmtree(workdir, ignore_errors=True)
         return None
-    return Handoff(model=str(path), source=model, tempdirs=(workdir,), action="mapped")
+    return Handoff(model=str(path), source=model, tempdirs=(workdir,), action=Decision.MAPPED)
 
 
 def _external_locations(model: Model) -> set[str]:

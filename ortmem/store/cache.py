@@ -163,7 +163,7 @@ class Cache:
         ``mode`` (default: the cache's ``verify``): "always" digests every byte of every file, "full" too
         unless this boot already did with the file unchanged (:mod:`ortmem.files.stamps`),
         "sampled" the first and last page of every weight span of ``weights.bin`` and every small file
-        in full (a prepared entry's data file is sampled by :mod:`ortmem.store.finished_entries`, which
+        in full (a finished entry's data file is sampled by :mod:`ortmem.store.finished_entries`, which
         knows its spans), "off" checks sizes and the skeleton.
         Every file in the entry's folder, listed in its manifest or not (pre-packed weights, and any
         file a later kind of entry adds), passes :func:`ortmem.files.trust.cache_file_problem`: one symbolic link, file of
@@ -276,7 +276,7 @@ class Cache:
         ``source`` (:func:`ortmem.store.sources.private_mode`).
 
         The sources' digests are taken while the builder runs, in a thread: a full digest reads every
-        source byte (0.7 s for the 0.6 GB model's 1 GB of sources on the 2-core VM, most of it the
+        source byte (0.7 s for the 0.6 GB model's 1 GB of sources on 2 cores, most of it the
         read), and the builder leaves a core idle while it waits on page faults and writes. Their
         identities are taken after it, as before (its hard links move their ctime)."""
 
@@ -452,7 +452,7 @@ def creator_lock_path(root: Path, key: str) -> Path:
 
 #: Seconds a start waits for another process's creator lock before going on without it. Long
 #: enough for a multi-GB conversion on a slow disk (a 1.6 GB model converts in 5-13 s on a shared
-#: 2-core VM, docs/benchmarks.md), short enough that a stopped or starved holder costs a bounded delay.
+#: 2-core machine, docs/benchmarks.md), short enough that a stopped or starved holder costs a bounded delay.
 DEFAULT_LOCK_TIMEOUT = 120.0
 #: Overrides :data:`DEFAULT_LOCK_TIMEOUT` (seconds; 0: never wait).
 LOCK_TIMEOUT_ENV = "ORTMEM_LOCK_TIMEOUT"
@@ -607,7 +607,7 @@ def _ort_version() -> str:
 
 def _small(size: object) -> bool:
     """Whether a file of the recorded ``size`` is digested in full even by ``verify="sampled"`` (a
-    manifest, the prepared model's own ``model.json``: what says which pages the samples are)."""
+    manifest, the finished model's own ``model.json``: what says which pages the samples are)."""
     return isinstance(size, int) and size <= digest.SAMPLED_FULL_BYTES
 
 

@@ -33,11 +33,11 @@ finished model at ``ORT_DISABLE_ALL`` on the same feeds (:func:`ortmem.ort.feeds
 decoder's first step: empty KV cache, its head size and head count from ``genai_config.json`` or its
 attention nodes) and requires identical outputs, the source's graph inputs and outputs (no free dimension
 baked in) and measurably less private memory. A model those feeds cannot run is not judged at all:
-:class:`PrepareCheckError`, nothing is written, and a later preparation tries again (a verdict such as
+:class:`FinishCheckError`, nothing is written, and a later finishing tries again (a verdict such as
 "nothing ORT keeps is mapped" is recorded only where the check ran). A release that cannot save or
 reload a finished model correctly gives other outputs or fails, and publishes nothing.
 
-What is checked, and when (:func:`prepared_path`, on every use)
+What is checked, and when (:func:`finished_path`, on every use)
 -------------------------------------------------------------
 ``<stem>.json`` is written last and atomically; it records what the finished model is valid for
 (:func:`finished_key_parts`: ORT release and build, CPU, format, and the settings it was finished at), the source's identity (the
@@ -82,7 +82,7 @@ def finished_key_parts(settings: Optional[OrtSettings] = None) -> dict[str, Any]
     given) the optimization level, disabled optimizers and config entries it was finished at."""
     from ortmem.ort.release import cpu_flags, installed
 
-    parts: dict[str, Any] = {"finished_format": PREPARED_FORMAT, "onnxruntime": ort.__version__,
+    parts: dict[str, Any] = {"finished_format": FINISHED_FORMAT, "onnxruntime": ort.__version__,
                              "machine": platform.machine(), "cpu_flags": list(cpu_flags()),
                              "build": installed().build, "build_info": getattr(ort, "get_build_info", lambda: "")()}
     if settings is not None:
@@ -96,24 +96,24 @@ def settings_parts(settings: OrtSettings) -> dict[str, Any]:
     return {"level": int(settings.graph_optimization_level), "disabled": sorted(settings.disabled_optimizers),
             "config": dict(sorted(settings.session_config.items()))}
 
-#: Bumped whenever what :func:`prepare_model` writes, or the rule deciding whether it is published,
+#: Bumped whenever what :func:`finish_model` writes, or the rule deciding whether it is published,
 #: changes. 2: published only where :func:`worth_mapping` measured a gain (a format-1 entry may be one
 #: that holds more private memory than plain ORT; its key no longer matches, so it is never served).
 #: 3: the check runs decoders on their first step (format 2 ran them on made-up cache shapes ORT's attention
 #: refused, and recorded "packs nothing" for every such decoder).
 #: 4: ORT's finished model at the caller's settings (format 3 saved the source graph at ORT_DISABLE_ALL).
-PREPARED_FORMAT = 4
+FINISHED_FORMAT = 4
 #: Initializers of at least this many bytes go to the data file (ORT keeps smaller ones in its proto
 #: rather than on the heap, and its shape inference reads an axes or shape input only from the graph).
 EXTERNAL_MIN_BYTES = 128
 _WORK_PREFIX = ".prepare-"
 
 
-class PrepareError(CacheError):
-    """ORT could not save the prepared model (names the source)."""
+class FinishError(CacheError):
+    """ORT could not save the finished model (names the source)."""
 
 
-class NoSpaceError(PrepareError):
+class NoSpaceError(FinishError):
     """The finished model could not be written: its filesystem is full (names the folder). No verdict on
     the model: nothing but the full disk may be recorded of it."""
 
@@ -139,14 +139,14 @@ def _no_space(folder: Path, what: str, exc: BaseException) -> NoSpaceError:
     return NoSpaceError(f"no space left on device in {folder}: {what} ({detail})", file=str(folder))
 
 
-class PrepareCheckError(PrepareError):
-    """The check that decides whether a prepared model may be used could not run (the source fails on
+class FinishCheckError(FinishError):
+    """The check that decides whether a finished model may be used could not run (the source fails on
     the feeds ortmem makes): no verdict, so nothing may be recorded of it (names the source)."""
 
 
 @dataclass
-class PreparedReport:
-    """What :func:`prepare_model` did."""
+class FinishedReport:
+    """What :func:`finish_model` did."""
 
     seconds: float
     prepacked: int  # initializers ORT saved pre-packed blobs for
@@ -169,7 +169,7 @@ def _initializer_names(source: Path) -> set[str]:
 
 
 def source_files(source: Path) -> list[Path]:
-    """The .onnx file and every external data file its tensors point into (what a prepared model is
+    """The .onnx file and every external data file its tensors point into (what a finished model is
     made from, so what must stay unchanged for it to be used)."""
     import onnx  # the writing half parses models; a warm start only reads this module's manifest checks
 
@@ -182,8 +182,8 @@ def source_files(source: Path) -> list[Path]:
     return [Path(source).resolve(), *sorted(folder / loc for loc in locations if loc)]
 
 
-def prepare_model(source: Path, folder: Path, stem: str = "prepared", *, settings: Optional[OrtSettings] = None,
-                  threads: int = 0) -> PreparedReport:
+def finish_model(source: Path, folder: Path, stem: str = "prepared", *, settings: Optional[OrtSettings] = None,
+                  threads: int = 0) -> FinishedReport:
     """Write ``folder/<stem>.onnx``, ``folder/<stem>.data`` and, last and atomically,
     ``folder/<stem>.json`` (see the module docstring). ``settings``: what the caller's session asks of
     ORT (optimization level, disabled optimizers, and every config entry it set that this ORT defines,
@@ -191,22 +191,22 @@ def prepare_model(source: Path, folder: Path, stem: str = "prepared", *, setting
     False writes nothing (``useful`` False).
     ``threads``: intra-op threads of the throw-away session (0: ORT's default).
 
-    Raises :class:`PrepareError` when ORT fails to load or save the model, :class:`NoSpaceError` when
+    Raises :class:`FinishError` when ORT fails to load or save the model, :class:`NoSpaceError` when
     ``folder``'s filesystem is full (ENOSPC, or ORT's failed write with less than
-    :data:`NEARLY_FULL_BYTES` left), :class:`PrepareCheckError` when the source cannot be run to check
+    :data:`NEARLY_FULL_BYTES` left), :class:`FinishCheckError` when the source cannot be run to check
     the saved model; nothing is published then.
     """
     try:
-        return _prepare_model(Path(source), Path(folder), stem, settings, threads)
+        return _finish_model(Path(source), Path(folder), stem, settings, threads)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise _no_space(Path(folder), "the finished model could not be written", exc) from exc
         raise
 
 
-def _prepare_model(source: Path, folder: Path, stem: str, settings: Optional[OrtSettings],
-                   threads: int) -> PreparedReport:
-    """:func:`prepare_model`'s work; an OSError of a full disk is turned into :class:`NoSpaceError` there."""
+def _finish_model(source: Path, folder: Path, stem: str, settings: Optional[OrtSettings],
+                   threads: int) -> FinishedReport:
+    """:func:`finish_model`'s work; an OSError of a full disk is turned into :class:`NoSpaceError` there."""
     import onnx
 
     from ortmem.onnxfile.walk import external_data_dict
@@ -215,7 +215,7 @@ def _prepare_model(source: Path, folder: Path, stem: str, settings: Optional[Ort
     source, folder = Path(source), Path(folder)
     settings = settings or OrtSettings()
     if not settings.prepacking:
-        return PreparedReport(time.perf_counter() - start, 0, 0, False)
+        return FinishedReport(time.perf_counter() - start, 0, 0, False)
     record = source_record(source_files(source))  # before ORT reads it: an edit meanwhile shows later
     work = folder / f"{_WORK_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
     os.mkdir(work, PRIVATE_DIR_MODE)  # exclusively: whatever is planted under this name is never written through
@@ -223,7 +223,7 @@ def _prepare_model(source: Path, folder: Path, stem: str, settings: Optional[Ort
     try:
         try:
             _save(source, work, stem, settings, threads)
-        except PrepareError as exc:
+        except FinishError as exc:
             left = free_bytes(work)  # before ORT's partial file goes (the finally below)
             if left is not None and left < NEARLY_FULL_BYTES:
                 raise _no_space(folder, "onnxruntime could not write the finished model", exc) from exc
@@ -233,13 +233,13 @@ def _prepare_model(source: Path, folder: Path, stem: str, settings: Optional[Ort
         made = prepacked or bool({t.name for t in saved.graph.initializer} - _initializer_names(source))
         refusal = worth_mapping(source, work / f"{stem}.onnx", settings, threads) if made else NOTHING_MADE
         if refusal:
-            log.info("ortmem: %s is not prepared: %s", source, refusal)
+            log.info("ortmem: %s is not finished: %s", source, refusal)
         names = [n for n in (f"{stem}.onnx", f"{stem}.data") if (work / n).exists()]
         for name in names:
             os.chmod(work / name, PRIVATE_FILE_MODE)
         files = {n: (work / n).stat().st_size for n in names}
-        report = PreparedReport(0.0, prepacked, files.get(f"{stem}.data", 0), refusal is None, refusal or "")
-        manifest = {"format": PREPARED_FORMAT, "key_parts": finished_key_parts(settings), "created": time.time(),
+        report = FinishedReport(0.0, prepacked, files.get(f"{stem}.data", 0), refusal is None, refusal or "")
+        manifest = {"format": FINISHED_FORMAT, "key_parts": finished_key_parts(settings), "created": time.time(),
                     "files": files, "digests": {n: digest.file_digest(work / n) for n in names}, **record}
         if f"{stem}.data" in files:  # what verify="sampled" reads: the first and last page of every span
             spans = data_spans(saved, f"{stem}.data")
@@ -256,19 +256,19 @@ def _prepare_model(source: Path, folder: Path, stem: str, settings: Optional[Ort
         shutil.rmtree(work, ignore_errors=True)
 
 
-#: A prepared model is used only where the session over it keeps at most this fraction of the private
-#: memory a session over the source keeps (both measured in the preparing process, after a run and
+#: A finished model is used only where the session over it keeps at most this fraction of the private
+#: memory a session over the source keeps (both measured in the finishing process, after a run and
 #: ``malloc_trim``). Measured on onnxruntime 1.32.0: the fp32 MLP keeps 0.05x, a native int4 Llama 0.05x,
 #: while a ``quantize_dynamic`` int8 model keeps 1.0x (its blobs, saved from MatMulInteger at
 #: ORT_DISABLE_ALL, never match once the session fuses it), where mapping only adds ortmem's costs.
 GAIN_FRACTION = 0.8
 #: Below this much private memory kept by the source's session the in-process measurement cannot tell a
 #: gain from allocator noise (a 0.5 MiB MLP measured either way from run to run on 1.31.1): such a model
-#: (prepared only below the default size threshold) is judged by its outputs alone.
+#: (finished only below the default size threshold) is judged by its outputs alone.
 MEASURABLE_BYTES = 4 << 20
 
 
-def worth_mapping(source: Path, prepared: Path, settings: OrtSettings, threads: int = 0) -> Optional[str]:
+def worth_mapping(source: Path, finished: Path, settings: OrtSettings, threads: int = 0) -> Optional[str]:
     """None when the finished model at ``ORT_DISABLE_ALL`` gives the source's outputs at ``settings`` bit
     for bit, has the source's graph inputs and outputs, and keeps measurably less private memory; else
     why not (the caller then keeps no files).
@@ -278,7 +278,7 @@ def worth_mapping(source: Path, prepared: Path, settings: OrtSettings, threads: 
     (floats from a fixed seed, integers 0, batch 1, sequence 8; a decoder's first step, its cache empty:
     :func:`ortmem.ort.feeds.decoder_dims`), made once from the source and given to both.
 
-    Raises :class:`PrepareCheckError` when the source itself cannot be run on them: that is no verdict
+    Raises :class:`FinishCheckError` when the source itself cannot be run on them: that is no verdict
     on the finished model, and the caller records none. ORT's own log stays quiet (the error says why).
     """
     from ortmem.base.hygiene import trim
@@ -305,11 +305,11 @@ def worth_mapping(source: Path, prepared: Path, settings: OrtSettings, threads: 
         expected, source_kept, source_signature = run(source, False)
     except Exception as exc:  # noqa: BLE001 - ORT's own types: a model synthetic feeds cannot run
         shapes = ", ".join(f"{k} {list(np.shape(v))}" for k, v in feeds.items())
-        raise PrepareCheckError(f"the check of the finished model could not run the source ({_ort_message(exc)}; "
+        raise FinishCheckError(f"the check of the finished model could not run the source ({_ort_message(exc)}; "
                                 f"feeds: {shapes or 'none made'}); nothing recorded, a later start tries again",
                                 file=str(source)) from exc
     try:
-        got, prepared_kept, signature = run(prepared, True)
+        got, finished_kept, signature = run(finished, True)
     except Exception as exc:  # noqa: BLE001 - the source runs on these feeds, the saved model does not
         return f"onnxruntime {ort.__version__} cannot run the finished model ({_ort_message(exc)})"
     if signature != source_signature:
@@ -318,8 +318,8 @@ def worth_mapping(source: Path, prepared: Path, settings: OrtSettings, threads: 
         np.asarray(a).shape == np.asarray(b).shape and np.array_equal(a, b, equal_nan=False) for a, b in zip(got, expected))
     if not same:
         return f"onnxruntime {ort.__version__} gives other outputs on the finished model than on the source"
-    if source_kept >= MEASURABLE_BYTES and prepared_kept > GAIN_FRACTION * source_kept:
-        return (f"the finished model keeps {prepared_kept / 2**20:.1f} MiB private against the source's "
+    if source_kept >= MEASURABLE_BYTES and finished_kept > GAIN_FRACTION * source_kept:
+        return (f"the finished model keeps {finished_kept / 2**20:.1f} MiB private against the source's "
                 f"{source_kept / 2**20:.1f} MiB: nothing ORT keeps is mapped")
     return None
 
@@ -374,9 +374,9 @@ def _save(source: Path, work: Path, stem: str, settings: OrtSettings, threads: i
                                        disabled_optimizers=sorted(settings.disabled_optimizers) or None)
         del session
     except Exception as exc:  # noqa: BLE001 - ORT raises its own pybind types
-        raise PrepareError(f"onnxruntime could not save the finished model: {exc}", file=str(source)) from exc
+        raise FinishError(f"onnxruntime could not save the finished model: {exc}", file=str(source)) from exc
     if not (work / f"{stem}.onnx").exists():
-        raise PrepareError("onnxruntime saved no finished model", file=str(source))
+        raise FinishError("onnxruntime saved no finished model", file=str(source))
 
 
 def _publish(work: Path, folder: Path, stem: str, names: list[str]) -> None:
@@ -401,14 +401,14 @@ def read_manifest(folder: Path, stem: str = "prepared") -> tuple[Optional[dict[s
         manifest = json.loads(read_nofollow(path))
     except (OSError, ValueError) as exc:
         return None, f"{path.name} unreadable: {exc}"
-    if not isinstance(manifest, dict) or manifest.get("format") != PREPARED_FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FINISHED_FORMAT:
         return None, f"{path.name} from another format"
     return manifest, None
 
 
-def prepared_problem(folder: Path, stem: str = "prepared", *, source: Optional[Path] = None,
+def finished_problem(folder: Path, stem: str = "prepared", *, source: Optional[Path] = None,
                      mode: str = "full", settings: Optional[OrtSettings] = None) -> Optional[str]:
-    """Why ``folder/<stem>.onnx`` may not be used now, or None (:func:`prepared_path`)."""
+    """Why ``folder/<stem>.onnx`` may not be used now, or None (:func:`finished_path`)."""
     mode = digest.check_mode(mode)
     folder = Path(folder)
     manifest, problem = read_manifest(folder, stem)
@@ -439,7 +439,7 @@ def prepared_problem(folder: Path, stem: str = "prepared", *, source: Optional[P
     if source is not None:
         recorded = manifest.get("sources") or [{}]
         if recorded[0].get("path") != str(Path(source).resolve()):
-            return f"prepared from {recorded[0].get('path')}, not {source}"
+            return f"finished from {recorded[0].get('path')}, not {source}"
         problem, _ = sources_problem(manifest)
         if problem:
             return problem
@@ -448,7 +448,7 @@ def prepared_problem(folder: Path, stem: str = "prepared", *, source: Optional[P
 
 def finished_for(folder: Path, stem: str, settings: OrtSettings) -> Optional[dict[str, Any]]:
     """``folder/<stem>.json`` when it passes the cache's file check and was written for this ORT, CPU and
-    ``settings`` (its files are not checked: :func:`prepared_problem` does that), else None."""
+    ``settings`` (its files are not checked: :func:`finished_problem` does that), else None."""
     manifest, _ = read_manifest(folder, stem)
     parts = manifest.get("key_parts") if manifest is not None else None
     if (isinstance(parts, dict) and {k: v for k, v in parts.items() if k != "settings"} == finished_key_parts()
@@ -517,7 +517,7 @@ def _sampled_problem(path: Path, spans: Any, recorded: Any) -> Optional[str]:
     return f"{path.name} content changed (sampled digest)"
 
 
-def prepared_path(folder: Path, stem: str = "prepared", *, source: Optional[Path] = None,
+def finished_path(folder: Path, stem: str = "prepared", *, source: Optional[Path] = None,
                   mode: str = "full", settings: Optional[OrtSettings] = None) -> Optional[Path]:
     """``folder/<stem>.onnx`` when ``<stem>.json``, ``<stem>.onnx`` and ``<stem>.data`` all pass
     :func:`ortmem.files.trust.cache_file_problem` (owner, mode, no symlink, size, and the full digest when
@@ -525,8 +525,8 @@ def prepared_path(folder: Path, stem: str = "prepared", *, source: Optional[Path
     file, each initializer and each pre-packed blob; ``"off"`` checks its size only), the manifest's key
     parts equal this ORT's (release and build) and CPU's, and ``settings``' where given, and (``source``
     given) the source is unchanged; else None (logged)."""
-    problem = prepared_problem(folder, stem, source=source, mode=mode, settings=settings)
+    problem = finished_problem(folder, stem, source=source, mode=mode, settings=settings)
     if problem is None:
         return Path(folder) / f"{stem}.onnx"
-    log.info("ortmem: not using the prepared model in %s (%s)", folder, problem)
+    log.info("ortmem: not using the finished model in %s (%s)", folder, problem)
     return None

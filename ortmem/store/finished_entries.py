@@ -1,7 +1,7 @@
-"""Prepared cache entries: warm starts for every model ortmem does not convert.
+"""Finished cache entries: warm starts for every model ortmem does not convert.
 
-An entry of kind ``"prepared"`` holds what :func:`ortmem.store.finished.prepare_model` writes with the stem
-``model`` (``model.onnx``, ``model.data`` with ORT's pre-packed blobs, ``model.json``) under the
+A finished entry (``"kind": "prepared"`` in its manifest, the entries' name on disk) holds what
+:func:`ortmem.store.finished.finish_model` writes with the stem ``model`` (``model.onnx``, ``model.data`` with ORT's pre-packed blobs, ``model.json``) under the
 cache's ``manifest.json``, so the cache's own checks apply to every byte (:meth:`ortmem.store.cache.Cache.verify`:
 trust check and digest of every file, per ``verify=``) and the manifest records the source files
 (:func:`ortmem.store.sources.source_record`), so a changed source is never served stale
@@ -9,12 +9,12 @@ trust check and digest of every file, per ``verify=``) and the manifest records 
 of element-wise ops), where the saved model is not worth mapping (``refusal``) or ORT cannot save the
 model, the entry is a *marker*: a manifest with no files and ``"marker": true``, so later starts decide
 at once and ortmem costs nothing there. A check that could not run
-(:class:`ortmem.store.finished.PrepareCheckError`) decided nothing: no entry is published and the error
+(:class:`ortmem.store.finished.FinishCheckError`) decided nothing: no entry is published and the error
 reaches the caller, so the next start may try again.
 
-Key (:func:`prepared_key`): ``what="prepared"``, the source .onnx identity, the settings the session
-is created with (level, the config entries ortmem reads, disabled optimizers, the packing entries),
-whether conversion was enabled (a QDQ model ortmem converts never gets a prepared entry, so a
+Key (:func:`finished_key`): ``what="prepared"`` (the entries' name on disk, kept so keys never move), the
+source .onnx identity, the settings the session is created with (level, the config entries ortmem reads, disabled optimizers, the packing entries),
+whether conversion was enabled (a QDQ model ortmem converts never gets a finished entry, so a
 conversion turned back on is not answered by one), the ortmem/onnxruntime/onnx versions and what
 a finished model depends on (:func:`ortmem.store.finished.finished_key_parts`: ORT build, CPU), so machines
 sharing one cache folder each keep their own.
@@ -38,20 +38,20 @@ from ortmem.files.layout import FINISHED_STEM as CONVERTED_STEM, MODEL_FILE
 from ortmem.store.sources import entry_key, onnx_version, private_mode, source_record
 from ortmem.ort.settings import OrtSettings
 from ortmem.base.hashing import short_hash
-from ortmem.store.finished import (PREPARED_FORMAT, NoSpaceError, PrepareCheckError, PrepareError, PreparedReport, prepare_model, prepared_problem, discard_finished, finished_key_parts, finished_settled, free_bytes, keep_decision_only, prepared_path, read_manifest, settings_parts, source_files)
+from ortmem.store.finished import (FINISHED_FORMAT, NoSpaceError, FinishCheckError, FinishError, FinishedReport, finish_model, finished_problem, discard_finished, finished_key_parts, finished_settled, free_bytes, keep_decision_only, finished_path, read_manifest, settings_parts, source_files)
 
 log = logging.getLogger(__name__)
 
-#: The stem :func:`ortmem.store.finished.prepare_model` writes an entry's files under: ``model.onnx`` is the
+#: The stem :func:`ortmem.store.finished.finish_model` writes an entry's files under: ``model.onnx`` is the
 #: cache's ``MODEL_FILE``.
 STEM = Path(MODEL_FILE).stem
 
 
-def prepared_key(model_path: Path, settings: OrtSettings, packing: dict[str, str], converting: bool) -> str:
-    """The key of a model's prepared entry (see the module docstring)."""
+def finished_key(model_path: Path, settings: OrtSettings, packing: dict[str, str], converting: bool) -> str:
+    """The key of a model's finished entry (see the module docstring)."""
     return entry_key(Path(model_path), {
         "what": "prepared",
-        "format": PREPARED_FORMAT,
+        "format": FINISHED_FORMAT,
         "settings": {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
                      "disabled": sorted(settings.disabled_optimizers), "packing": dict(packing)},
         "converting": bool(converting),
@@ -69,7 +69,7 @@ def finishing_settings(settings: OrtSettings, packing: Optional[dict[str, str]])
 
 
 def settings_record(settings: OrtSettings, converting: bool) -> dict[str, Any]:
-    """The key parts of :func:`prepared_key` a starter hands the background packer (as JSON), so the
+    """The key parts of :func:`finished_key` a starter hands the background packer (as JSON), so the
     packer can compute the key again from the source as it is then (:func:`settings_of_record`)."""
     return {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
             "disabled": sorted(settings.disabled_optimizers), "converting": converting}
@@ -82,29 +82,29 @@ def settings_of_record(record: dict[str, Any]) -> tuple[OrtSettings, bool]:
 
 
 def is_marker(entry: Entry) -> bool:
-    """Whether ``entry`` records only that nothing is worth preparing (no model to load)."""
+    """Whether ``entry`` records only that nothing is worth finishing (no model to load)."""
     try:
         return entry.manifest().get("marker") is True
     except (OSError, ValueError, AttributeError):
         return False
 
 
-def lookup_prepared(cache: Cache, key: str) -> Optional[Entry]:
-    """The verified prepared entry (or marker) under ``key`` whose sources are unchanged, or None
-    (:func:`usable_prepared` of what the cache's lookup found)."""
+def lookup_finished(cache: Cache, key: str) -> Optional[Entry]:
+    """The verified finished entry (or marker) under ``key`` whose sources are unchanged, or None
+    (:func:`usable_finished` of what the cache's lookup found)."""
     entry = cache.lookup_sourced(key)
-    return usable_prepared(cache, entry) if entry is not None else None
+    return usable_finished(cache, entry) if entry is not None else None
 
 
-def usable_prepared(cache: Cache, entry: Entry) -> Optional[Entry]:
+def usable_finished(cache: Cache, entry: Entry) -> Optional[Entry]:
     """``entry`` (found by :meth:`ortmem.store.cache.Cache.lookup_sourced`: every file passed the cache's
-    check) if it is a marker or its prepared model's own manifest is for this ORT and CPU; else it is
+    check) if it is a marker or its finished model's own manifest is for this ORT and CPU; else it is
     discarded and None."""
     if is_marker(entry):
         return entry
     # The lookup just checked every file's bytes as ``verify`` asks, except that the cache knows no spans
-    # in a prepared model's data file: "sampled" reads their first and last pages here.
-    problem = prepared_problem(entry.path, STEM, mode="sampled" if cache.verify_mode == "sampled" else "off")
+    # in a finished model's data file: "sampled" reads their first and last pages here.
+    problem = finished_problem(entry.path, STEM, mode="sampled" if cache.verify_mode == "sampled" else "off")
     if problem is None:
         return entry
     log.warning("ortmem: cache entry %s is unusable (%s); rebuilding", entry.path, problem)
@@ -112,25 +112,25 @@ def usable_prepared(cache: Cache, entry: Entry) -> Optional[Entry]:
     return None
 
 
-def build_prepared(cache: Cache, source: Path, key: str, *, packing: Optional[dict[str, str]] = None,
-                   threads: int = 0, settings: Optional[OrtSettings] = None) -> tuple[Entry, Optional[PreparedReport]]:
-    """Build and publish the prepared entry ``key`` of ``source`` (the caller holds its creator lock);
+def build_finished(cache: Cache, source: Path, key: str, *, packing: Optional[dict[str, str]] = None,
+                   threads: int = 0, settings: Optional[OrtSettings] = None) -> tuple[Entry, Optional[FinishedReport]]:
+    """Build and publish the finished entry ``key`` of ``source`` (the caller holds its creator lock);
     (entry, report), the report None when ORT could not save the model (a marker then says so). The
     model is finished at ``settings``' level and disabled optimizers with ``packing``'s config entries
     (:func:`finishing_settings`; ORT's defaults when None).
-    Raises :class:`ortmem.store.finished.PrepareCheckError`, publishing nothing, when the check of the
+    Raises :class:`ortmem.store.finished.FinishCheckError`, publishing nothing, when the check of the
     saved model could not run: a marker records only a decision. A failure of resources
     (:func:`ortmem.errors.resource_failure`: ORT's ``bad_alloc``, no thread, no descriptor) is no
-    decision either: :class:`ortmem.store.finished.PrepareError` is raised and nothing published."""
-    reports: list[PreparedReport] = []
+    decision either: :class:`ortmem.store.finished.FinishError` is raised and nothing published."""
+    reports: list[FinishedReport] = []
 
     def build(tmp: Path) -> dict[str, Any]:
         try:
-            report = prepare_model(source, tmp, STEM, settings=finishing_settings(settings or OrtSettings(), packing),
+            report = finish_model(source, tmp, STEM, settings=finishing_settings(settings or OrtSettings(), packing),
                                    threads=threads)
-        except (PrepareCheckError, NoSpaceError):
+        except (FinishCheckError, NoSpaceError):
             raise  # no decision was made (a full disk says nothing of the model): nothing to record
-        except PrepareError as exc:
+        except FinishError as exc:
             if resource_failure(exc):  # says nothing about the model: no marker, a later start tries again
                 raise
             log.info("ortmem: %s; later starts load %s as given", exc, source)
@@ -138,11 +138,11 @@ def build_prepared(cache: Cache, source: Path, key: str, *, packing: Optional[di
                     **source_record(source_files(source))}
         if not report.useful and resource_failure(report.refusal):
             # the comparison ran short of memory, threads or descriptors: no verdict on the model either
-            raise PrepareError(f"the prepared model could not be judged: {report.refusal}", file=str(source))
+            raise FinishError(f"the finished model could not be judged: {report.refusal}", file=str(source))
         reports.append(report)
         manifest, problem = read_manifest(tmp, STEM)
         if manifest is None:
-            raise PrepareError(f"the prepared model's manifest cannot be read back ({problem})", file=str(tmp))
+            raise FinishError(f"the finished model's manifest cannot be read back ({problem})", file=str(tmp))
         record = {k: manifest[k] for k in ("sources", "source_content", "source_digests") if k in manifest}
         if not report.useful:  # nothing ORT packs: keep the decision, not a copy of the weights
             for f in list(tmp.iterdir()):
@@ -156,24 +156,24 @@ def build_prepared(cache: Cache, source: Path, key: str, *, packing: Optional[di
     return entry, (reports[0] if reports else None)
 
 
-def ensure_prepared(cache: Cache, source: Path, key: str, *, packing: Optional[dict[str, str]] = None,
+def ensure_finished(cache: Cache, source: Path, key: str, *, packing: Optional[dict[str, str]] = None,
                     threads: int = 0, timeout: Optional[float] = None,
                     settings: Optional[OrtSettings] = None) -> tuple[Entry, bool]:
-    """(entry, built): the prepared entry ``key``, looked up or built under its creator lock
+    """(entry, built): the finished entry ``key``, looked up or built under its creator lock
     (``timeout`` as :meth:`ortmem.store.cache.Cache.creating`; raises ``LockBusyError`` past it)."""
-    entry = lookup_prepared(cache, key)
+    entry = lookup_finished(cache, key)
     if entry is not None:
         return entry, False
     with cache.creating(key, timeout=timeout):
-        entry = lookup_prepared(cache, key)  # built while we waited?
+        entry = lookup_finished(cache, key)  # built while we waited?
         if entry is not None:
             return entry, False
-        entry, _ = build_prepared(cache, source, key, packing=packing, threads=threads, settings=settings)
+        entry, _ = build_finished(cache, source, key, packing=packing, threads=threads, settings=settings)
     return entry, True
 
 
 def describe(entry: Entry) -> str:
-    """One line on what a prepared entry holds (``ortmem prepare``, ``ortmem cache list``)."""
+    """One line on what a finished entry holds (``ortmem prepare``, ``ortmem cache list``)."""
     try:
         m = entry.manifest()
     except (OSError, ValueError):
@@ -271,7 +271,7 @@ def converted_finished(cache: Cache, entry: Entry, settings: OrtSettings) -> tup
             _said_full.add(str(entry.path))
             log.warning("ortmem: %s; sessions load the converted entry", refusal)
         return None, True
-    path = prepared_path(entry.path, stem, mode=cache.verify_mode, settings=settings)
+    path = finished_path(entry.path, stem, mode=cache.verify_mode, settings=settings)
     if path is not None:
         return path, True
     if finished_settled(entry.path, stem, settings):
@@ -282,15 +282,15 @@ def converted_finished(cache: Cache, entry: Entry, settings: OrtSettings) -> tup
 
 
 def finish_converted(cache: Cache, entry: Entry, settings: OrtSettings, *, threads: int = 0) -> Optional[Path]:
-    """Finish the converted ``entry``'s model at ``settings`` (:func:`ortmem.store.finished.prepare_model`
+    """Finish the converted ``entry``'s model at ``settings`` (:func:`ortmem.store.finished.finish_model`
     under :func:`finished_stem`, into the entry's folder) and return the finished model, or None when
     nothing is worth mapping (the decision is kept: :func:`converted_finished`) or the entry fails its
     full check (it is discarded: the next start converts again). The caller holds the entry's creator
     lock. The check that publishes it compares ORT's outputs on the finished model with ORT's on the
     entry's ``model.onnx`` at ``settings``.
 
-    Raises :class:`ortmem.store.finished.PrepareError` (nothing kept) when ORT cannot save it or runs
-    out of resources, :class:`ortmem.store.finished.PrepareCheckError` when the check could not run,
+    Raises :class:`ortmem.store.finished.FinishError` (nothing kept) when ORT cannot save it or runs
+    out of resources, :class:`ortmem.store.finished.FinishCheckError` when the check could not run,
     :class:`ortmem.store.finished.NoSpaceError` when the entry's filesystem is full: that is recorded
     in the entry's manifest with the space it had (:func:`record_no_space`), and until more than that
     is free no start leaves the job again and this raises at once."""
@@ -308,7 +308,7 @@ def finish_converted(cache: Cache, entry: Entry, settings: OrtSettings, *, threa
         return None
     free = free_bytes(entry.path)
     try:
-        report = prepare_model(entry.model_path, entry.path, stem, settings=settings, threads=threads)
+        report = finish_model(entry.model_path, entry.path, stem, settings=settings, threads=threads)
     except NoSpaceError:
         record_no_space(entry, free)  # after the attempt's files are gone: there is room for it
         raise
@@ -317,7 +317,7 @@ def finish_converted(cache: Cache, entry: Entry, settings: OrtSettings, *, threa
         return entry.path / f"{stem}.onnx"
     if resource_failure(report.refusal):  # no verdict on the model: nothing recorded, a later start tries again
         discard_finished(entry.path, stem)
-        raise PrepareError(f"the finished model could not be judged: {report.refusal}", file=str(entry.path))
+        raise FinishError(f"the finished model could not be judged: {report.refusal}", file=str(entry.path))
     keep_decision_only(entry.path, stem)
     return None
 

@@ -16,7 +16,7 @@ it has finished its **first run** (the first request answered; the first run all
 activations, later runs reuse them). A cold start leaves it for its new converted entry; a hit on a
 converted entry not finished yet for the caller's settings leaves it too (``kind="converted"``,
 :func:`ortmem.store.finished_entries.finish_converted`); a model ortmem does not convert, started from
-its path on the CPU EP, gets its prepared entry built the same way (``kind="prepared"``,
+its path on the CPU EP, gets its finished entry built the same way (``kind="finished"``,
 :mod:`ortmem.store.finished_entries`; its key is computed by the starter and checked again by the job
 from the source as it is then: a source changed in between gets no entry under the old key).
 
@@ -32,7 +32,7 @@ memory is its own process's, returned whole when it exits: on the demo model (on
 ``/usr/bin/time -v python -m ortmem.store.finisher ...``) it peaks at 746 MiB for 12 s, where the
 native twin's creation peaks at 508 MiB.
 
-Below :func:`ortmem.onnxfile.scan.min_prepared_bytes` of weights no process is started: what mapping
+Below :func:`ortmem.onnxfile.scan.min_finished_bytes` of weights no process is started: what mapping
 saves there costs less than starting a Python interpreter with onnxruntime.
 """
 from __future__ import annotations
@@ -56,12 +56,12 @@ from ortmem.store.cache import (
     release_creator_lock,
 )
 from ortmem.base.child_env import helper_environment
-from ortmem.onnxfile.scan import min_prepared_bytes
+from ortmem.onnxfile.scan import min_finished_bytes
 from ortmem.ort.settings import OrtSettings
 from ortmem.files.layout import MANIFEST, WEIGHTS_FILE
 from ortmem.files.trust import RACY_SECONDS
-from ortmem.store.finished import finished_for, prepared_problem
-from ortmem.store.finished_entries import (build_prepared, finish_converted, finished_stem, finishing_settings, lookup_prepared, prepared_key, settings_of_record)
+from ortmem.store.finished import finished_for, finished_problem
+from ortmem.store.finished_entries import (build_finished, finish_converted, finished_stem, finishing_settings, lookup_finished, finished_key, settings_of_record)
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,9 @@ if hasattr(os, "register_at_fork"):
 
 
 @dataclass
-class PrepackLater:
-    """What the packer needs to pack one entry: where it is, and the options packing depends on."""
+class FinishLater:
+    """Work left for after a session's first run (a start's ``later``): what the packer needs to finish
+    one entry, where it is, and the options finishing depends on."""
 
     cache_root: str
     key: str
@@ -99,34 +100,34 @@ class PrepackLater:
     #: In the packer: the descriptor of the entry's creator lock, locked by the process that started it.
     lock_fd: Optional[int] = None
     #: "converted": ORT's finished model of a converted entry, kept in the entry
-    #: (:func:`ortmem.store.finished_entries.finish_converted`); "prepared": a prepared entry of ``source``.
+    #: (:func:`ortmem.store.finished_entries.finish_converted`); "finished": a finished entry of ``source``.
     kind: str = "converted"
-    #: "prepared": the model file. Both kinds: the settings the model is finished at (level, config,
+    #: "finished": the model file. Both kinds: the settings the model is finished at (level, config,
     #: disabled optimizers, conversion enabled: :func:`ortmem.store.finished_entries.settings_record`); a
-    #: prepared entry's key is checked against the source as it is when the packer runs.
+    #: finished entry's key is checked against the source as it is when the packer runs.
     source: str = ""
     settings: dict = field(default_factory=dict)
 
     def done(self) -> bool:
-        """Whether the work is already published (the prepared entry, or a converted entry's finished model
+        """Whether the work is already published (the finished entry, or a converted entry's finished model
         for these settings, or the decision that none is worth mapping)."""
         entry = Path(self.cache_root) / self.key
-        if self.kind == "prepared":
+        if self.kind == "finished":
             return (entry / MANIFEST).exists()
         settings = self.finishing()
         return finished_for(entry, finished_stem(settings), settings) is not None
 
     def _worth_a_process(self) -> bool:
         """A converted entry is finished only in a cache that can be written, and only where its weights
-        are worth a process (:func:`ortmem.onnxfile.scan.min_prepared_bytes`; a prepared entry's starter
+        are worth a process (:func:`ortmem.onnxfile.scan.min_finished_bytes`; a finished entry's starter
         decided both already)."""
-        if self.kind == "prepared":
+        if self.kind == "finished":
             return True
         try:
             weights = (Path(self.cache_root) / self.key / WEIGHTS_FILE).stat().st_size
         except OSError:
             return False
-        return weights >= min_prepared_bytes() and os.access(self.cache_root, os.W_OK)
+        return weights >= min_finished_bytes() and os.access(self.cache_root, os.W_OK)
 
     def finishing(self) -> OrtSettings:
         """The settings a converted entry is finished at."""
@@ -193,7 +194,7 @@ def wait_background(timeout: Optional[float] = None) -> bool:
     return True
 
 
-def run(job: PrepackLater) -> Optional[Path]:
+def run(job: FinishLater) -> Optional[Path]:
     """The packer's work (in the background process): under the entry's creator lock (handed over by
     its starter, else taken here without waiting), check the entry in full, then save its pre-packed
     weights unless another process already did. Another holder of the lock means another process is
@@ -203,7 +204,7 @@ def run(job: PrepackLater) -> Optional[Path]:
     cache = Cache(Path(job.cache_root), verify=job.verify)
     try:  # an entry cleared meanwhile is seen under the lock, which is then let go and its file removed
         with cache.creating(job.key, timeout=0, inherited_fd=job.lock_fd):
-            path = _prepare(cache, job) if job.kind == "prepared" else _finish(cache, job)
+            path = _build(cache, job) if job.kind == "finished" else _finish(cache, job)
     except LockBusyError as exc:
         log.info("ortmem: not packing %s: another process is (%s)", job.key, exc)
         return None
@@ -213,7 +214,7 @@ def run(job: PrepackLater) -> Optional[Path]:
     return path
 
 
-def _check_for_next_start(cache: Cache, job: PrepackLater) -> None:
+def _check_for_next_start(cache: Cache, job: FinishLater) -> None:
     """Check the entry (and its pre-packed files) in full once what was just written is older than
     :data:`ortmem.files.trust.RACY_SECONDS`, so the stamps this leaves (:mod:`ortmem.files.stamps`)
     spare the next start reading every byte again: without them the second start digested about 3 GB
@@ -230,11 +231,11 @@ def _check_for_next_start(cache: Cache, job: PrepackLater) -> None:
     wait = RACY_SECONDS - (time.time_ns() - newest) / 1e9
     if wait > 0:
         time.sleep(wait + 0.05)
-    if cache.verify(entry, mode="full") is None and job.kind != "prepared":
-        prepared_problem(entry.path, finished_stem(job.finishing()), mode="full")
+    if cache.verify(entry, mode="full") is None and job.kind != "finished":
+        finished_problem(entry.path, finished_stem(job.finishing()), mode="full")
 
 
-def _finish(cache: Cache, job: PrepackLater) -> Optional[Path]:
+def _finish(cache: Cache, job: FinishLater) -> Optional[Path]:
     """:func:`run`'s work for a converted entry once it holds the lock: ORT's finished model of it,
     unless the entry is gone."""
     entry = cache.entry(job.key)
@@ -243,30 +244,30 @@ def _finish(cache: Cache, job: PrepackLater) -> Optional[Path]:
     return finish_converted(cache, entry, job.finishing(), threads=job.intra_op_num_threads)
 
 
-def _prepare(cache: Cache, job: PrepackLater) -> Optional[Path]:
-    """:func:`run`'s work for a prepared entry, under its lock: nothing when it exists, or when the
+def _build(cache: Cache, job: FinishLater) -> Optional[Path]:
+    """:func:`run`'s work for a finished entry, under its lock: nothing when it exists, or when the
     source changed since the starter computed the key (a later start computes the new one)."""
-    if lookup_prepared(cache, job.key) is not None:
+    if lookup_finished(cache, job.key) is not None:
         return None
     settings, converting = settings_of_record(job.settings)
     source = Path(job.source)
-    if prepared_key(source, settings, job.config, converting) != job.key:
-        log.info("ortmem: %s changed since its start; not preparing it under the old key", source)
+    if finished_key(source, settings, job.config, converting) != job.key:
+        log.info("ortmem: %s changed since its start; not finishing it under the old key", source)
         return None
-    entry, _ = build_prepared(cache, source, job.key, packing=job.config, threads=job.intra_op_num_threads,
+    entry, _ = build_finished(cache, source, job.key, packing=job.config, threads=job.intra_op_num_threads,
                               settings=settings)
     return entry.path
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m ortmem.store.finisher '<PrepackLater as JSON>'``."""
+    """``python -m ortmem.store.finisher '<FinishLater as JSON>'``."""
     args = sys.argv[1:] if argv is None else argv
     try:
         os.nice(NICENESS)
     except OSError:
         pass
     try:
-        run(PrepackLater(**json.loads(args[0])))
+        run(FinishLater(**json.loads(args[0])))
     except Exception as exc:  # noqa: BLE001 - a failed packer publishes nothing; the next start packs
         log.warning("ortmem: background packing failed: %s", exc)
         return 1

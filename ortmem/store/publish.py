@@ -16,10 +16,10 @@ from ortmem.onnxfile.model import Model
 from ortmem.ort.settings import OrtSettings, Packing
 from ortmem.store.cache import Cache
 from ortmem.store.hit import entry_start
-from ortmem.store.finisher import PrepackLater
+from ortmem.store.finisher import FinishLater
 from ortmem.files.layout import Entry
 from ortmem.store.sources import converted_key
-from ortmem.store.start import CONVERTED, Start
+from ortmem.store.start import Decision, Start
 
 if TYPE_CHECKING:
     from ortmem.passes.conversion_plan import ConversionPlan
@@ -63,14 +63,14 @@ def publish(cache: Cache, model: Model, plan: "ConversionPlan", *, settings: Ort
 
 def new_entry_start(cache: Cache, entry: Entry, report: Optional["ConversionReport"], *, finishing: bool,
                     settings: OrtSettings, packing: Packing) -> Start:
-    """The verdict on an entry just built (here or by a helper process): ``"converted"``, with the
+    """The verdict on an entry just built (here or by a helper process): ``CONVERTED``, with the
     conversion's report and, when ``finishing``, ORT's finishing of the entry at the caller's
-    ``settings`` and ``packing`` after the session's first run (:class:`ortmem.store.finisher.PrepackLater`,
+    ``settings`` and ``packing`` after the session's first run (:class:`ortmem.store.finisher.FinishLater`,
     which starts nothing for small weights or a read-only cache)."""
     later = None
     if finishing:  # the settings as ortmem.store.finished_entries.settings_record writes them
         record = {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
                   "disabled": sorted(settings.disabled_optimizers), "converting": True}
-        later = PrepackLater(str(cache.root), entry.key, cache.verify_mode, dict(packing[0]), packing[1],
-                             kind="converted", settings=record)
-    return Start(CONVERTED, path=entry.model_path, entry=entry, later=later, cache=cache, report=report)
+        later = FinishLater(str(cache.root), entry.key, cache.verify_mode, dict(packing[0]), packing[1],
+                            kind="converted", settings=record)
+    return Start(Decision.CONVERTED, path=entry.model_path, entry=entry, later=later, cache=cache, report=report)

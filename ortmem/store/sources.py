@@ -4,7 +4,7 @@ A key is a stable hex digest over everything an entry's bytes depend on (the sou
 settings, the versions that shape the output: :func:`make_key`), so a lookup needs no parsing of the
 model at all. A source's identity is what ``stat`` gives that a replacement or an in-place write must
 change (:func:`file_identity`); the parts other entries' hard links move (ctime, link count) are kept
-out of keys (:func:`key_identity`). Every entry kind (converted, prepared) records its sources in its
+out of keys (:func:`key_identity`). Every entry kind (converted, finished) records its sources in its
 manifest, so its external data files and the edits ``stat`` cannot see (an in-place write with the
 mtime set back, a rewrite within one timestamp tick) are checked on every lookup: :func:`source_record`
 writes that record, :func:`sources_problem` judges it

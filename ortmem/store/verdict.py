@@ -5,7 +5,7 @@ converting this model?) and gets one answer: what ORT loads, what it loads inste
 and what is left for after the session's first run. Everything the answer depends on happens behind
 :func:`start`: the keys (:mod:`ortmem.store.sources`), every lookup with its trust, digest and sources
 checks (:mod:`ortmem.store.cache`), a converted entry's hit with the full check before anything is
-derived from it and ORT's finished model of it (:mod:`ortmem.store.hit`), a prepared
+derived from it and ORT's finished model of it (:mod:`ortmem.store.hit`), a finished
 entry's own check (:mod:`ortmem.store.finished_entries`), and the work left for the background packer
 (:mod:`ortmem.store.finisher`). A miss that converts then publishes its entry through
 :func:`ortmem.store.publish.publish`. The caller (:mod:`ortmem.session`) never verifies, discards or
@@ -24,9 +24,9 @@ from ortmem.base.child_env import STORE_FOLDER, cache_folder
 from ortmem.ort.settings import OrtSettings, Packing
 from ortmem.store.cache import Cache
 from ortmem.store.hit import entry_start
-from ortmem.store.finished_entries import is_marker, prepared_key, settings_record, usable_prepared
+from ortmem.store.finished_entries import is_marker, finished_key, settings_record, usable_finished
 from ortmem.store.sources import converted_key
-from ortmem.store.start import MISS, PREPARED, UNCONVERTED, Start
+from ortmem.store.start import Decision, Start
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def start(cache: Optional[Cache], path: Path, *, settings: OrtSettings, fp16_in_
     onnxruntime upgrade made stale, says so once per process (:func:`say_stale`)."""
     verdict = lookup(cache, path, settings=settings, fp16_in_fp32=fp16_in_fp32, converting=converting,
                      prepacked=prepacked, packing=packing)
-    if verdict.kind == MISS and cache is not None and (converting or prepacked) and not cache.writable:
+    if verdict.kind is Decision.MISS and cache is not None and (converting or prepacked) and not cache.writable:
         say_stale(cache, path)
     return verdict
 
@@ -78,33 +78,33 @@ def lookup(cache: Optional[Cache], path: Path, *, settings: OrtSettings, fp16_in
     """The verdict for the model file ``path`` before it is parsed: its converted entry (``converting``),
     as ORT finished it when ``prepacked`` (CPU EP with pre-packing on, and an ORT that saves finished
     models; finished in the background after a first run, :func:`ortmem.store.hit.entry_start`), else its
-    prepared entry (``prepacked``), else a miss.
+    finished entry (``prepacked``), else a miss.
 
-    A miss of a model ORT may get unconverted carries, in ``later``, the building of its prepared
+    A miss of a model ORT may get unconverted carries, in ``later``, the building of its finished
     entry after the first run (only for a cache that can be written: a read-only deployment leaves
     nothing to do); the handoff starts it only if ORT does get the model unconverted and it is large
-    enough (:func:`ortmem.onnxfile.scan.min_prepared_bytes`)."""
+    enough (:func:`ortmem.onnxfile.scan.min_finished_bytes`)."""
     if cache is None or not path.is_file():
-        return Start(MISS)
+        return Start(Decision.MISS)
     if converting:
         entry = cache.lookup_sourced(converted_key(path, settings, {"fp16_in_fp32": fp16_in_fp32}))
         if entry is not None:
             return entry_start(cache, entry, prepacked, settings, packing)
     if not prepacked:
-        return Start(MISS)
+        return Start(Decision.MISS)
     config, threads = packing
-    key = prepared_key(path, settings, config, converting)
+    key = finished_key(path, settings, config, converting)
     entry = cache.lookup_sourced(key)
     if entry is not None:
-        entry = usable_prepared(cache, entry)
+        entry = usable_finished(cache, entry)
     if entry is None:  # built after the first run, if ORT gets the model unconverted and the cache can be written
         if not cache.writable:
-            return Start(MISS)
-        from ortmem.store.finisher import PrepackLater  # only a miss leaves work for later: a warm start never imports it
+            return Start(Decision.MISS)
+        from ortmem.store.finisher import FinishLater  # only a miss leaves work for later: a warm start never imports it
 
-        return Start(MISS, later=PrepackLater(str(cache.root), key, cache.verify_mode, dict(config), threads,
-                                              kind="prepared", source=str(path),
-                                              settings=settings_record(settings, converting)))
+        return Start(Decision.MISS, later=FinishLater(str(cache.root), key, cache.verify_mode, dict(config), threads,
+                                                       kind="finished", source=str(path),
+                                                       settings=settings_record(settings, converting)))
     if is_marker(entry):  # ORT packs nothing in this model, and nothing of it was converted: the start is ORT's
-        return Start(UNCONVERTED)
-    return Start(PREPARED, path=entry.model_path, fallback=path, entry=entry, cache=cache)
+        return Start(Decision.UNCONVERTED)
+    return Start(Decision.FINISHED, path=entry.model_path, fallback=path, entry=entry, cache=cache)

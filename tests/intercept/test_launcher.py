@@ -16,7 +16,7 @@ from tests.support.paths import REPO
 
 CLIENTS = REPO / "tests" / "hook_clients"
 #: Actions that mean ortmem created the session (see ortmem.session.Handoff.action).
-ORTMEM_ACTIONS = {"as-is", "mapped", "converted", "cache-hit", "prepared", "in-memory", "converted-temporary"}
+ORTMEM_ACTIONS = {"as-is", "mapped", "converted", "cache-hit", "finished", "in-memory", "converted-temporary"}
 
 
 @pytest.mark.parametrize("package, script, sessions", [

@@ -263,10 +263,10 @@ def test_qdq_model_is_converted_then_finished_without_recursing(tmp_path, rng):
         start = cold.ortmem_handoff.start
         if capabilities().prepacked_save:
             before = len(sessions())
-            finisher.run(finisher.PrepackLater(str(start.cache.root), start.entry.key))
+            finisher.run(finisher.FinishLater(str(start.cache.root), start.entry.key))
             assert len(sessions()) == before  # the finishing's sessions are ORT's own
         warm = ort.InferenceSession(str(path))
-    warm_start = "prepared" if capabilities().prepacked_save else "cache-hit"  # 1.25 saves none
+    warm_start = "finished" if capabilities().prepacked_save else "cache-hit"  # 1.25 saves none
     assert [r.action for r in sessions()[-2:]] == ["converted", warm_start]
     for s in (cold, warm):
         assert_close_outputs(s.run(None, {"x": x})[:1], [expected], rtol=1e-5, atol=1e-5)

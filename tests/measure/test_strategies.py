@@ -49,7 +49,7 @@ def test_prepared_warm_maps_the_prepared_entry_with_plain_orts_outputs(bench_env
     mr = report.models[0]
     warm = mr.strategies["ortmem-prepared-warm"]
     assert not warm.errors and warm.runs
-    assert [r.ortmem_action for r in warm.runs] == ["prepared"]  # the entry `ortmem prepare` built, mapped
+    assert [r.ortmem_action for r in warm.runs] == ["finished"]  # the entry `ortmem prepare` built, mapped
     assert mr.strategies["ort"].runs[0].ortmem_action is None
     assert mr.same_output_as_ort("ortmem-prepared-warm") is True
 
@@ -59,7 +59,7 @@ def test_prepared_warm_runs_as_workers(bench_env):
     report = run_workers(model, ["ort", "ortmem-prepared-warm"], [2])
     run = report.run("ortmem-prepared-warm", 2)
     assert run is not None and len(run.workers) == 2
-    assert {w.ortmem_action for w in run.workers} == {"prepared"}
+    assert {w.ortmem_action for w in run.workers} == {"finished"}
     assert report.same_output(run) is True
 
 

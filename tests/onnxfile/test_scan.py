@@ -107,7 +107,7 @@ def test_the_hook_and_the_loader_agree_on_what_stays_inline_at_the_limit(tmp_pat
         assert model.embedded_spans == (1 if moves else 0)
         assert [r.length for r in model.store] == ([nbytes] if moves else [])
         by_loader = prepare(model, AS_GIVEN)
-        assert by_loader.action == by_bytes.action
+        assert by_loader.action.value == by_bytes.action
         by_loader.cleanup()
     if by_bytes.workdir is not None:
         shutil.rmtree(by_bytes.workdir)

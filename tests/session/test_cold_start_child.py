@@ -31,7 +31,7 @@ out = s.run(None, {"x": x})[0]
 h = s.ortmem_handoff
 print(json.dumps({"action": s.ortmem_action, "in_helper": h.converted_in_helper,
                   "converted": h.report.converted if h.report is not None else None,
-                  "packs_later": h.prepack_later is not None, "onnx": "onnx" in sys.modules,
+                  "packs_later": h.later is not None, "onnx": "onnx" in sys.modules,
                   "out": out.tolist()}))
 """
 
@@ -76,7 +76,7 @@ def test_a_cold_start_converts_in_a_helper_and_imports_no_onnx(qdq_file: Path, t
     assert not cold["onnx"]
     assert_same_outputs([np.array(cold["out"], np.float32)], [_ort_output(qdq_file)])
     second = _start(qdq_file, cache, tmp, **{HELPER_MIN_BYTES_ENV: "0"})
-    assert second["action"] in ("cache-hit", "prepared") and not second["in_helper"], second
+    assert second["action"] in ("cache-hit", "finished") and not second["in_helper"], second
     assert second["out"] == cold["out"]
     assert _ortmem_leftovers(tmp) == []  # nothing of the helper's left in the temporary folder
 
@@ -126,7 +126,7 @@ def test_concurrent_cold_starts_share_one_entry(qdq_file: Path, tmp_path: Path) 
         assert p.returncode == 0, err
         results.append(json.loads(out))
     actions = sorted(r["action"] for r in results)
-    assert "converted" in actions and set(actions) <= {"converted", "cache-hit", "prepared"}, actions
+    assert "converted" in actions and set(actions) <= {"converted", "cache-hit", "finished"}, actions
     assert results[0]["out"] == results[1]["out"]
     assert len([e for e in (cache / "converted").iterdir() if e.is_dir() and len(e.name) == 32]) == 1
 

@@ -139,7 +139,7 @@ def test_convert_cli_writes_a_standalone_folder(tmp_path, capsys):
 
 def test_convert_cli_prepack_writes_a_model_plain_ort_loads(tmp_path, capsys):
     from ortmem.files import layout
-    from ortmem.store.finished import prepared_problem
+    from ortmem.store.finished import finished_problem
     from ortmem.cli import main
 
     path = tiny_decoder(tmp_path / "m", storage="external")
@@ -154,7 +154,7 @@ def test_convert_cli_prepack_writes_a_model_plain_ort_loads(tmp_path, capsys):
         assert np.array_equal(got, _ort(path)[0])
         return
     assert "finished for this CPU" in capsys.readouterr().out
-    assert prepared_problem(out, layout.FINISHED_STEM) is None
+    assert finished_problem(out, layout.FINISHED_STEM) is None
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     got = ort.InferenceSession(str(out / f"{layout.FINISHED_STEM}.onnx"), so,

@@ -21,6 +21,7 @@ from ortmem.session.request import AS_GIVEN, Request
 from ortmem.onnxfile.loader import load
 from ortmem.store import finisher
 from ortmem.store.handoff_records import FOLDER
+from ortmem.store.start import Decision
 from ortmem.ort.release import capabilities
 from tests.support.builders import tiny_decoder
 from tests.support.compare import assert_same_outputs
@@ -62,14 +63,14 @@ def test_cold_then_warm_start_hand_over_the_store_entry_with_ort_outputs(tmp_pat
     request = _request(tmp_path)
 
     cold = prepare(str(qdq), request)
-    assert cold.action == "converted" and not cold.cache_hit and cold.report is not None
+    assert cold.action == Decision.CONVERTED and not cold.cache_hit and cold.report is not None
     assert str(tmp_path / "cache") in cold.model  # ORT loads the new entry by path
     with pytest.raises(dataclasses.FrozenInstanceError):
         cold.action = "as-is"  # type: ignore[misc]
     assert_same_outputs(_run(cold), expected)
 
     warm = prepare(str(qdq), request)  # the same frozen request serves again (not finished yet: the entry)
-    assert warm.cache_hit and warm.report is None and warm.action == "cache-hit"
+    assert warm.cache_hit and warm.report is None and warm.action == Decision.CACHE_HIT
     assert warm.start is not None and str(warm.start.path) == warm.model
     assert_same_outputs(_run(warm), expected)
 
@@ -81,20 +82,20 @@ def test_a_refused_entry_is_a_step_that_returns_a_new_handoff(tmp_path, qdq):
     cold = prepare(str(qdq), request)
     cold.after_create()
     assert cold.start is not None and cold.start.entry is not None
-    finisher.run(finisher.PrepackLater(str(request.cache.root), cold.start.entry.key))  # what a first run leaves
+    finisher.run(finisher.FinishLater(str(request.cache.root), cold.start.entry.key))  # what a first run leaves
     warm = prepare(str(qdq), request)
-    assert warm.action == "prepared" and warm.cache_hit and warm.fallback is not None
+    assert warm.action == Decision.FINISHED and warm.cache_hit and warm.fallback is not None
     refused = warm.refused()
-    assert refused is not warm and warm.action == "prepared"  # the handoff itself is never edited
-    assert refused.model == warm.fallback and refused.fallback is None and refused.action == "cache-hit"
+    assert refused is not warm and warm.action == Decision.FINISHED  # the handoff itself is never edited
+    assert refused.model == warm.fallback and refused.fallback is None and refused.action == Decision.CACHE_HIT
     assert_same_outputs(_run(refused), run_plain(qdq, FEEDS))
     again = prepare(str(qdq), request)  # what ORT refused was discarded: the next start loads the entry
-    assert again.action == "cache-hit" and again.model == refused.model
+    assert again.action == Decision.CACHE_HIT and again.model == refused.model
 
 
 def test_a_model_as_given_is_handed_over_without_converting(tmp_path, qdq):
     handoff = prepare(load(qdq), AS_GIVEN)
-    assert handoff.report is None and not handoff.cache_hit and handoff.action in ("as-is", "mapped")
+    assert handoff.report is None and not handoff.cache_hit and handoff.action in (Decision.AS_IS, Decision.MAPPED)
     assert_same_outputs(_run(handoff), run_plain(qdq, FEEDS))
     handoff.cleanup()
 
@@ -102,7 +103,7 @@ def test_a_model_as_given_is_handed_over_without_converting(tmp_path, qdq):
 @pytest.mark.usefixtures("no_temp_folder")
 def test_without_a_cache_the_conversion_is_borrowed_from_memory(tmp_path, qdq):
     handoff = prepare(str(qdq), Request.for_session(None, CPU, cache=False))
-    assert handoff.action == "in-memory" and handoff.memory is not None and handoff.report is not None
+    assert handoff.action == Decision.IN_MEMORY and handoff.memory is not None and handoff.report is not None
     assert_same_outputs(_run(handoff), run_plain(qdq, FEEDS))
 
 
@@ -122,7 +123,7 @@ def _embedded_mlp(path, *, op: str = "MatMul"):
 
 def test_a_small_model_with_nothing_to_convert_is_handed_over_from_its_bytes(tmp_path):
     """No store lookup, no loader: ``mapped`` (a skeleton beside a hard link, kept as the file's
-    handover record, the only thing written into the store's folder), with the file itself as the
+    handoff record, the only thing written into the store's folder), with the file itself as the
     fallback; ORT's outputs on it equal ORT's own run of the file."""
     import onnxruntime as ort_module
 
@@ -130,7 +131,7 @@ def test_a_small_model_with_nothing_to_convert_is_handed_over_from_its_bytes(tmp
     hour_ago = time.time() - 3600
     os.utime(path, (hour_ago, hour_ago))  # as an installed model: a file written just now gets no record
     handoff = prepare(path, _request(tmp_path))
-    assert handoff.action == "mapped" and handoff.source is None and handoff.fallback == str(path)
+    assert handoff.action == Decision.MAPPED and handoff.source is None and handoff.fallback == str(path)
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [FOLDER]  # no entry: the store was not asked
     assert Path(handoff.model).parent.parent == tmp_path / "cache" / FOLDER
     feeds = {"x": np.ones((2, 64), np.float32)}

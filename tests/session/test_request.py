@@ -19,6 +19,7 @@ from ortmem.session.decide import prepare
 from ortmem.session.request import Request
 from ortmem.ort.release import capabilities
 from ortmem.store.finished_entries import finished_stems
+from ortmem.store.start import Decision
 from tests.support.builders import tiny_decoder
 from tests.support.compare import assert_same_outputs
 from tests.support.reference import CPU, run_plain
@@ -57,12 +58,12 @@ def test_a_gpu_session_loads_the_converted_entry_itself_and_packs_nothing(tmp_pa
     expected = run_plain(model, FEEDS)
     gpu = Request.for_session(None, NOT_CPU_ONLY[0], cache=tmp_path / "cache")
     cold = prepare(str(model), gpu)
-    assert cold.action == "converted" and cold.report is not None
+    assert cold.action == Decision.CONVERTED and cold.report is not None
     assert_same_outputs(_run(cold), expected)
     warm = prepare(str(model), gpu)
-    assert warm.action == "cache-hit" and warm.cache_hit and warm.fallback is None
+    assert warm.action == Decision.CACHE_HIT and warm.cache_hit and warm.fallback is None
     assert warm.start is not None and warm.start.entry is not None
-    assert warm.prepack_later is None and not finished_stems(warm.start.entry.path)
+    assert warm.later is None and not finished_stems(warm.start.entry.path)
     assert_same_outputs(_run(warm), expected)
 
     cpu = Request.for_session(None, CPU, cache=tmp_path / "cache")
@@ -71,9 +72,9 @@ def test_a_gpu_session_loads_the_converted_entry_itself_and_packs_nothing(tmp_pa
     if cpu.prepacked:  # what the cold start's first run leaves to the background job, done here
         from ortmem.store import finisher
 
-        finisher.run(cpu_cold.start.later if cpu_cold.start.later is not None else finisher.PrepackLater(
+        finisher.run(cpu_cold.start.later if cpu_cold.start.later is not None else finisher.FinishLater(
             str(cpu.cache.root), cpu_cold.start.entry.key, kind="converted",
             settings={"level": 99, "config": {}, "disabled": [], "converting": True}))
     cpu_warm = prepare(str(model), cpu)
-    assert cpu_warm.action == ("prepared" if cpu.prepacked else "cache-hit")
+    assert cpu_warm.action == (Decision.FINISHED if cpu.prepacked else Decision.CACHE_HIT)
     assert_same_outputs(_run(cpu_warm), expected)

@@ -1,4 +1,4 @@
-"""The cache's creator lock under hostile timing (issue 20, items 3 and 4): every wait on it is bounded,
+"""The cache's creator lock under hostile timing: every wait on it is bounded,
 a warm start never waits for it, nothing packs while another process holds it, and one packer runs per
 entry whatever the process layout. Real ORT sessions, real lock holders in other processes (stopped
 with SIGSTOP, as a starved or suspended packer would be), real forked workers."""
@@ -24,7 +24,7 @@ from ortmem.store.finished_entries import finished_stems
 from ortmem.onnxfile import scan
 from ortmem.store import finisher
 from ortmem.files import layout
-from ortmem.store.finished import prepared_problem
+from ortmem.store.finished import finished_problem
 from ortmem.store.cache import creator_lock_path
 from ortmem.store.sources import converted_key
 from ortmem.ort.release import capabilities
@@ -114,7 +114,7 @@ def test_a_stopped_builder_delays_a_cold_start_by_the_limit_only(model, tmp_path
 def _finished(entry: Path) -> bool:
     """Whether the converted entry holds ORT's finished model, whole."""
     stems = [stem for stem in finished_stems(entry) if (entry / f"{stem}.onnx").exists()]
-    return len(stems) == 1 and prepared_problem(entry, stems[0]) is None
+    return len(stems) == 1 and finished_problem(entry, stems[0]) is None
 
 
 @needs_saving
@@ -145,12 +145,12 @@ def test_a_warm_start_never_waits_for_a_held_lock_and_finishes_nothing(model, tm
     assert np.array_equal(again.run(None, FEEDS)[0], expected)
     assert finisher.wait_background(120) and _finished(entry)
     finished = ortmem.InferenceSession(model, providers=CPU, cache=cache)
-    assert finished.ortmem_action == "prepared" and finished.ortmem_cache_hit
+    assert finished.ortmem_action == "finished" and finished.ortmem_cache_hit
     assert np.array_equal(finished.run(None, FEEDS)[0], expected)
     assert not creator_lock_path(cache, entry.name).exists()
 
 
-def _packer(job: finisher.PrepackLater) -> subprocess.CompletedProcess:
+def _packer(job: finisher.FinishLater) -> subprocess.CompletedProcess:
     """The background packer's own command, run to the end (no lock handed to it)."""
     return subprocess.run([sys.executable, "-m", "ortmem.store.finisher", json.dumps(asdict(job))],
                           capture_output=True, text=True, timeout=120)
@@ -163,7 +163,7 @@ def test_the_packer_never_packs_while_another_process_holds_the_lock(model, tmp_
     cache = tmp_path / "cache"
     ortmem.InferenceSession(model, providers=CPU, cache=cache)
     entry = next(p for p in cache.iterdir() if not p.name.startswith("."))
-    job = finisher.PrepackLater(str(cache), entry.name)
+    job = finisher.FinishLater(str(cache), entry.name)
     holder = hold_lock(cache, entry.name)
     before = len(finisher.started_packers())
     assert job.start() is None and len(finisher.started_packers()) == before
@@ -181,7 +181,7 @@ def test_a_started_packer_holds_the_lock_until_it_is_done(model, tmp_path):
     cache = tmp_path / "cache"
     ortmem.InferenceSession(model, providers=CPU, cache=cache)
     entry = next(p for p in cache.iterdir() if not p.name.startswith("."))
-    job = finisher.PrepackLater(str(cache), entry.name)
+    job = finisher.FinishLater(str(cache), entry.name)
     proc = job.start()
     assert proc is not None
     assert job.start() is None  # claimed by the running packer
@@ -199,7 +199,7 @@ from ortmem.store import finisher
 os.environ["ORTMEM_PREPARE_MIN_BYTES"] = "0"  # the tiny model gets a background job, as a large one would
 feeds = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 s = ortmem.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"], cache=sys.argv[2])
-assert s.ortmem_action == "converted" and s.ortmem_handoff.prepack_later is not None
+assert s.ortmem_action == "converted" and s.ortmem_handoff.later is not None
 go_r, go_w = os.pipe()
 res_r, res_w = os.pipe()
 kids = []

@@ -123,7 +123,7 @@ def test_a_warm_start_maps_what_ort_finishes(name: str, tmp_path: Path, any_size
     empty, _ = _child(tmp_path, "empty", model)
     plain, expected = _child(tmp_path, "ort", model)
     warm, got = _child(tmp_path, "ortmem", model, str(cache))
-    assert warm["action"] == "prepared"
+    assert warm["action"] == "finished"
     assert len(got) == len(expected) and all(np.array_equal(a, b) for a, b in zip(got, expected))
     plain_above, warm_above = plain["anon"] - empty["anon"], warm["anon"] - empty["anon"]
     assert plain_above >= 4 << 20, plain_above  # the model is big enough to tell
@@ -145,7 +145,7 @@ def test_an_entry_answers_only_the_settings_it_was_finished_at(tmp_path: Path, a
     feeds = {"x": np.random.default_rng(3).standard_normal((1, 64, 8, 8)).astype(np.float32)}
     cache = tmp_path / "cache"
     assert cli_main(["prepare", str(model), "--cache", str(cache)]) == 0
-    assert ortmem.InferenceSession(model, providers=CPU, cache=cache).ortmem_action == "prepared"
+    assert ortmem.InferenceSession(model, providers=CPU, cache=cache).ortmem_action == "finished"
 
     basic = _level_options(ort.GraphOptimizationLevel.ORT_ENABLE_BASIC)
     no_qdq = ort.SessionOptions()
@@ -153,13 +153,13 @@ def test_an_entry_answers_only_the_settings_it_was_finished_at(tmp_path: Path, a
     cases = [(basic, {}), (no_qdq, {}), (None, {"disabled_optimizers": ["NchwcTransformer"]})]
     for options, kwargs in cases:
         s = ortmem.InferenceSession(model, options, providers=CPU, cache=cache, **kwargs)
-        assert s.ortmem_action != "prepared", (options, kwargs)
+        assert s.ortmem_action != "finished", (options, kwargs)
         plain = ort.InferenceSession(str(model), options, providers=CPU, **kwargs).run(None, feeds)
         assert all(np.array_equal(a, b) for a, b in zip(s.run(None, feeds), plain))
         assert finisher.wait_background(120)
 
     s = ortmem.InferenceSession(model, no_qdq, providers=CPU, cache=cache)
-    assert s.ortmem_action == "prepared"  # its own entry (its first run above left the finishing to the background)
+    assert s.ortmem_action == "finished"  # its own entry (its first run above left the finishing to the background)
     assert no_qdq.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     assert no_qdq.get_session_config_entry("session.disable_quant_qdq") == "1"
     plain = ort.InferenceSession(str(model), no_qdq, providers=CPU).run(None, feeds)

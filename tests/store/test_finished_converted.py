@@ -24,7 +24,7 @@ from ortmem.ort.release import capabilities
 from ortmem.files import layout
 from ortmem.store import finisher
 from ortmem.ort.settings import OrtSettings
-from ortmem.store.finished import prepared_problem
+from ortmem.store.finished import finished_problem
 from ortmem.store.finished_entries import finished_stem, finished_stems, finishing_settings
 from ortmem.measure.synth import SynthConfig, write_model
 from tests.support.reference import CPU, run_plain
@@ -62,12 +62,12 @@ def test_the_start_after_a_first_run_loads_ort_s_finished_model(qdq: Path, tmp_p
     entry = Path(cold.ortmem_handoff.model).parent
     assert cold.ortmem_action == "converted" and not finished_stems(entry)  # the cold start pays nothing
     assert np.array_equal(_ran(cold), expected)
-    assert prepared_problem(entry, STEM) is None
+    assert finished_problem(entry, STEM) is None
     stamp = (entry / f"{STEM}.data").stat().st_mtime_ns
     for _ in range(2):
         warm = ortmem.InferenceSession(qdq, so, providers=CPU, cache=cache)
-        assert warm.ortmem_action == "prepared" and warm.ortmem_cache_hit
-        assert Path(warm.ortmem_handoff.model) == entry / FINISHED and warm.ortmem_handoff.prepack_later is None
+        assert warm.ortmem_action == "finished" and warm.ortmem_cache_hit
+        assert Path(warm.ortmem_handoff.model) == entry / FINISHED and warm.ortmem_handoff.later is None
         assert np.array_equal(_ran(warm), expected)
     assert (entry / f"{STEM}.data").stat().st_mtime_ns == stamp  # loaded, not made again
     assert so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL  # the caller's, unchanged
@@ -87,7 +87,7 @@ def test_a_finished_model_is_kept_per_settings(qdq: Path, tmp_path: Path) -> Non
     entry = Path(first.ortmem_handoff.model).parent
     assert np.array_equal(_ran(first), expected[id(plain)])
     hit = ortmem.InferenceSession(qdq, other, providers=CPU, cache=cache)  # the same entry, not finished for it
-    assert hit.ortmem_action == "cache-hit" and hit.ortmem_handoff.prepack_later is not None
+    assert hit.ortmem_action == "cache-hit" and hit.ortmem_handoff.later is not None
     assert Path(hit.ortmem_handoff.model).parent == entry
     assert np.array_equal(_ran(hit), expected[id(other)])
     stems = [stem for stem in finished_stems(entry) if (entry / f"{stem}.onnx").exists()]
@@ -96,12 +96,12 @@ def test_a_finished_model_is_kept_per_settings(qdq: Path, tmp_path: Path) -> Non
     for _ in range(2):
         for so in (plain, other):
             warm = ortmem.InferenceSession(qdq, so, providers=CPU, cache=cache)
-            assert warm.ortmem_action == "prepared" and warm.ortmem_handoff.prepack_later is None
+            assert warm.ortmem_action == "finished" and warm.ortmem_handoff.later is None
             assert np.array_equal(_ran(warm), expected[id(so)])
             loaded.add((id(so), Path(warm.ortmem_handoff.model).name))
     assert loaded == {(id(plain), FINISHED), (id(other), f"{next(s for s in stems if s != STEM)}.onnx")}
     for stem in stems:
-        assert prepared_problem(entry, stem) is None
+        assert finished_problem(entry, stem) is None
 
 
 def test_finished_only_for_cpu_with_prepacking_on(qdq: Path, tmp_path: Path) -> None:
@@ -111,7 +111,7 @@ def test_finished_only_for_cpu_with_prepacking_on(qdq: Path, tmp_path: Path) -> 
     _ran(ortmem.InferenceSession(qdq, so, providers=CPU, cache=cache))  # a cold start for these options (another key)
     warm = ortmem.InferenceSession(qdq, so, providers=CPU, cache=cache)
     assert warm.ortmem_cache_hit and Path(warm.ortmem_handoff.model).name == layout.MODEL_FILE
-    assert warm.ortmem_handoff.prepack_later is None
+    assert warm.ortmem_handoff.later is None
     assert not finished_stems(Path(warm.ortmem_handoff.model).parent)
     _ran(ortmem.InferenceSession(qdq, providers=CPU, cache=cache, prepacked=False))
     opted_out = ortmem.InferenceSession(qdq, providers=CPU, cache=cache, prepacked=False)
@@ -136,7 +136,7 @@ def test_a_finished_model_ort_refuses_falls_back_to_the_entry(qdq: Path, tmp_pat
     onnx.save_model(m, str(entry / FINISHED))  # the check is bypassed below
     monkeypatch.setattr(hit, "converted_finished", lambda cache, entry, settings: (entry.path / FINISHED, True))
     s = ortmem.InferenceSession(qdq, providers=CPU, cache=cache)
-    assert "could not load the prepared model" in caplog.text
+    assert "could not load the finished model" in caplog.text
     assert s.ortmem_action == "cache-hit" and s.ortmem_cache_hit
     assert Path(s.ortmem_handoff.model).name == layout.MODEL_FILE and not (entry / FINISHED).exists()
     assert np.array_equal(s.run(None, FEEDS)[0], expected)
@@ -189,19 +189,19 @@ def big_qdq(tmp_path_factory) -> Path:
 
 def test_the_second_start_is_warm(big_qdq: Path, tmp_path: Path) -> None:
     """Start 1 converts and, after its first run, leaves one background job that finishes the entry;
-    start 2 loads ORT's finished model ("prepared") with far less private memory after creation. Where
+    start 2 loads ORT's finished model ("finished") with far less private memory after creation. Where
     ORT saves no pre-packed weights (1.25) start 2 is a plain hit on the entry and no job is started."""
     cache = tmp_path / "cache"
     expected = ort.InferenceSession(str(big_qdq), providers=["CPUExecutionProvider"]).run(None, FEEDS)[0]
     first = _start(big_qdq, cache)
     entry = next(p for p in cache.iterdir() if p.is_dir() and not p.name.startswith("."))
-    assert (entry / layout.WEIGHTS_FILE).stat().st_size >= scan.MIN_PREPARED_BYTES
+    assert (entry / layout.WEIGHTS_FILE).stat().st_size >= scan.MIN_FINISHED_BYTES
     assert first["action"] == "converted" and first["waited"]
     assert first["packer"] == (1 if SAVES else 0)
     assert (entry / FINISHED).exists() == SAVES
     second = _start(big_qdq, cache)
     assert second["packer"] == 0
-    assert second["action"] == ("prepared" if SAVES else "cache-hit")
+    assert second["action"] == ("finished" if SAVES else "cache-hit")
     for s in (first, second):
         assert np.array_equal(np.array(s["out"], dtype=expected.dtype), expected)
     if SAVES:  # ORT's packed B (~1.5x the 38 MiB of int4 codes at accuracy 4) is mapped, not on the heap
@@ -244,7 +244,7 @@ for i in range(4):
     if i == 0:  # the entry fits; ORT's finished model of it will not
         free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
         filler.write_bytes(b"\0" * (free - (256 << 10)))
-    job = s.ortmem_handoff.prepack_later is not None
+    job = s.ortmem_handoff.later is not None
     got = s.run(None, feeds)
     waited = finisher.wait_background(120)
     starts.append({"action": s.ortmem_action, "hit": s.ortmem_cache_hit, "entry": str(entry), "job": job,
@@ -290,4 +290,4 @@ def test_a_disk_too_full_for_the_finished_model_is_recorded_and_not_retried_each
     assert len(full["log"]) == 1 and f"no space left on device in {full['entry']}" in full["log"][0], full
     assert "not tried again until more than" in full["log"][0]
     assert freed["action"] == "cache-hit" and freed["job"] and not freed["record"] and not freed["log"], freed
-    assert warm["action"] == "prepared" and warm["hit"] and not warm["job"], warm
+    assert warm["action"] == "finished" and warm["hit"] and not warm["job"], warm

@@ -20,7 +20,7 @@ from ortmem.ort.release import capabilities
 from ortmem.session import genai
 from ortmem.store import finisher
 from ortmem.store.cache import Cache
-from ortmem.store.finished import PrepareCheckError
+from ortmem.store.finished import FinishCheckError
 from ortmem.store.finished_entries import is_marker
 from tests.store.test_finished_saves import elementwise
 from tests.support.compare import assert_same_outputs
@@ -56,11 +56,11 @@ def test_a_gqa_decoder_is_prepared_and_its_warm_start_equals_plain_ort(tmp_path,
     cache = tmp_path / "cache"
     rc, err = _prepare(model, cache, capfd)
     assert rc == 0, err
-    assert "prepared entry" in err[-1] and "pre-packed initializers" in err[-1], err
+    assert "finished entry" in err[-1] and "pre-packed initializers" in err[-1], err
     (entry,) = _entries(cache)
     assert not is_marker(entry)
     warm = ortmem.InferenceSession(model, providers=CPU, cache=cache)
-    assert warm.ortmem_action == "prepared"
+    assert warm.ortmem_action == "finished"
     for past in (0, 3):  # the first step, and a later one with a cache
         feeds = decoder_feeds(past=past, lengths=lengths)
         assert_same_outputs(warm.run(None, feeds), run_plain(model, feeds), f"past {past}")
@@ -103,9 +103,9 @@ def test_a_decoder_whose_check_cannot_run_fails_once_and_records_nothing(tmp_pat
     assert start.ortmem_action == "as-is"
     with pytest.raises(Exception, match=GATHER_FAULT):
         start.run(None, decoder_feeds())
-    job = start.ortmem_handoff.prepack_later
-    assert job is not None and job.kind == "prepared"
-    with pytest.raises(PrepareCheckError, match=GATHER_FAULT):  # the background packer's work, here
+    job = start.ortmem_handoff.later
+    assert job is not None and job.kind == "finished"
+    with pytest.raises(FinishCheckError, match=GATHER_FAULT):  # the background packer's work, here
         finisher.run(job)
     assert _entries(cache) == []
 
@@ -147,7 +147,7 @@ def test_the_check_sessions_leave_ort_s_log_quiet_and_name_the_feeds(tmp_path):
     from ortmem.store.finished import worth_mapping
 
     model = gqa_decoder(tmp_path / "model.onnx", failing=True)
-    with pytest.raises(PrepareCheckError) as caught:
+    with pytest.raises(FinishCheckError) as caught:
         worth_mapping(model, model, OrtSettings())
     text = str(caught.value)
     assert GATHER_FAULT in text and str(model) in text and "past_key_values.0.key [1, 2, 0, 32]" in text

@@ -44,10 +44,10 @@ def test_a_start_with_conversion_on_never_loads_the_entry_a_convert_false_start_
     unconverted = ortmem.InferenceSession(model, providers=CPU, cache=cache, convert=False)
     assert unconverted.ortmem_action == "as-is" and unconverted.ortmem_report is None
     assert_same_outputs(unconverted.run(None, FEEDS), expected)  # the first run leaves the prepared entry's build
-    assert unconverted.ortmem_handoff.prepack_later is not None and finisher.wait_background(120)
+    assert unconverted.ortmem_handoff.later is not None and finisher.wait_background(120)
     assert len(_entries(cache)) == 1
     again = ortmem.InferenceSession(model, providers=CPU, cache=cache, convert=False)
-    assert again.ortmem_action in ("prepared", "as-is")  # "as-is": the entry is a marker (ORT packs nothing here)
+    assert again.ortmem_action in ("finished", "as-is")  # "as-is": the entry is a marker (ORT packs nothing here)
 
     converting = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     assert converting.ortmem_action == "converted", converting.ortmem_action

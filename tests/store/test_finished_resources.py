@@ -25,7 +25,7 @@ from ortmem.session.request import Request
 from ortmem.ort.release import capabilities
 from ortmem.store import finisher, finished_entries
 from ortmem.store.cache import Cache
-from ortmem.store.finished import prepare_model
+from ortmem.store.finished import finish_model
 from tests.support.builders import biased_chain, save
 from tests.support.reference import run_plain
 
@@ -108,7 +108,7 @@ def test_a_prepared_entry_that_does_not_fit_in_memory_is_kept_and_the_start_fall
     expected = run_plain(model, feeds)[0]
     plain_fails, plain_runs, plain_before = _plain_need(model, cache, out)
     unlimited, _ = _child("ortmem", 0, model, cache, out)
-    assert unlimited["ok"] and unlimited["action"] == "prepared"
+    assert unlimited["ok"] and unlimited["action"] == "finished"
     # what importing ortmem's session path costs in address space, and a margin
     limit = plain_runs + max(0, unlimited["vm_before"] - plain_before) + 6 * MIB
 
@@ -127,18 +127,18 @@ def test_a_prepared_entry_that_does_not_fit_in_memory_is_kept_and_the_start_fall
     assert report["error"].startswith("onnxruntime.") and not report["chained"], report
     assert "ran short of resources" in log
     warm = ortmem.InferenceSession(model, providers=CPU, cache=cache)
-    assert warm.ortmem_action == "prepared" and np.array_equal(warm.run(None, feeds)[0], expected)
+    assert warm.ortmem_action == "finished" and np.array_equal(warm.run(None, feeds)[0], expected)
 
 
 BAD_ALLOC = "[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Exception during initialization: std::bad_alloc"
 
 
 def _short_while_saving(source, folder, *args, **kwargs):
-    raise finished_entries.PrepareError(f"onnxruntime could not save the prepared model: {BAD_ALLOC}", file=str(source))
+    raise finished_entries.FinishError(f"onnxruntime could not save the prepared model: {BAD_ALLOC}", file=str(source))
 
 
 def _short_while_judging(source, folder, *args, **kwargs):
-    report = prepare_model(source, folder, *args, **kwargs)
+    report = finish_model(source, folder, *args, **kwargs)
     return dataclasses.replace(report, useful=False,
                                refusal=f"onnxruntime cannot run the prepared model ({BAD_ALLOC})")
 
@@ -151,19 +151,19 @@ def test_a_shortage_while_preparing_records_no_verdict(shortage, tmp_path, monke
     model = save(biased_chain(np.random.default_rng(0), [256] * 3), tmp_path / "m.onnx", external=True)
     cache = Cache(tmp_path / "cache")
     request = Request.for_session(None, CPU, cache=cache.root)
-    key = finished_entries.prepared_key(model, request.settings, request.packing[0], request.converting)
+    key = finished_entries.finished_key(model, request.settings, request.packing[0], request.converting)
     with monkeypatch.context() as m:
-        m.setattr(finished_entries, "prepare_model", shortage)
-        with pytest.raises(finished_entries.PrepareError, match="bad_alloc"):
-            finished_entries.ensure_prepared(cache, model, key)
-    assert finished_entries.lookup_prepared(cache, key) is None  # neither an entry nor a marker
+        m.setattr(finished_entries, "finish_model", shortage)
+        with pytest.raises(finished_entries.FinishError, match="bad_alloc"):
+            finished_entries.ensure_finished(cache, model, key)
+    assert finished_entries.lookup_finished(cache, key) is None  # neither an entry nor a marker
 
-    entry, built = finished_entries.ensure_prepared(cache, model, key)
+    entry, built = finished_entries.ensure_finished(cache, model, key)
 
     assert built and not finished_entries.is_marker(entry)
     feeds = {"x": np.random.default_rng(7).standard_normal((2, 256)).astype(np.float32)}
     s = ortmem.InferenceSession(model, providers=CPU, cache=cache.root)
-    assert s.ortmem_action == "prepared" and np.array_equal(s.run(None, feeds)[0], run_plain(model, feeds)[0])
+    assert s.ortmem_action == "finished" and np.array_equal(s.run(None, feeds)[0], run_plain(model, feeds)[0])
 
 
 def test_background_work_that_cannot_start_does_not_fail_the_run(tmp_path, monkeypatch, caplog):
@@ -175,9 +175,9 @@ def test_background_work_that_cannot_start_does_not_fail_the_run(tmp_path, monke
     def no_thread(self):
         raise RuntimeError("can't start new thread")
 
-    monkeypatch.setattr(finisher.PrepackLater, "start", no_thread)
+    monkeypatch.setattr(finisher.FinishLater, "start", no_thread)
     s = ortmem.InferenceSession(model, providers=CPU, cache=tmp_path / "cache")
-    assert s.ortmem_handoff.prepack_later is not None  # the start did leave work for after the run
+    assert s.ortmem_handoff.later is not None  # the start did leave work for after the run
     feeds = {"x": np.random.default_rng(7).standard_normal((2, 256)).astype(np.float32)}
     assert np.array_equal(s.run(None, feeds)[0], run_plain(model, feeds)[0])
     assert caplog.text.count("could not start packing in the background") == 1

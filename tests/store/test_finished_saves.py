@@ -101,13 +101,13 @@ def _int8(folder: Path) -> Path:
 
 
 MODELS = {
-    "fp32-mlp": (lambda d: mlp(d / "mlp.onnx"), mlp_feeds, "prepared"),
+    "fp32-mlp": (lambda d: mlp(d / "mlp.onnx"), mlp_feeds, "finished"),
     "native-int4": (lambda d: write_model(SynthConfig.tiny(form="native", storage="external"), d / "native.onnx"),
-                    lambda: {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}, "prepared"),
-    "int8-qoperator": (_int8, lambda: mlp_feeds(512), "prepared"),
+                    lambda: {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}, "finished"),
+    "int8-qoperator": (_int8, lambda: mlp_feeds(512), "finished"),
     # plain Conv packs nothing: the NCHWc Conv ORT makes at ORT_ENABLE_ALL does, and its filters are finished weights
     "conv": (conv, lambda: {"x": np.random.default_rng(3).standard_normal((1, 32, 16, 16)).astype(np.float32)},
-             "prepared"),
+             "finished"),
 }
 
 
@@ -141,10 +141,10 @@ def test_cold_prepared_and_warm_starts_equal_plain_ort(name, tmp_path, any_size)
     assert np.array_equal(cold.run(None, feeds)[0], expected)  # the first run leaves the builder
     assert len(finisher.started_packers()) >= 1 and finisher.wait_background(120)
     (entry,) = entries(cache)
-    marker = finished_entries.is_marker(finished_entries.lookup_prepared(ortmem.store.cache.Cache(cache), entry.name))
-    if warm_action == "prepared" and not ort_reload_is_identical(model, feeds, tmp_path / "ort-save"):
+    marker = finished_entries.is_marker(finished_entries.lookup_finished(ortmem.store.cache.Cache(cache), entry.name))
+    if warm_action == "finished" and not ort_reload_is_identical(model, feeds, tmp_path / "ort-save"):
         warm_action = cold.ortmem_action  # this ORT reloads it wrong: a marker, today's start again
-    assert marker == (warm_action != "prepared")
+    assert marker == (warm_action != "finished")
     if not marker:  # the entry itself, loaded by plain ORT with optimizations off
         off = ort.SessionOptions()
         off.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -158,7 +158,7 @@ def test_cold_prepared_and_warm_starts_equal_plain_ort(name, tmp_path, any_size)
 
 
 def test_a_small_model_gets_no_entry_and_no_process(tmp_path):
-    model = mlp(tmp_path / "small.onnx", layers=2, dim=256)  # 0.5 MiB, under MIN_PREPARED_BYTES
+    model = mlp(tmp_path / "small.onnx", layers=2, dim=256)  # 0.5 MiB, under MIN_FINISHED_BYTES
     cache = tmp_path / "cache"
     before = len(finisher.started_packers())
     s = ortmem.InferenceSession(model, providers=CPU, cache=cache)
@@ -188,13 +188,13 @@ def test_cache_list_names_what_each_entry_is(tmp_path, any_size, capsys):
     capsys.readouterr()
     assert cli_main(["cache", "list", "--cache", str(cache)]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
-    assert len(rows) == 1 and "  prepared  " in rows[0] and str(model) in rows[0]
+    assert len(rows) == 1 and "  finished  " in rows[0] and str(model) in rows[0]
 
 
 def test_a_changed_source_is_never_served_stale(tmp_path, any_size):
     model = mlp(tmp_path / "m.onnx", layers=2, dim=256)
     cache = _prepared_cache(tmp_path, model)
-    assert ortmem.InferenceSession(model, providers=CPU, cache=cache).ortmem_action == "prepared"
+    assert ortmem.InferenceSession(model, providers=CPU, cache=cache).ortmem_action == "finished"
     data = tmp_path / "m.onnx.data"
     st = data.stat()
     with open(data, "r+b") as f:  # new weights in place, same size, mtime set back: only ctime tells
@@ -227,7 +227,7 @@ def test_a_tampered_prepared_file_is_refused_and_rebuilt(tmp_path, any_size, cap
     assert np.array_equal(s.run(None, feeds)[0], run_plain(model, feeds)[0])
     assert finisher.wait_background(120)
     warm = ortmem.InferenceSession(model, providers=CPU, cache=cache)  # rebuilt after that first run
-    assert warm.ortmem_action == "prepared" and np.array_equal(warm.run(None, feeds)[0], run_plain(model, feeds)[0])
+    assert warm.ortmem_action == "finished" and np.array_equal(warm.run(None, feeds)[0], run_plain(model, feeds)[0])
 
 
 def test_a_prepared_model_ort_refuses_falls_back_to_the_source(tmp_path, any_size, caplog):
@@ -239,14 +239,14 @@ def test_a_prepared_model_ort_refuses_falls_back_to_the_source(tmp_path, any_siz
     (entry / "model.onnx").chmod(0o600)
     onnx.save_model(m, str(entry / "model.onnx"))
     monkey = pytest.MonkeyPatch()
-    monkey.setattr(finished_entries, "prepared_problem", lambda *a, **k: None)
+    monkey.setattr(finished_entries, "finished_problem", lambda *a, **k: None)
     try:  # the cache's digest would refuse the edit first; here ORT is the one that refuses
         from ortmem.store import cache as cache_mod
         monkey.setattr(cache_mod.Cache, "verify", lambda self, e, mode=None: None)
         s = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     finally:
         monkey.undo()
-    assert "could not load the prepared model" in caplog.text
+    assert "could not load the finished model" in caplog.text
     assert s.ortmem_action == "as-is" and entries(cache) == []
     feeds = mlp_feeds(256)
     assert np.array_equal(s.run(None, feeds)[0], run_plain(model, feeds)[0])
@@ -267,11 +267,11 @@ def test_prepare_a_folder_converts_qdq_and_prepares_the_rest(tmp_path, any_size,
     assert len(found) == 3
     assert sum(any((e / f"{stem}.onnx").exists() for stem in finished_stems(e)) for e in found) == 1  # the converted QDQ entry, finished
     before = len(finisher.started_packers())
-    assert ortmem.InferenceSession(fp32, providers=CPU, cache=cache).ortmem_action == "prepared"
-    assert ortmem.InferenceSession(qdq, providers=CPU, cache=cache).ortmem_action == "prepared"  # finished
-    assert ortmem.InferenceSession(cnv, providers=CPU, cache=cache).ortmem_action == "prepared"  # NCHWc, finished
+    assert ortmem.InferenceSession(fp32, providers=CPU, cache=cache).ortmem_action == "finished"
+    assert ortmem.InferenceSession(qdq, providers=CPU, cache=cache).ortmem_action == "finished"  # its converted entry's finished model
+    assert ortmem.InferenceSession(cnv, providers=CPU, cache=cache).ortmem_action == "finished"  # NCHWc filters mapped
     assert len(finisher.started_packers()) == before
-    assert "prepared entry" in capsys.readouterr().err
+    assert "finished entry" in capsys.readouterr().err
     assert cli_main(["prepare", str(folder), "--cache", str(cache)]) == 0  # again: all there already
     assert sorted(entries(cache)) == sorted(found)
 
@@ -325,7 +325,7 @@ def test_a_warm_start_holds_far_less_private_memory_than_plain_ort(tmp_path):
     cache = _prepared_cache(tmp_path, model)
     base = _start("ort", str(model), "2048")
     warm = _start("ortmem", str(model), "2048", str(cache))
-    assert warm["action"] == "prepared" and warm["packers"] == 0
+    assert warm["action"] == "finished" and warm["packers"] == 0
     assert warm["out"] == base["out"]
     assert warm["anon"] <= 0.5 * base["anon"], (warm["anon"] >> 20, base["anon"] >> 20)
 
@@ -355,7 +355,7 @@ def test_a_read_only_cache_warm_starts_with_no_write(tmp_path, any_size):
     prefix = _read_only_prefix(cache)
     before = _tree(cache)
     warm = _start("ortmem", str(model), "256", str(cache), prefix=prefix)
-    assert warm["action"] == "prepared" and warm["packers"] == 0
+    assert warm["action"] == "finished" and warm["packers"] == 0
     assert "ortmem" not in warm["stderr"] and "WARNING" not in warm["stderr"], warm["stderr"]
     assert _tree(cache) == before
     assert warm["out"] == run_plain(model, mlp_feeds(256))[0].tolist()

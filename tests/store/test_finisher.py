@@ -51,7 +51,7 @@ def test_a_failed_background_packing_is_started_once_not_on_every_run(tmp_path: 
     expected = run_plain(model, FEEDS)
     cache = tmp_path / "cache"
     session = ortmem.InferenceSession(model, providers=CPU, cache=cache)
-    assert session.ortmem_handoff.prepack_later is not None  # a miss ORT gets unconverted: prepared after its first run
+    assert session.ortmem_handoff.later is not None  # a miss ORT gets unconverted: prepared after its first run
     model.unlink()
     before = len(finisher.started_packers())
     for _ in range(4):

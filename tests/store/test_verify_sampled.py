@@ -54,7 +54,7 @@ def test_sampled_verification_finds_a_flipped_byte_in_a_prepared_entry(where, tm
     (entry,) = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
     feeds = {"x": np.random.default_rng(7).standard_normal((2, WIDTH)).astype(np.float32)}
     expected = run_plain(model, feeds)[0]
-    assert ortmem.InferenceSession(model, providers=CPU, cache=cache, verify="sampled").ortmem_action == "prepared"
+    assert ortmem.InferenceSession(model, providers=CPU, cache=cache, verify="sampled").ortmem_action == "finished"
     offset, length = _span(entry, "b1" if where.startswith("a bias") else "W1")
     _flip(entry / "model.data", offset + 5 if where.startswith("a bias") else offset + length - 7)
     if where.startswith("a bias"):  # ORT maps the damaged bias as it is: a silently wrong output
@@ -62,12 +62,12 @@ def test_sampled_verification_finds_a_flipped_byte_in_a_prepared_entry(where, tm
 
     s = ortmem.InferenceSession(model, providers=CPU, cache=cache, verify="sampled")
 
-    assert s.ortmem_action != "prepared"
+    assert s.ortmem_action != "finished"
     assert caplog.text.count("sampled digest") == 1 and "model.data" in caplog.text
     assert np.array_equal(s.run(None, feeds)[0], expected)
     assert finisher.wait_background(120)
     rebuilt = ortmem.InferenceSession(model, providers=CPU, cache=cache, verify="sampled")  # built after that run
-    assert rebuilt.ortmem_action == "prepared" and np.array_equal(rebuilt.run(None, feeds)[0], expected)
+    assert rebuilt.ortmem_action == "finished" and np.array_equal(rebuilt.run(None, feeds)[0], expected)
 
 
 def test_sampled_verification_reads_small_files_whole(tmp_path, monkeypatch):
@@ -89,7 +89,7 @@ def test_sampled_verification_reads_small_files_whole(tmp_path, monkeypatch):
 
     s = ortmem.InferenceSession(model, providers=CPU, cache=cache, verify="sampled")
 
-    assert s.ortmem_action != "prepared"
+    assert s.ortmem_action != "finished"
     feeds = {"x": np.random.default_rng(7).standard_normal((2, WIDTH)).astype(np.float32)}
     assert np.array_equal(s.run(None, feeds)[0], run_plain(model, feeds)[0])
     finisher.wait_background(120)
