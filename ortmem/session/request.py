@@ -2,7 +2,7 @@
 
 Why frozen: the handoff is built once from the request, and what was decided (a report, a cache hit,
 an action) lives on the handoff, never written back into the request; a request can be shared and
-reused. Why here, apart from :mod:`.prepare`: everything a start depends on that is asked of ORT (its
+reused. Why here, apart from :mod:`ortmem.session.decide`: everything a start depends on that is asked of ORT (its
 settings for the caller's options, the providers, whether this release saves pre-packed weights) is
 asked once, while the request is built, so neither the handoff nor the store asks again.
 """

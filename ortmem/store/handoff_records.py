@@ -1,13 +1,13 @@
-"""Handover records: what the walk of a model file found, kept so that a program started again skips it.
+"""Handoff records: what the walk of a model file found, kept so that a program started again skips it.
 
 Why: a model that needs nothing of the session path (no DequantizeLinear to convert, no external data
 to check) is handed to ORT from its bytes (:mod:`ortmem.onnxfile.scan`): as it is, or as a skeleton
 beside a hard link, so that ORT maps its embedded weights instead of copying them. Deciding that
 takes a walk of the file's structure in pure Python, about 4.5 us per protobuf message: rapidocr's
 three models (1552 messages in the recognition model alone) cost a hooked process 22 ms of walks
-and two skeletons written on every start (onnxruntime 1.32.0, this 2-core VM,
+and two skeletons written on every start (onnxruntime 1.32.0, 2 cores,
 ``python -m bench.hook_stages tests/hook_clients/rapidocr_client.py``), more than the hook may
-cost a program whose models ORT gets unconverted (issue 23: +20 ms). A record makes every later
+cost a program whose models ORT gets unconverted (20 ms). A record makes every later
 start of the same file a few ``stat`` calls and one small read.
 
 What a record is: a folder ``<store>/.handover/<key>/``, the key a hash of the file's path, device,

@@ -16,7 +16,7 @@ from ortmem.onnxfile import scan
 from ortmem.session.decide import prepare
 from ortmem.session.request import AS_GIVEN
 from ortmem.onnxfile.loader import load
-from ortmem.onnxfile.scan import INLINE_MAX_BYTES, needs_session_path, plain_handover, read_facts
+from ortmem.onnxfile.scan import INLINE_MAX_BYTES, needs_session_path, plain_handoff, read_facts
 from tests.support.builders import make_model, matmul_chain, save, subgraph_model
 from tests.support.compare import assert_same_outputs
 from tests.support.reference import CPU, run_plain
@@ -36,7 +36,7 @@ def test_weights_in_subgraphs_are_found_with_or_without_stopping(subgraph_file: 
     assert stopped.embedded_bytes < whole.embedded_bytes
     for facts in (whole, stopped):
         assert not needs_session_path(facts, converting=True)
-        assert plain_handover(subgraph_file, facts) is None  # the session path decides, never "as-is"
+        assert plain_handoff(subgraph_file, facts) is None  # the session path decides, never "as-is"
 
 
 def test_a_stopped_walk_still_sends_external_data_to_the_loader(tmp_path: Path):
@@ -101,7 +101,7 @@ def test_the_hook_and_the_loader_agree_on_what_stays_inline_at_the_limit(tmp_pat
 
     facts = read_facts(path)
     assert facts.embedded_bytes == (nbytes if moves else 0) and not needs_session_path(facts, converting=True)
-    by_bytes = plain_handover(path, facts)
+    by_bytes = plain_handoff(path, facts)
     assert by_bytes is not None and by_bytes.action == ("mapped" if moves else "as-is")
     with load(path) as model:
         assert model.embedded_spans == (1 if moves else 0)

@@ -20,7 +20,7 @@ MARGIN = 1.10  # target 1.02; fresh-process peaks on a shared 2-core box move by
 MiB = 1 << 20
 FIXED_COST_BYTES = 6 * MiB  # what a small model may exceed ORT by whatever its weights (see below)
 #: The question here is copies of the weights, not the import cost of a first ortmem call (onnx and the
-#: session path, ~15-18 MiB, which the bench's ortmem columns include since issue 23): this strategy's
+#: session path, ~15-18 MiB, which the bench's ortmem columns include): this strategy's
 #: module (this file, imported by the child before its clock) has imported the session path already.
 NOCACHE = f"{os.path.abspath(__file__)}:create_nocache_preimported"
 
