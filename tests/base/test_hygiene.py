@@ -34,6 +34,7 @@ from onnx import TensorProto, helper
 from ortmem.base import hygiene
 from ortmem.base import procfs
 from ortmem.base.hygiene import HygieneReport, MallocThresholds, allocator_hygiene, set_malloc_thresholds, trim
+from tests.support.reference import run_plain
 from tests.support.threads import run_in_threads
 
 MiB = 1 << 20
@@ -121,12 +122,16 @@ def rss_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_qdq_int4(tmp_path_factory.mktemp("rss") / "rss.onnx", layers=6, dim=4096)
 
 
-def _session(path: Path, **opts: object) -> ort.InferenceSession:
+def _options(**opts: object) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1  # deterministic outputs, and a polite neighbour on a shared machine
     for k, v in opts.items():
         setattr(so, k, v)
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return so
+
+
+def _session(path: Path, **opts: object) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), _options(**opts), providers=["CPUExecutionProvider"])
 
 
 # ------------------------------------------------------------------------------ subprocesses
@@ -309,7 +314,7 @@ def test_hygiene_lowers_resident_memory_after_creation(rss_model: Path) -> None:
 @needs_glibc
 def test_outputs_equal_and_ort_arena_option_untouched(small_model: Path) -> None:
     x = np.random.default_rng(1).standard_normal((3, 1024), dtype=np.float32)
-    reference = _session(small_model).run(None, {"x": x})[0]
+    reference = run_plain(small_model, {"x": x}, _options())[0]
     for arena in (True, False):
         so = ort.SessionOptions()
         so.intra_op_num_threads = 1
@@ -325,7 +330,7 @@ def test_outputs_equal_and_ort_arena_option_untouched(small_model: Path) -> None
 def test_threads_create_sessions_concurrently(small_model: Path) -> None:
     """Real sessions from four threads with overlapping blocks; afterwards nothing is left pinned."""
     x = np.random.default_rng(2).standard_normal((2, 1024), dtype=np.float32)
-    reference = _session(small_model).run(None, {"x": x})[0]
+    reference = run_plain(small_model, {"x": x}, _options())[0]
 
     def work() -> tuple[HygieneReport, np.ndarray]:
         with allocator_hygiene() as report:

@@ -20,6 +20,7 @@ from ortmem.onnxfile.scan import FOLDER_KEY
 from ortmem.intercept.session_hook import MIN_BYTES, ORIGINAL, sessions, unhook
 from tests.support import builders as mb
 from tests.support.compare import assert_close_outputs
+from tests.support.reference import run_plain
 
 ORT_CLASS = ORIGINAL
 
@@ -29,7 +30,7 @@ def model(tmp_path, rng):
     """An embedded model (weights inside the .onnx: ortmem maps them instead of letting ORT copy)."""
     path = mb.save(mb.matmul_chain(rng, [64, 128, 16]), tmp_path / "m.onnx")
     x = rng.standard_normal((1, 64), dtype=np.float32)
-    return path, {"x": x}, ORT_CLASS(str(path)).run(None, {"x": x})[0]
+    return path, {"x": x}, run_plain(path, {"x": x})[0]
 
 
 @pytest.fixture(autouse=True)
@@ -145,7 +146,7 @@ def test_callers_options_stay_as_given_and_ort_prints_no_warning(model, capfd):
     out, err = capfd.readouterr()
     assert "already exists" not in err and "W:onnxruntime" not in err and "ortmem" not in err, err
     _, feeds, _ = model
-    expected = ORT_CLASS(str(model[0]), so).run(None, feeds)[0]  # ORT with the same options
+    expected = run_plain(model[0], feeds, so)[0]  # ORT with the same options
     for s in (first, second):
         assert _is_ortmem(s)
         np.testing.assert_array_equal(s.run(None, feeds)[0], expected)
@@ -187,7 +188,7 @@ def test_big_bytes_model_is_mapped(rng):
     with ortmem.hook():
         s = ort.InferenceSession(data)
     assert _is_ortmem(s) and sessions()[-1].action == "mapped"
-    np.testing.assert_array_equal(s.run(None, {"x": x})[0], ORT_CLASS(data).run(None, {"x": x})[0])
+    np.testing.assert_array_equal(s.run(None, {"x": x})[0], run_plain(data, {"x": x})[0])
 
 
 def test_ortmem_failure_falls_back_with_one_line_unless_strict(model, monkeypatch, caplog, session_path):
@@ -257,7 +258,7 @@ def test_qdq_model_is_converted_then_finished_without_recursing(tmp_path, rng):
 
     path = mb.save(mb.int4_model(rng), tmp_path / "q.onnx")
     x = rng.standard_normal((1, 256), dtype=np.float32)
-    expected = ORT_CLASS(str(path)).run(None, {"x": x})[0]
+    expected = run_plain(path, {"x": x})[0]
     with ortmem.hook():
         cold = ort.InferenceSession(str(path))
         start = cold.ortmem_handoff.start
@@ -473,7 +474,7 @@ def test_where_no_hard_link_can_be_made(rng, capfd):
     try:
         path = mb.save(mb.matmul_chain(rng, [64, 128, 16]), folder / "m.onnx")
         x = rng.standard_normal((1, 64), dtype=np.float32)
-        expected = ORT_CLASS(str(path)).run(None, {"x": x})[0]
+        expected = run_plain(path, {"x": x})[0]
         so = ort.SessionOptions()
         capfd.readouterr()
         with ortmem.hook():

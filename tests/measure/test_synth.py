@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ortmem.passes.nbits import packing as nl
 from ortmem.measure.synth import (SynthConfig, SynthError, build_model, cached_model, model_weight_bytes, write_model)
+from tests.support.reference import run_plain
 
 IDS = np.random.default_rng(0).integers(0, 1000, (2, 7)).astype(np.int64)
 
@@ -26,8 +27,7 @@ def _run(model: onnx.ModelProto | Path, *, config: dict[str, str] | None = None,
     so.intra_op_num_threads = 1
     for k, v in (config or {}).items():
         so.add_session_config_entry(k, v)
-    src = str(model) if isinstance(model, Path) else model.SerializeToString()
-    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"]).run(None, {"input_ids": feed})[0]
+    return run_plain(model if isinstance(model, Path) else model.SerializeToString(), {"input_ids": feed}, so)[0]
 
 
 def _inits(model: onnx.ModelProto) -> dict[str, TensorProto]:

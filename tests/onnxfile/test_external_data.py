@@ -21,6 +21,7 @@ from ortmem.errors import CorruptModelError, ExternalDataError, OrtmemError, Uns
 from ortmem.measure.synth import SynthConfig, write_model
 from tests.support import builders as mb
 from tests.support.compare import assert_same_outputs
+from tests.support.reference import run_plain
 
 TINY_FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 
@@ -160,7 +161,7 @@ def test_repeated_raw_data_keeps_only_the_last_like_protobuf(tmp_path, where):
     path.write_bytes(mb.make_model(helper.make_graph([], "g", [], [])).SerializeToString()
                      + pw.encode_len_field(pw.MODEL_GRAPH, graph))
     feeds = {"c": np.array(True)} if where == "subgraph" else {}
-    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+    expected = run_plain(path, feeds)
     np.testing.assert_array_equal(expected[0], last)
     with ortmem.load(path) as model:
         assert model.skeleton.ByteSize() < 2048, "an earlier raw_data copy stayed in the skeleton"
@@ -226,7 +227,7 @@ def test_a_failing_rewrite_leaves_the_model_to_ort(tmp_path, monkeypatch, caplog
     from ortmem.session import cold_start
 
     path = _qdq(tmp_path)
-    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, TINY_FEEDS)
+    expected = run_plain(path, TINY_FEEDS)
 
     def broken(*a, **k):
         raise IndexError("list index out of range")

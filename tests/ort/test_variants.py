@@ -20,6 +20,7 @@ import ortmem
 from ortmem.store.cache import Cache
 from ortmem.ort.release import capabilities
 from ortmem.ort.variants import ACCURACY_LEVELS, SCALE_TYPES, WEIGHT_TYPES, dq_matmul_model
+from tests.support.reference import run_plain
 from tests.support.release_expect import matmul_refusal
 
 VARIANTS = [pytest.param(w, z, s, a, 32, id=f"{w}-{'zp' if z else 'nozp'}-{s}-acc{a}")
@@ -42,7 +43,7 @@ def test_session_equals_ort_on_the_qdq_model(wtype, zp, stype, acc, block, tmp_p
     k = 2 * block
     x = np.random.default_rng(5).standard_normal((2, k)).astype(np.float16 if stype == "float16" else np.float32)
     try:
-        expected = ort.InferenceSession(str(path), _options(acc), providers=["CPUExecutionProvider"]).run(None, {"A": x})
+        expected = run_plain(path, {"A": x}, _options(acc))
     except Exception as exc:  # noqa: BLE001 - ORT's own run fails: ortmem must fail likewise, not differently
         with pytest.raises(type(exc)):
             ortmem.InferenceSession(path, _options(acc), providers=["CPUExecutionProvider"],

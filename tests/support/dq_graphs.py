@@ -15,6 +15,8 @@ from onnx import TensorProto as T
 from onnx import helper as H
 from onnx import numpy_helper as nh
 
+from tests.support.builders import make_model
+
 INT2, UINT2 = 26, 25
 K, N = 64, 16
 RANGES = {T.INT4: (-8, 8), T.UINT4: (0, 16), T.INT8: (-128, 128), T.UINT8: (0, 256), INT2: (-2, 2), UINT2: (0, 4),
@@ -68,8 +70,8 @@ def mm(a="A", b="Wd", y="Y", name="mm"):
 
 def model(nodes, inputs, outputs, inits, opset=21, extra_opsets=()):
     """The graph as a model at IR 10 (what every supported ORT release reads)."""
-    g = H.make_graph(nodes, "g", inputs, outputs, inits)
-    return H.make_model(g, ir_version=10, opset_imports=[H.make_opsetid("", opset), *extra_opsets])
+    return make_model(H.make_graph(nodes, "g", inputs, outputs, inits),
+                      opset_imports=[H.make_opsetid("", opset), *extra_opsets])
 
 
 def dq_mm(*, k=K, n=N, wtype=T.INT4, stype=T.FLOAT, block=32, axis=0, scale_shape=None, zp=False,
@@ -210,5 +212,5 @@ def fp16_graphs() -> dict[str, tuple[onnx.ModelProto, dict[str, np.ndarray]]]:
     out = {}
     for name, (nodes, inits, shape, x) in graphs.items():
         g = H.make_graph(nodes, name, [vi("X", shape)], [vi("Y", shape[:-1] + [N])], inits)
-        out[name] = (H.make_model(g, ir_version=10, opset_imports=[H.make_opsetid("", 21)]), {"X": x})
+        out[name] = (make_model(g), {"X": x})
     return out

@@ -27,9 +27,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import ortmem
 from ortmem.errors import OrtmemError
+from tests.support.builders import make_model
 
-IR_VERSION = 10
-OPSET = [helper.make_opsetid("", 21)]
 K = 128  # int4 [K, K] codes: 8 KiB, above the loader's inline limit, so it is externalized
 
 
@@ -56,9 +55,7 @@ def qdq_seed(rng: np.random.Generator, *, subgraph: bool = False) -> onnx.ModelP
         inputs.append(helper.make_tensor_value_info("c", TensorProto.BOOL, []))
     else:
         nodes += second
-    m = helper.make_model(helper.make_graph(nodes, "fuzz", inputs, [out], inits), opset_imports=OPSET)
-    m.ir_version = IR_VERSION
-    return m
+    return make_model(helper.make_graph(nodes, "fuzz", inputs, [out], inits))
 
 
 def feeds_for(model: onnx.ModelProto) -> dict[str, np.ndarray]:

@@ -8,6 +8,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from tests.support.builders import make_model
+
 F = TensorProto.FLOAT
 N = 1024  # floats: 4 KiB, a whole number of 256-byte arena granules
 
@@ -16,10 +18,8 @@ def graph_model(nodes: Sequence[onnx.NodeProto], inputs: Sequence[onnx.ValueInfo
                 outputs: Sequence[onnx.ValueInfoProto], inits: Iterable[onnx.TensorProto] = (),
                 opset: int = 17) -> onnx.ModelProto:
     """The graph ``g`` as a model ORT reads (IR 10: onnx's newer default IR is refused by older ORT)."""
-    m = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(inits)),
-                          opset_imports=[helper.make_opsetid("", opset)])
-    m.ir_version = 10
-    return m
+    return make_model(helper.make_graph(nodes, "g", inputs, outputs, list(inits)),
+                      opset_imports=[helper.make_opsetid("", opset)])
 
 
 def i64(name: str, values) -> onnx.TensorProto:

@@ -24,6 +24,7 @@ from ortmem.passes.nbits import packing as nl
 from ortmem.passes.nbits import reference as nbits_reference
 from ortmem.passes.rules.dq_matmul_checks import effective_block_size
 from ortmem.measure.synth import WEIGHT_TYPES  # name: (onnx type, bits, signed)
+from tests.support.reference import run_plain
 from tests.support.release_expect import matmul_refusal
 
 
@@ -77,7 +78,7 @@ def _twin_model(wname, w, s, z, K, N, bs, sdt, accuracy, *, M=3) -> onnx.ModelPr
                              ir_version=IR)
 
 
-def _session(model: onnx.ModelProto, *, accuracy: int | None = None, level=None, save_to: Path | None = None):
+def _options(*, accuracy: int | None = None, level=None, save_to: Path | None = None) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = 1
@@ -87,7 +88,12 @@ def _session(model: onnx.ModelProto, *, accuracy: int | None = None, level=None,
         so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy))
     if save_to is not None:
         so.optimized_model_filepath = str(save_to)
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return so
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], **options) -> np.ndarray:
+    """Plain ORT's first output of ``model`` for ``feeds``, with the options ``_options`` makes."""
+    return run_plain(model.SerializeToString(), feeds, _options(**options))[0]
 
 
 def _input(K, sdt, M=3, seed=1):
@@ -97,7 +103,8 @@ def _input(K, sdt, M=3, seed=1):
 def _ort_fused_initializers(model, tmp_path: Path):
     """Let ORT fuse the QDQ model and return (MatMulNBits node, {name: array}) of what it produced."""
     out = tmp_path / "fused.onnx"
-    _session(model, accuracy=0, save_to=out)
+    ort.InferenceSession(model.SerializeToString(), _options(accuracy=0, save_to=out),
+                         providers=["CPUExecutionProvider"])  # for the optimized model it saves
     fused = onnx.load(str(out))
     nodes = [n for n in fused.graph.node if n.op_type == "MatMulNBits"]
     assert len(nodes) == 1, [n.op_type for n in fused.graph.node]
@@ -148,7 +155,7 @@ def test_dequantize_reference_matches_ort_dequantizelinear(wname, zp):
     g = helper.make_graph([helper.make_node("DequantizeLinear", ins, ["Y"], axis=0, block_size=bs)], "dq", [],
                           [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [K, N])], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR)
-    got = _session(m, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL).run(None, {})[0]
+    got = _run(m, {}, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     _, bits, signed = WEIGHT_TYPES[wname]
     np.testing.assert_array_equal(nbits_reference.dequantize_dq_reference(w, s, z, K, N, bits, signed, bs), got)
 
@@ -318,11 +325,11 @@ def test_twin_matches_ort_fused_qdq_bit_exact(wname, zp, sdt, K, N, bs, tmp_path
         if refusal:  # ortmem never writes this variant on the installed release (e.g. 1.25 fails its own run)
             pytest.skip(refusal)
         saved = tmp_path / f"fused{acc}.onnx"
-        fused = _session(qdq, accuracy=acc, save_to=saved).run(None, feed)[0]
+        fused = _run(qdq, feed, accuracy=acc, save_to=saved)
         # ORT did fuse (fp16 graphs get Cast nodes around it: x86 CPU has no fp16 MatMulNBits kernel, so
         # ORT's InsertCastTransformer runs it in fp32 and converts the scales, for the twin as well)
         assert [n.op_type for n in onnx.load(str(saved)).graph.node if n.op_type != "Cast"] == ["MatMulNBits"]
-        twin = _session(_twin_model(wname, w, s, z, K, N, bs, sdt, acc)).run(None, feed)[0]
+        twin = _run(_twin_model(wname, w, s, z, K, N, bs, sdt, acc), feed)
         assert np.array_equal(fused, twin), (
             f"accuracy {acc}: max |diff| {np.abs(fused.astype(np.float64) - twin).max()}")
 
@@ -337,9 +344,9 @@ def test_twin_close_to_unfused_qdq(wname, zp, sdt, K, N, bs):
         pytest.skip(refusal)
     w, s, z = _random_case(wname, K, N, bs, zp, sdt)
     feed = _input(K, sdt)
-    ref = _session(_qdq_model(wname, w, s, z, K, N, bs, sdt),
-                   level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL).run(None, feed)[0].astype(np.float64)
-    twin = _session(_twin_model(wname, w, s, z, K, N, bs, sdt, 0)).run(None, feed)[0].astype(np.float64)
+    ref = _run(_qdq_model(wname, w, s, z, K, N, bs, sdt), feed,
+               level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL).astype(np.float64)
+    twin = _run(_twin_model(wname, w, s, z, K, N, bs, sdt, 0), feed).astype(np.float64)
     rtol = 1e-5 if sdt == np.float32 else 2e-3
     scale = np.abs(ref).max()
     assert np.abs(twin - ref).max() <= rtol * scale, np.abs(twin - ref).max() / scale
@@ -352,9 +359,9 @@ def test_ort_2bit_fusion_bug_documented():
     w, s, z = _random_case(wname, K, N, bs, False, np.float32)
     qdq = _qdq_model(wname, w, s, z, K, N, bs, np.float32)
     feed = _input(K, np.float32)
-    ref = _session(qdq, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL).run(None, feed)[0]
-    fused = _session(qdq, accuracy=0).run(None, feed)[0]
-    twin = _session(_twin_model(wname, w, s, z, K, N, bs, np.float32, 0)).run(None, feed)[0]
+    ref = _run(qdq, feed, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    fused = _run(qdq, feed, accuracy=0)
+    twin = _run(_twin_model(wname, w, s, z, K, N, bs, np.float32, 0), feed)
     np.testing.assert_allclose(twin, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     if np.allclose(fused, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max()):
         pytest.fail("ORT's 2-bit DQ->MatMulNBits fusion is correct for N % 4 != 0 now: update _ort_fusion_is_broken")

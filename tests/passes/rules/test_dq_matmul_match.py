@@ -45,6 +45,7 @@ from tests.support.dq_graphs import (
     vi,
     wt,
 )
+from tests.support.reference import run_plain
 
 EXT = int(ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED)  # 2
 BASIC = int(ort.GraphOptimizationLevel.ORT_ENABLE_BASIC)  # 1
@@ -740,7 +741,7 @@ def _run_both(m, tmp_path, feeds):
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel(level)
         so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
-        outs.append(ort.InferenceSession(str(p), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0])
+        outs.append(run_plain(p, feeds, so)[0])
     return outs
 
 
@@ -863,7 +864,7 @@ def _run(m, tmp_path, feeds, level=ALL):
     onnx.save(m, p)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    return ort.InferenceSession(str(p), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    return run_plain(p, feeds, so)[0]
 
 
 @pytest.mark.parametrize("name", list(GATHERS))

@@ -24,6 +24,7 @@ from ortmem.base.units import parse_bytes
 from ortmem.onnxfile.weights import FILE_ALIGN
 from ortmem.measure.synth import SynthConfig, write_model
 from tests.support.builders import make_model, save, subgraph_model
+from tests.support.reference import run_plain
 
 DIMS = {"batch": 2, "seq": 16}
 CPUS = {"cpu:0": "CPUExecutionProvider", "cpu:1": "CPUExecutionProvider"}
@@ -374,7 +375,7 @@ def test_ort_settings_for_one_cuda_device(tiny, tmp_path, capfd):
     if "annotation-based layering rules" in err:
         assert "Parsed 2 annotation-based layering rules" in err and "Matched 1 out of 2 rules" in err
     ids = np.arange(32, dtype=np.int64).reshape(2, 16)
-    ref = ort.InferenceSession(str(tiny), providers=["CPUExecutionProvider"]).run(None, {"input_ids": ids})[0]
+    ref = run_plain(tiny, {"input_ids": ids})[0]
     assert np.array_equal(sess.run(None, {"input_ids": ids})[0], ref)
     bad = ort.SessionOptions()
     bad.add_session_config_entry("session.layer_assignment_settings", layer.replace("(", " "))
