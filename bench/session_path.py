@@ -153,7 +153,7 @@ SESSION_LAYERS = ("store", "session")
 #: The loading core (docs/architecture.md, ../shared/design.md): the model's own data types and what they
 #: are made of; calling them (``model.store``, ``ref.view()``, ``load(path)``) uses the model, it does not
 #: take the path anywhere.
-LOADING_CORE = ("root", "base", "onnxfile")
+LOADING_CORE = ("root", "base", "onnxfile", "files")
 
 
 def unit_of(module: str) -> Optional[str]:

@@ -29,7 +29,7 @@ TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 #: A file changed this recently may change again within the same timestamp tick, which ``stat`` cannot
 #: see (git's "racy" files): it is not stamped (:mod:`ortmem.files.stamps`), sources changed this
-#: recently are digested again (:mod:`ortmem.store.sources`), and no handoff record is made of it
+#: recently are digested again (:mod:`ortmem.files.sources`), and no handoff record is made of it
 #: (:mod:`ortmem.store.handoff_records`).
 RACY_SECONDS = 2.0
 PRIVATE_FILE_MODE = 0o600

@@ -244,7 +244,7 @@ def prepare_warm(model_path: str, options: dict, workdir: str) -> str:
     On a private copy of the model's files: an entry hard-links its source, and the cold strategies
     create and remove entries of the same model between the warm probes, which moves the shared
     source's ctime every time; each warm start would then read the source in full again to tell that
-    from an edit (:mod:`ortmem.store.sources`). A deployment's warm start sees a source nobody links
+    from an edit (:mod:`ortmem.files.sources`). A deployment's warm start sees a source nobody links
     in between, which the copy gives it.
 
     Then one more start once the files are no longer new: it checks every file in full and stamps them

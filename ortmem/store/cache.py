@@ -46,7 +46,7 @@ from ortmem.files import digest
 from ortmem.errors import CacheError
 from ortmem.base.child_env import STORE_FOLDER, cache_folder
 from ortmem.files.layout import MANIFEST, MODEL_FILE, SOURCE_LINK_PREFIX, WEIGHTS_FILE, Entry, reclaimable_bytes
-from ortmem.store.sources import linked_digests, private_mode, source_content, source_record, sources_problem
+from ortmem.files.sources import linked_digests, private_mode, source_content, source_record, sources_problem
 from ortmem.files.trust import (PRIVATE_FILE_MODE, TMP_PREFIX, TRASH_PREFIX, cache_file_problem, fsync_dir, make_private_dir, parent_untrusted_reason, read_nofollow, remove_aside, untrusted_reason, write_new)
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class Cache:
         return None
 
     def lookup_sourced(self, key: str) -> Optional[Entry]:
-        """:meth:`lookup`, then the sources the entry's manifest records (:func:`ortmem.store.sources.source_record`):
+        """:meth:`lookup`, then the sources the entry's manifest records (:func:`ortmem.files.sources.source_record`):
         an entry whose source changed is discarded (None). The manifest update that follows a confirmed
         content (a source's new ctime) is best effort: a read-only cache only digests again next time."""
         entry = self.lookup(key)
@@ -270,10 +270,10 @@ class Cache:
     def build_sourced(self, key: str, source: Path, sources: Sequence[Path],
                       builder: Callable[[Path], dict[str, Any]]) -> Entry:
         """:meth:`build` for an entry made from files: the model ``source`` and ``sources`` (its .onnx
-        and every data file). The manifest records them (:func:`ortmem.store.sources.source_record`),
+        and every data file). The manifest records them (:func:`ortmem.files.sources.source_record`),
         so :meth:`lookup_sourced` discards the entry once one changes; hard-linked sources get the
         digests just taken of them (each source is read once); files are no more permissive than
-        ``source`` (:func:`ortmem.store.sources.private_mode`).
+        ``source`` (:func:`ortmem.files.sources.private_mode`).
 
         The sources' digests are taken while the builder runs, in a thread: a full digest reads every
         source byte (0.7 s for the 0.6 GB model's 1 GB of sources on 2 cores, most of it the

@@ -41,7 +41,7 @@ What is checked, and when (:func:`finished_path`, on every use)
 -------------------------------------------------------------
 ``<stem>.json`` is written last and atomically; it records what the finished model is valid for
 (:func:`finished_key_parts`: ORT release and build, CPU, format, and the settings it was finished at), the source's identity (the
-.onnx and each external data file: :func:`ortmem.store.sources.source_record`) and a full digest of each
+.onnx and each external data file: :func:`ortmem.files.sources.source_record`) and a full digest of each
 written file. Before use, every file passes the cache's one trust check
 (:func:`ortmem.files.trust.cache_file_problem`: owner, mode, no symbolic link, size and, in ``"full"``
 mode, every byte), the key parts must equal this ORT's, CPU's and settings' and (``source`` given) the source must
@@ -67,7 +67,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ortmem.files import digest
-from ortmem.store.sources import source_record, sources_problem
+from ortmem.files.sources import source_record, sources_problem
 from ortmem.errors import CacheError
 from ortmem.files.trust import (PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, cache_file_problem, fsync_dir, read_nofollow, write_new)
 from ortmem.base.ort_class import ORT_SESSION  # ORT's own class: never a hooked session

@@ -4,7 +4,7 @@ A finished entry (``"kind": "prepared"`` in its manifest, the entries' name on d
 :func:`ortmem.store.finished.finish_model` writes with the stem ``model`` (``model.onnx``, ``model.data`` with ORT's pre-packed blobs, ``model.json``) under the
 cache's ``manifest.json``, so the cache's own checks apply to every byte (:meth:`ortmem.store.cache.Cache.verify`:
 trust check and digest of every file, per ``verify=``) and the manifest records the source files
-(:func:`ortmem.store.sources.source_record`), so a changed source is never served stale
+(:func:`ortmem.files.sources.source_record`), so a changed source is never served stale
 (:meth:`ortmem.store.cache.Cache.lookup_sourced`). Where ORT packs nothing (``useful`` False: a Conv net, a model
 of element-wise ops), where the saved model is not worth mapping (``refusal``) or ORT cannot save the
 model, the entry is a *marker*: a manifest with no files and ``"marker": true``, so later starts decide
@@ -35,7 +35,7 @@ from ortmem.errors import resource_failure
 from ortmem.store.cache import Cache
 from ortmem.files.layout import Entry
 from ortmem.files.layout import FINISHED_STEM as CONVERTED_STEM, MODEL_FILE
-from ortmem.store.sources import entry_key, onnx_version, private_mode, source_record
+from ortmem.files.sources import entry_key, onnx_version, private_mode, source_record
 from ortmem.ort.settings import OrtSettings
 from ortmem.base.hashing import short_hash
 from ortmem.store.finished import (FINISHED_FORMAT, NoSpaceError, FinishCheckError, FinishError, FinishedReport, finish_model, finished_problem, discard_finished, finished_key_parts, finished_settled, free_bytes, keep_decision_only, finished_path, read_manifest, settings_parts, source_files)

@@ -5,7 +5,7 @@ comes here with the model loaded and its conversion planned; a warm start never 
 start whose conversion ran in a helper process (:mod:`ortmem.session.cold_start_child`) takes only
 :func:`new_entry_start` from here: the writer, and with it the passes and onnx, is imported by
 :func:`publish` alone. The folder is the writer's (:mod:`ortmem.store.writer`), keys and source records are
-:mod:`ortmem.store.sources`', publishing and the creator lock the cache's (:mod:`ortmem.store.cache`).
+:mod:`ortmem.files.sources`', publishing and the creator lock the cache's (:mod:`ortmem.store.cache`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ortmem.store.cache import Cache
 from ortmem.store.hit import entry_start
 from ortmem.store.finisher import FinishLater
 from ortmem.files.layout import Entry
-from ortmem.store.sources import converted_key
+from ortmem.files.sources import converted_key
 from ortmem.store.start import Decision, Start
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 Why one entry point: a start asks the store one question (is there something ORT can load instead of
 converting this model?) and gets one answer: what ORT loads, what it loads instead if ORT refuses that,
 and what is left for after the session's first run. Everything the answer depends on happens behind
-:func:`start`: the keys (:mod:`ortmem.store.sources`), every lookup with its trust, digest and sources
+:func:`start`: the keys (:mod:`ortmem.files.sources`), every lookup with its trust, digest and sources
 checks (:mod:`ortmem.store.cache`), a converted entry's hit with the full check before anything is
 derived from it and ORT's finished model of it (:mod:`ortmem.store.hit`), a finished
 entry's own check (:mod:`ortmem.store.finished_entries`), and the work left for the background packer
@@ -25,7 +25,7 @@ from ortmem.ort.settings import OrtSettings, Packing
 from ortmem.store.cache import Cache
 from ortmem.store.hit import entry_start
 from ortmem.store.finished_entries import is_marker, finished_key, settings_record, usable_finished
-from ortmem.store.sources import converted_key
+from ortmem.files.sources import converted_key
 from ortmem.store.start import Decision, Start
 
 log = logging.getLogger(__name__)

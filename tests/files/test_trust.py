@@ -219,7 +219,7 @@ from pathlib import Path
 os.umask(0)
 from ortmem.store.cache import Cache
 from ortmem.session.convert import convert_cached
-from ortmem.store.sources import converted_key
+from ortmem.files.sources import converted_key
 from ortmem.ort.settings import session_settings
 from ortmem.onnxfile.loader import load
 shared, victim, attacker = map(Path, sys.argv[1:4])
@@ -471,7 +471,7 @@ def test_racy_source_is_checked_by_content(tmp_path, monkeypatch):
     """A same-size rewrite inside one timestamp tick is invisible to stat ("racy"): an entry built
     from a source written moments ago records the source's digest and checks it until the source
     is old enough for stat to tell."""
-    from ortmem.store import sources
+    from ortmem.files import sources
 
     path = tiny_decoder(tmp_path / "m", storage="external")
     cache = tmp_path / "cache"

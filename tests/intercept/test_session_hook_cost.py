@@ -36,7 +36,7 @@ s = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
 out = s.run(None, {"x": np.ones((4, 64), dtype=np.float32)})[0]
 status = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
 kib = lambda k: int(status[k].split()[0])
-report = [r["action"] for r in __import__("ortmem.intercept.session_hook").reach.session_hook.report()] if sys.argv[2] != "plain" else []
+report = [r["action"] for r in __import__("ortmem.intercept.session_hook").intercept.session_hook.report()] if sys.argv[2] != "plain" else []
 stdlib = sorted(m for m in ("dataclasses", "json", "logging", "shutil", "tempfile") if m in sys.modules)
 import json
 print(json.dumps({"stdlib": stdlib, "peak": kib("VmHWM") / 1024, "private": (kib("RssAnon") + kib("RssShmem")) / 1024,
@@ -94,7 +94,7 @@ if sys.argv[2] == "hooked":
 s = ort.InferenceSession(sys.argv[1], ort.SessionOptions(), providers=["CPUExecutionProvider"])
 feed = {"x": np.ones((1, 128), np.float32), "c": np.array(True), "trip": np.array(2, np.int64)}
 out = s.run(None, feed)[0]
-actions = ([r["action"] for r in __import__("ortmem.intercept.session_hook").reach.session_hook.report()]
+actions = ([r["action"] for r in __import__("ortmem.intercept.session_hook").intercept.session_hook.report()]
            if sys.argv[2] == "hooked" else [])
 print(json.dumps({"actions": actions, "out": out.tolist(), "onnx": "onnx" in sys.modules}))
 """

@@ -183,7 +183,7 @@ def test_a_helper_that_cannot_start_leaves_the_start_to_convert_itself(
 
 HELPER_RECORDING = """
 import sys
-import ortmem.passes.engine
+import ortmem.passes.engine as engine
 import ortmem.store.writer as writer
 real = engine.write_weights
 def recording(*a, threads=None, **k):

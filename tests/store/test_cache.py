@@ -26,7 +26,7 @@ from ortmem.store import finisher
 from ortmem.files import layout
 from ortmem.store.finished import finished_problem
 from ortmem.store.cache import creator_lock_path
-from ortmem.store.sources import converted_key
+from ortmem.files.sources import converted_key
 from ortmem.ort.release import capabilities
 from ortmem.ort.settings import session_settings
 from ortmem.measure.synth import SynthConfig, write_model

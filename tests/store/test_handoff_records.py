@@ -230,7 +230,7 @@ real = handoff_records.read_facts
 handoff_records.read_facts = lambda p, **k: walked.append(str(p)) or real(p, **k)
 s = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
 out = s.run(None, {"x": np.linspace(-1, 1, 256, dtype=np.float32).reshape(4, 64)})[0]
-actions = [r["action"] for r in __import__("ortmem.intercept.session_hook").reach.session_hook.report()]
+actions = [r["action"] for r in __import__("ortmem.intercept.session_hook").intercept.session_hook.report()]
 print(json.dumps({"walked": walked, "actions": actions, "out": out.tolist(),
                   "imported": sorted(m for m in ("shutil", "tempfile", "onnx", "ortmem.onnxfile.protowire") if m in sys.modules)}))
 """

@@ -1,5 +1,5 @@
 """One test per cache-key field (finding 11): changing the field is a miss, and the session's outputs
-equal plain ORT's under the new settings. Removing any field from ``ortmem.store.sources.converted_key`` makes
+equal plain ORT's under the new settings. Removing any field from ``ortmem.files.sources.converted_key`` makes
 its test fail (the entry built under the old settings would be served)."""
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_disabled_optimizers(tmp_path):
 @pytest.mark.parametrize("module", ["onnxruntime", "onnx", "ortmem"])
 def test_library_versions(tmp_path, monkeypatch, module):
     path, cache = _built(tmp_path)
-    import ortmem.store.sources as sources
+    import ortmem.files.sources as sources
 
     target = {"onnxruntime": ort, "onnx": onnx, "ortmem": sources}[module]
     monkeypatch.setattr(target, "__version__", "0.0.0-other")
@@ -79,7 +79,7 @@ def test_library_versions(tmp_path, monkeypatch, module):
 
 def test_conversion_format(tmp_path, monkeypatch):
     path, cache = _built(tmp_path)
-    import ortmem.store.sources as sources
+    import ortmem.files.sources as sources
 
     monkeypatch.setattr(sources, "CONVERSION_FORMAT", sources.CONVERSION_FORMAT + 1)
     _miss_and_equal(path, cache, _options)
@@ -108,7 +108,7 @@ def test_the_onnx_version_read_without_onnx_is_onnx_own():
     import subprocess
     import sys
 
-    probe = ("import sys\nfrom ortmem.store.sources import onnx_version\nv = onnx_version()\n"
+    probe = ("import sys\nfrom ortmem.files.sources import onnx_version\nv = onnx_version()\n"
              "assert 'onnx' not in sys.modules, 'onnx was imported'\nprint(v)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == onnx.__version__
