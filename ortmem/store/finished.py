@@ -268,6 +268,11 @@ GAIN_FRACTION = 0.8
 MEASURABLE_BYTES = 4 << 20
 
 
+#: Sizes the check tries for axes nothing names, after the default sequence length, when the source
+#: refuses its feeds (a convolution network's image sides must divide by its stride).
+UNKNOWN_DIM_RETRIES = (32, 64)
+
+
 def worth_mapping(source: Path, finished: Path, settings: OrtSettings, threads: int = 0) -> Optional[str]:
     """None when the finished model at ``ORT_DISABLE_ALL`` gives the source's outputs at ``settings`` bit
     for bit, has the source's graph inputs and outputs, and keeps measurably less private memory; else
@@ -276,7 +281,8 @@ def worth_mapping(source: Path, finished: Path, settings: OrtSettings, threads: 
     Each is asked of the installed ORT, not assumed: onnxruntime 1.28.0 reloads the saved blobs of a
     native MatMulNBits model as NaN (a silently wrong output had the entry been used). Feeds are synthetic
     (floats from a fixed seed, integers 0, batch 1, sequence 8; a decoder's first step, its cache empty:
-    :func:`ortmem.ort.feeds.decoder_dims`), made once from the source and given to both.
+    :func:`ortmem.ort.feeds.decoder_dims`; axes nothing names at 32, then 64, if the source refuses
+    them), made once from the source and given to both.
 
     Raises :class:`FinishCheckError` when the source itself cannot be run on them: that is no verdict
     on the finished model, and the caller records none. ORT's own log stays quiet (the error says why).
@@ -285,6 +291,7 @@ def worth_mapping(source: Path, finished: Path, settings: OrtSettings, threads: 
     from ortmem.ort.feeds import decoder_dims, make_inputs
 
     feeds: dict[str, Any] = {}
+    dims = decoder_dims(source)
 
     def run(path: Path, finished: bool) -> tuple[list[Any], int, list[tuple[Any, ...]]]:
         so = session_options(settings, threads, finished=finished)
@@ -293,7 +300,7 @@ def worth_mapping(source: Path, finished: Path, settings: OrtSettings, threads: 
         session = ORT_SESSION(str(path), so, providers=["CPUExecutionProvider"],
                                        disabled_optimizers=None if finished else sorted(settings.disabled_optimizers))
         if not feeds:
-            feeds.update(make_inputs(session, {"int_high": 1, "dims": decoder_dims(source)}))
+            feeds.update(make_inputs(session, {"int_high": 1, "dims": dims}))
         signature = [(v.name, v.type, tuple(v.shape)) for v in (*session.get_inputs(), *session.get_outputs())]
         outputs = session.run(None, feeds)
         trim()
@@ -301,13 +308,20 @@ def worth_mapping(source: Path, finished: Path, settings: OrtSettings, threads: 
         del session
         return outputs, kept, signature
 
-    try:
-        expected, source_kept, source_signature = run(source, False)
-    except Exception as exc:  # noqa: BLE001 - ORT's own types: a model synthetic feeds cannot run
-        shapes = ", ".join(f"{k} {list(np.shape(v))}" for k, v in feeds.items())
-        raise FinishCheckError(f"the check of the finished model could not run the source ({_ort_message(exc)}; "
-                                f"feeds: {shapes or 'none made'}); nothing recorded, a later start tries again",
-                                file=str(source)) from exc
+    attempts = (None, *UNKNOWN_DIM_RETRIES)
+    for attempt, seq in enumerate(attempts):
+        if seq is not None:  # the source refused the feeds: unknown axes larger (image sides that must
+            feeds.clear()    # divide by a network's stride, e.g. a detector's 32)
+            dims = {**dims, "seq": seq}
+        try:
+            expected, source_kept, source_signature = run(source, False)
+            break
+        except Exception as exc:  # noqa: BLE001 - ORT's own types: a model synthetic feeds cannot run
+            if not feeds or attempt == len(attempts) - 1:  # no feeds made: creation failed, retrying is no use
+                shapes = ", ".join(f"{k} {list(np.shape(v))}" for k, v in feeds.items())
+                raise FinishCheckError(f"the check of the finished model could not run the source ({_ort_message(exc)}; "
+                                       f"feeds: {shapes or 'none made'}); nothing recorded, a later start tries again",
+                                       file=str(source)) from exc
     try:
         got, finished_kept, signature = run(finished, True)
     except Exception as exc:  # noqa: BLE001 - the source runs on these feeds, the saved model does not

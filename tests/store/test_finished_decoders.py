@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 import pytest
 
@@ -152,3 +153,41 @@ def test_the_check_sessions_leave_ort_s_log_quiet_and_name_the_feeds(tmp_path):
     text = str(caught.value)
     assert GATHER_FAULT in text and str(model) in text and "past_key_values.0.key [1, 2, 0, 32]" in text
     assert ort.__version__  # the installed ORT is the one asked
+
+
+def _strided_conv_net(path: Path) -> Path:
+    """A detector-shaped stem: three unpadded stride-2 convolutions on an image of symbolic sides. Sides
+    of 8 shrink to 3, then 1, and the third kernel no longer fits (ORT refuses the run); 32 fits."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes, inits, prev, channels = [], [], "x", 3
+    for i in range(3):
+        w = numpy_helper.from_array(rng.standard_normal((4, channels, 3, 3)).astype(np.float32), f"w{i}")
+        inits.append(w)
+        nodes.append(helper.make_node("Conv", [prev, w.name], [f"c{i}"], strides=[2, 2]))
+        prev, channels = f"c{i}", 4
+    graph = helper.make_graph(nodes, "strided", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, "h", "w"])],
+                              [helper.make_tensor_value_info(prev, TensorProto.FLOAT, None)], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    return path
+
+
+def test_the_check_tries_larger_sides_when_the_source_refuses_its_feeds(tmp_path, monkeypatch):
+    """A network whose image sides must divide by its stride is still checked: unnamed axes are tried at
+    32 and 64 after the default, and the check's verdict comes from real runs; with no larger sides
+    tried, the same model is no verdict (FinishCheckError)."""
+    from ortmem.ort.settings import OrtSettings
+    from ortmem.store import finished
+
+    model = _strided_conv_net(tmp_path / "model.onnx")
+    (tmp_path / "finished").mkdir()
+    report = finished.finish_model(model, tmp_path / "finished", settings=OrtSettings())
+    assert report.useful or report.refusal  # a verdict from both sessions' runs, not "could not run"
+    if report.useful:
+        feeds = {"x": np.random.default_rng(1).standard_normal((1, 3, 64, 64)).astype(np.float32)}
+        assert_same_outputs(ortmem.InferenceSession(str(model), providers=CPU).run(None, feeds), run_plain(model, feeds))
+    monkeypatch.setattr(finished, "UNKNOWN_DIM_RETRIES", ())
+    with pytest.raises(FinishCheckError, match=r"x \[1, 3, 8, 8\]"):
+        finished.worth_mapping(model, model, OrtSettings())
