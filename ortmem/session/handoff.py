@@ -108,7 +108,7 @@ class Handoff:
     def with_recorded_settings(self) -> "Handoff":
         """Replay the settings a model written by ``ortmem recompute`` records (its execution order and
         the optimizers ORT must skip, :mod:`ortmem.ort.recorded_settings`) on what ORT is about to get."""
-        if self.memory is not None or not self._may_record_recompute():
+        if not self._may_record_recompute():
             return self  # a warm start: decided from the entry's bytes, nothing parsed, no onnx imported
         skeleton = self.skeleton()
         if not any(p.key.startswith(RECOMPUTE_METADATA) for p in skeleton.metadata_props):

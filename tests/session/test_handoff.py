@@ -237,9 +237,6 @@ def test_with_recorded_settings_parses_nothing_without_metadata(tmp_path, monkey
     assert_same_outputs(_create(replayed).run(None, CHAIN_FEEDS), run_plain(tmp_path / "rec.onnx", CHAIN_FEEDS))
 
 
-@pytest.mark.xfail(strict=True, reason="with_recorded_settings returns an in-memory conversion's handoff as it "
-                   "is: the settings its skeleton bytes record are not replayed, though they are for the same "
-                   "model converted into the cache or a temporary folder")
 @pytest.mark.usefixtures("no_temp_folder")
 def test_an_in_memory_conversion_replays_the_recorded_settings(qdq):
     handoff = prepare(str(qdq), Request.for_session(None, CPU, cache=False))
