@@ -114,3 +114,39 @@ def test_a_prepared_start_loads_no_onnx(tmp_path):
 
     if capabilities().prepacked_save:
         assert action == "finished" and not onnx_loaded
+
+
+def test_a_small_model_with_nothing_to_convert_imports_no_store(tmp_path):
+    """A model file below the finished-entry threshold with no DequantizeLinear is decided from its
+    bytes (:mod:`ortmem.onnxfile.scan`): ORT gets it as it is, or its skeleton beside a hard link, and
+    nothing of the store, the request or the handoff is imported. The one store module such a start
+    uses is its handoff records (the walk's facts kept for the next start, as the hook keeps them);
+    without a cache, not even that."""
+    import os
+
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    from tests.support import builders
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    plain = builders.save(builders.make_model(graph), tmp_path / "relu.onnx")
+    embedded = builders.save(builders.matmul_chain(np.random.default_rng(0), [64, 128, 16]), tmp_path / "chain.onnx")
+    env = {**os.environ, "ORTMEM_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("ORTMEM_PREPARE_MIN_BYTES", None)
+    heavy = ("onnx.", "ortmem.store.", "ortmem.session.request", "ortmem.session.handoff", "ortmem.passes", "ortmem.ort.release")
+
+    def start(path, cache: bool) -> list:
+        code = (f"import sys, json, ortmem\ns = ortmem.InferenceSession({str(path)!r}, providers=['CPUExecutionProvider'], "
+                f"cache={cache!r})\nloaded = sorted(m for m in sys.modules if m == 'onnx' or m.startswith({heavy!r}))\n"
+                "print(json.dumps([s.ortmem_action, loaded]))")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=120)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert start(plain, cache=False) == ["as-is", []]
+    assert start(embedded, cache=False) == ["mapped", []]
+    start(plain, cache=True)  # the first start with a cache opens it (creates its folder)
+    for path, action in ((plain, "as-is"), (embedded, "mapped"), (embedded, "mapped")):
+        assert start(path, cache=True) == [action, ["ortmem.store.handoff_records"]]

@@ -16,32 +16,35 @@ becomes a handoff here, in :func:`_from_verdict`, and nowhere else.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
-from dataclasses import replace
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
-from ortmem.onnxfile.model import Model
-from ortmem.onnxfile.scan import (DEQUANTIZE, FOLDER_KEY, file_mentions, min_finished_bytes, needs_session_path, plain_handoff)
-from ortmem.base.options import get_config
-from ortmem.store.handoff_records import facts_of, records_folder
-from ortmem.store.start import Decision, Start
-from ortmem.store.verdict import start
-from ortmem.session.handoff import Handoff
-from ortmem.session.request import AS_GIVEN, Request
+from ortmem.onnxfile.scan import (DEQUANTIZE, FOLDER_KEY, file_mentions, min_finished_bytes, needs_session_path, plain_handoff,
+                                  read_facts)
+from ortmem.base.child_env import store_folder
+from ortmem.base.options import get_config, scoped_config
 
 if TYPE_CHECKING:  # onnx is imported by a start that parses a model, never by a warm start
     import onnx
+    import onnxruntime as ort
 
-ModelInput = Union[str, os.PathLike, bytes, "onnx.ModelProto", Model]
+    from ortmem.onnxfile.model import Model
+    from ortmem.session.handoff import Handoff
+    from ortmem.session.request import Request
+    from ortmem.store.start import Start
+
+ModelInput = Union[str, os.PathLike, bytes, "onnx.ModelProto", "Model"]
 
 
 def prepare(model: ModelInput, request: Optional[Request] = None) -> Handoff:
     """Turn any supported model input into a :class:`Handoff` (may load or convert; never copies weights)."""
-    request = request if request is not None else AS_GIVEN
-    if isinstance(model, Model):
+    if request is None:
+        from ortmem.session.request import AS_GIVEN
+
+        request = AS_GIVEN
+    if _is_loaded_model(model):
         from ortmem.session.cold_start import converted_or_as_is
 
         return _from_verdict(converted_or_as_is(model, request))
@@ -54,6 +57,95 @@ def prepare(model: ModelInput, request: Optional[Request] = None) -> Handoff:
     raise TypeError(f"ortmem cannot load a model from {type(model).__name__}; pass a path, bytes, ModelProto or ortmem.Model")
 
 
+class BytesHandoff:
+    """What ORT is given for a model file decided from its bytes alone (:func:`bytes_start`): the file
+    as it is (``"as-is"``) or its skeleton beside a hard link (``"mapped"``, the file itself the
+    fallback). It answers what a session's creation asks of a :class:`~ortmem.session.handoff.Handoff`
+    without importing the handoff or the store; :meth:`handoff` makes the equal ``Handoff`` when
+    more is asked (``ortmem_handoff``, a retry on the fallback)."""
+
+    __slots__ = ("model", "action", "tempdirs", "fallback")
+    #: Nothing is left for after the first run, and no recompute setting is replayed (the bytes
+    #: decide only a file that records none).
+    later = None
+    reason = ""
+    report = None
+    cache_hit = False
+
+    def __init__(self, model: str, action: str, tempdirs: tuple[Path, ...] = (), fallback: Optional[str] = None):
+        self.model, self.action, self.tempdirs, self.fallback = model, action, tempdirs, fallback
+
+    def handoff(self) -> Handoff:
+        """The :class:`~ortmem.session.handoff.Handoff` :func:`prepare` makes of the same decision."""
+        from ortmem.session.handoff import Handoff
+        from ortmem.store.start import Decision
+
+        return Handoff(model=self.model, action=Decision(self.action), tempdirs=self.tempdirs, fallback=self.fallback)
+
+    def with_recorded_settings(self) -> "BytesHandoff":
+        return self  # the file's bytes hold no recompute metadata (else the session path decides)
+
+    @contextmanager
+    def creation_options(self, user_options: Optional[ort.SessionOptions]) -> Iterator[ort.SessionOptions]:
+        """``Handoff.creation_options`` for a handoff with no config entry, no recompute setting, no
+        borrowed memory and no finished model: the caller's options (or fresh ones), unchanged."""
+        with scoped_config(user_options, {}) as options:
+            yield options
+
+    def after_create(self) -> None:
+        """Remove the private folder of a skeleton written for this start (safe to call again)."""
+        if self.tempdirs:
+            import shutil  # only then: a file ORT gets as it is, or a record's skeleton, removes nothing
+
+            for d in self.tempdirs:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def bytes_start(model: Any, sess_options: Optional[ort.SessionOptions], *, convert: bool, cache: Any,
+                verify: str) -> Optional[BytesHandoff]:
+    """What :func:`prepare` decides for a model file below the finished-entry threshold with nothing
+    to convert, decided from its bytes (:mod:`ortmem.onnxfile.scan`) before anything of the store,
+    the request or the handoff is imported: ORT gets the file, or its skeleton beside a hard link.
+    None where the model needs more (:func:`prepare` decides then, as for any model): not a path,
+    the caller's options naming the external-data folder, a file at or above the threshold,
+    DequantizeLinear to convert, facts :func:`_plain` would not hand over, a ``verify`` value the
+    cache refuses, or a cache folder not there yet or one the store would not use (the request opens
+    the cache then: it creates the folder, or warns once, :func:`ortmem.store.cache.open_cache`). The
+    walk is recorded as :func:`_plain` records it (:mod:`ortmem.store.handoff_records`)."""
+    if not isinstance(model, (str, os.PathLike)):
+        return None
+    if not (cache is True or cache is False or isinstance(cache, (str, os.PathLike))):
+        return None
+    if sess_options is not None and get_config(sess_options, FOLDER_KEY):
+        return None
+    path = Path(model)
+    if not path.is_file() or path.stat().st_size >= min_finished_bytes():
+        return None
+    if convert and file_mentions(path, DEQUANTIZE):
+        return None  # converted, or not for the providers: the request says which (asked first, as ever)
+    records = None
+    if cache is not False:
+        from ortmem.files.digest import VERIFY_MODES
+        from ortmem.store.handoff_records import records_folder
+
+        root = store_folder(cache)
+        if verify not in VERIFY_MODES or not root.is_dir():
+            return None  # the cache refuses the value, or creates its folder: the request opens it
+        records = records_folder(root)
+        if records is None:  # an untrusted folder: the store's own checks decide (and warn)
+            return None
+    # Nothing to convert whatever the providers: ``convert`` stands for the request's ``converting``
+    # (the walk finds DequantizeLinear only where the search does).
+    return _bytes_decision(path, convert, records, settled=False)
+
+
+def _is_loaded_model(model: object) -> bool:
+    """Whether ``model`` is an :class:`ortmem.Model`, asked without importing the loader: a caller
+    holding one has imported it already."""
+    loaded = sys.modules.get("ortmem.onnxfile.model")
+    return loaded is not None and isinstance(model, loaded.Model)
+
+
 def _is_model_proto(model: object) -> bool:
     """Whether ``model`` is an ``onnx.ModelProto``, asked without importing onnx: a caller holding one
     has imported it already."""
@@ -63,6 +155,12 @@ def _is_model_proto(model: object) -> bool:
 
 def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
     """A model file: the store's entry when it has one, else the model loaded, converted or as given."""
+    from dataclasses import replace
+
+    from ortmem.session.handoff import Handoff
+    from ortmem.store.start import Decision, Start
+    from ortmem.store.verdict import start
+
     if request.sess_options is not None and get_config(request.sess_options, FOLDER_KEY):
         # ORT would look for every external file in the caller's folder, not beside what we give it
         return Handoff(model=str(model), action=Decision.UNTOUCHED, reason=f"the caller's SessionOptions set {FOLDER_KEY}")
@@ -101,33 +199,53 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
 
 def _plain(path: Path, request: Request, *, settled: bool) -> Optional[Handoff]:
     """The handoff of a model file that needs nothing of the loader or the conversion, decided from its
-    bytes (:mod:`ortmem.onnxfile.scan`, as the hook's light route decides): ORT gets the file, or its
-    skeleton beside a hard link (``mapped``), and no onnx, loader or pass is imported, so ortmem costs
-    nothing where it does nothing. Asked of a file below the finished-entry threshold (nothing in the
-    store can be meant for it unless it has something to convert: a byte search, cheaper than the
-    walk) and of a model the store has ``settled`` (its verdict ``UNCONVERTED``: an earlier start
-    loaded it, converted nothing, and its files are unchanged, so neither the conversion nor the
-    loader's checks are needed again). None sends the model the loader's way."""
+    bytes (:func:`_bytes_decision`, as the hook's light route decides); None sends the model the
+    loader's way."""
     if not path.is_file() or not settled and request.converting and file_mentions(path, DEQUANTIZE):
         return None
+    from ortmem.store.handoff_records import records_folder
+
     records = records_folder(request.cache.root) if request.cache is not None else None
-    facts = facts_of(path, records)
+    decided = _bytes_decision(path, request.converting, records, settled=settled)
+    return decided.handoff() if decided is not None else None
+
+
+def _bytes_decision(path: Path, converting: bool, records: Optional[Path], *, settled: bool) -> Optional[BytesHandoff]:
+    """What ORT gets for a model file that needs nothing of the loader or the conversion, decided from
+    its bytes (:mod:`ortmem.onnxfile.scan`): the file, or its skeleton beside a hard link (``mapped``),
+    and no onnx, loader or pass is imported, so ortmem costs nothing where it does nothing. Asked of a
+    file below the finished-entry threshold whose bytes the caller searched for DequantizeLinear to
+    convert (nothing in the store can be meant for it unless it has something to convert: a byte
+    search, cheaper than the walk) and of a model the store has ``settled`` (its verdict
+    ``UNCONVERTED``: an earlier start loaded it, converted nothing, and its files are unchanged, so
+    neither the conversion nor the loader's checks are needed again). The
+    walk's facts come from, and go to, the handoff records in ``records`` (None: walked, not
+    recorded). None sends the model the loader's way."""
+    if records is None:
+        facts = read_facts(path)
+    else:
+        from ortmem.store.handoff_records import facts_of
+
+        facts = facts_of(path, records)
     if settled and not facts.embedded_bytes and not facts.recompute and facts.has_graph:
-        return Handoff(model=str(path), action=Decision.AS_IS)  # external data ORT maps itself, as plain ORT does
-    if needs_session_path(facts, request.converting and not settled):
+        return BytesHandoff(str(path), "as-is")  # external data ORT maps itself, as plain ORT does
+    if needs_session_path(facts, converting and not settled):
         return None
     plain = plain_handoff(path, facts)
     if plain is None:
         return None
-    if plain.action == Decision.AS_IS.value:  # the scan's own word (onnxfile sits below the store)
-        return Handoff(model=str(plain.model), action=Decision.AS_IS)
+    if plain.action == "as-is":  # the scan's own word (onnxfile sits below the store)
+        return BytesHandoff(str(plain.model), "as-is")
     # ORT refusing the skeleton gets the file itself (its own error, or the model as given, one warning)
-    return Handoff(model=str(plain.model), action=Decision.MAPPED,
-                   tempdirs=(plain.workdir,) if plain.workdir is not None else (), fallback=str(path))
+    return BytesHandoff(str(plain.model), "mapped", (plain.workdir,) if plain.workdir is not None else (), str(path))
 
 
 def _spill(write: Callable, request: Request) -> Handoff:
     """Write an in-memory model to a private file so its weights can be mapped instead of copied."""
+    import shutil
+    import tempfile
+    from dataclasses import replace
+
     from ortmem.onnxfile.loader import load
     from ortmem.session.cold_start import converted_or_as_is
 
@@ -148,6 +266,8 @@ def _spill(write: Callable, request: Request) -> Handoff:
 def _from_verdict(outcome: Union[Handoff, Start]) -> Handoff:
     """The handoff of a store verdict that names something ORT loads (a hit, or the entry a conversion
     just published); a handoff made without the store is returned as it is."""
+    from ortmem.session.handoff import Handoff
+
     if isinstance(outcome, Handoff):
         return outcome
     assert outcome.path is not None

@@ -8,23 +8,20 @@ whatever ORT borrows must outlive it.
 from __future__ import annotations
 
 import contextlib
-import gc
-import logging
 import os
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import onnxruntime as ort
 
 from ortmem.errors import resource_failure
-from ortmem.session.handoff import ENTRY_ACTIONS, Handoff
-from ortmem.store.start import Decision
-from ortmem.session.decide import ModelInput, prepare
-from ortmem.session.request import Request
+from ortmem.session.decide import BytesHandoff, ModelInput, bytes_start, prepare
 from ortmem.base.hygiene import allocator_hygiene
 from ortmem.base.hygiene import trim as release_free_heap
+from ortmem.base.logs import warning
 from ortmem.base.ort_class import ORT_SESSION
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:  # imported by a start whose model needs them (not one decided from the file's bytes)
+    from ortmem.session.handoff import Handoff
 
 
 class InferenceSession(ORT_SESSION):
@@ -91,14 +88,22 @@ class InferenceSession(ORT_SESSION):
         verify: str = "full",
         **kwargs: Any,
     ) -> None:
-        request = Request.for_session(sess_options, providers, convert=convert, cache=cache, prepacked=prepacked,
-                                      verify=verify, progress=progress,
-                                      disabled_optimizers=kwargs.get("disabled_optimizers"))
+        # A model file below the finished-entry threshold with nothing to convert is decided from its
+        # bytes first (ortmem.onnxfile.scan): the request, the store and the handoff are imported only
+        # for a model that needs them (a program whose models ORT gets as they are pays none of it).
+        plain = bytes_start(model, sess_options, convert=convert, cache=cache, verify=verify)
+        request = None
+        if plain is None:
+            from ortmem.session.request import Request
+
+            request = Request.for_session(sess_options, providers, convert=convert, cache=cache, prepacked=prepacked,
+                                          verify=verify, progress=progress,
+                                          disabled_optimizers=kwargs.get("disabled_optimizers"))
         with contextlib.ExitStack() as pinned:
             if trim:  # glibc would keep what a conversion here frees: pin its thresholds (ortmem.base.hygiene)
                 pinned.enter_context(allocator_hygiene())
-            self._ortmem_handoff = prepare(model, request)
-            unpinned = self._ortmem_handoff.action in ENTRY_ACTIONS
+            self._ortmem_handoff = plain if plain is not None else prepare(model, request)
+            unpinned = plain is None and _maps_an_entry(self._ortmem_handoff)
             if unpinned:
                 # ORT maps every weight of an entry-like folder: its creation runs under glibc's own
                 # thresholds. Pinned, each buffer ORT allocates became a fresh mapping with fresh page
@@ -134,12 +139,15 @@ class InferenceSession(ORT_SESSION):
     @property
     def ortmem_handoff(self) -> Handoff:
         """What ORT was given and what ortmem decided (read-only)."""
+        if isinstance(self._ortmem_handoff, BytesHandoff):  # decided from the file's bytes: made on demand
+            self._ortmem_handoff = self._ortmem_handoff.handoff()
         return self._ortmem_handoff
 
     @property
     def ortmem_action(self) -> str:
         """What ortmem gave ORT: the value of ``Handoff.action`` ("converted", "finished", "cache-hit", ...)."""
-        return self._ortmem_handoff.action.value
+        action = self._ortmem_handoff.action
+        return action if isinstance(action, str) else action.value
 
     @property
     def ortmem_reason(self) -> str:
@@ -160,7 +168,7 @@ class InferenceSession(ORT_SESSION):
     def ortmem_recompute(self) -> Any:
         """The session changes a model written by ``ortmem recompute`` records (``execution_order``,
         ``session_config``), replayed for this session's creation; empty for any other model."""
-        return self._ortmem_handoff.recompute
+        return self.ortmem_handoff.recompute
 
     def run(self, output_names, input_feed, run_options=None):  # type: ignore[override]
         return self._ortmem_ran(super().run(output_names, input_feed, run_options))
@@ -176,7 +184,7 @@ class InferenceSession(ORT_SESSION):
             try:
                 later.start()
             except Exception as exc:  # noqa: BLE001 - no thread or process left: the run itself succeeded
-                log.warning("ortmem: could not start packing in the background (%s); a later start packs", exc)
+                warning(__name__, "ortmem: could not start packing in the background (%s); a later start packs", exc)
         return result
 
     def _retry_with_fallback(self, failure: str, short_of_resources: bool, *args: Any, **kwargs: Any) -> None:
@@ -187,17 +195,21 @@ class InferenceSession(ORT_SESSION):
         is kept, since it is as good as before. Either way what the failed attempt took is given back
         first (its session collected, the heap trimmed), so the fallback needs no more than plain ORT
         would; should it fail too, the caller gets ORT's own error on the fallback, nothing chained."""
-        refused = self._ortmem_handoff
+        import gc
+
+        from ortmem.store.start import Decision
+
+        refused = self.ortmem_handoff
         what = {Decision.FINISHED: "finished model",
                 Decision.MAPPED: "skeleton of the mapped model"}.get(refused.action, "model")
         gc.collect()  # ORT's half-made session, its thread pools and mappings, held by reference cycles
         release_free_heap()
         if short_of_resources:
-            log.warning("ortmem: onnxruntime ran short of resources loading the %s %s (%s); using %s "
-                        "(the entry is kept)", what, refused.model, failure, refused.fallback)
+            warning(__name__, "ortmem: onnxruntime ran short of resources loading the %s %s (%s); using %s "
+                    "(the entry is kept)", what, refused.model, failure, refused.fallback)
         else:
-            log.warning("ortmem: onnxruntime could not load the %s %s (%s); using %s",
-                        what, refused.model, failure, refused.fallback)
+            warning(__name__, "ortmem: onnxruntime could not load the %s %s (%s); using %s",
+                    what, refused.model, failure, refused.fallback)
         self._ortmem_handoff = refused.refused(keep=short_of_resources)
         super().__init__(self._ortmem_handoff.model, *args, **kwargs)
 
@@ -212,3 +224,11 @@ class InferenceSession(ORT_SESSION):
             finally:
                 if self._sess_options is options and options is user_options:
                     self._sess_options = user_options
+
+
+def _maps_an_entry(handoff: Handoff) -> bool:
+    """Whether ORT maps every weight of ``handoff``'s model from a folder of ortmem's own (its creation
+    runs unpinned, :data:`ortmem.session.handoff.ENTRY_ACTIONS`)."""
+    from ortmem.session.handoff import ENTRY_ACTIONS
+
+    return handoff.action in ENTRY_ACTIONS

@@ -136,3 +136,28 @@ def test_bad_input_never_reaches_ort(tmp_path):
         ortmem.InferenceSession(bad)
     with pytest.raises(TypeError):
         ortmem.InferenceSession(12345)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_start_decided_from_the_bytes_hands_over_what_prepare_decides(tmp_path, rng, monkeypatch, cache):
+    """A small model file with nothing to convert is decided from its bytes before the request or the
+    store is asked (:func:`ortmem.session.decide.bytes_start`): the session's handoff is the one
+    :func:`ortmem.session.decide.prepare` makes of the same file, and ORT's outputs are plain ORT's."""
+    import os
+
+    from ortmem.session.decide import prepare
+    from ortmem.session.request import Request
+
+    monkeypatch.setenv("ORTMEM_CACHE_DIR", str(tmp_path / "cache"))
+    path = mb.save(mb.matmul_chain(rng, [64, 128, 16]), tmp_path / "m.onnx")
+    feeds = _feeds_chain(rng, 64)
+    ortmem.InferenceSession(path, cache=cache)  # the first start with a cache creates its folder
+    s = ortmem.InferenceSession(path, cache=cache)
+    assert s.ortmem_action == "mapped" and s.ortmem_reason == "" and s.ortmem_report is None and not s.ortmem_cache_hit
+    expected = prepare(path, Request.for_session(None, None, cache=cache))
+    handoff = s.ortmem_handoff
+    assert (handoff.action, handoff.fallback, handoff.config, handoff.later) == (expected.action, expected.fallback,
+                                                                                expected.config, expected.later)
+    assert os.path.basename(handoff.model) == os.path.basename(expected.model)  # a skeleton beside a hard link
+    expected.after_create()
+    np.testing.assert_array_equal(s.run(None, feeds)[0], ort.InferenceSession(str(path)).run(None, feeds)[0])
