@@ -47,7 +47,7 @@ class _Package(types.ModuleType):
     """This package's module type: a submodule bound under a public function's name binds the function."""
 
     def __setattr__(self, name: str, value: object) -> None:
-        if isinstance(value, types.ModuleType) and _LAZY.get(name) == "." + name:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == f"{__name__}.{name}":
             value = getattr(value, name)
         super().__setattr__(name, value)
 

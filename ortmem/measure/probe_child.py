@@ -196,8 +196,8 @@ def run_probe(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def imported_packages(names: set[str]) -> list[str]:
-    """Module names grouped to what a reader recognises: ``ortmem.<module>`` for ortmem's own (which of
-    its modules a strategy loaded), the top-level package for everything else (``onnx``, ``google``)."""
+    """Module names grouped to what a reader recognises: ``ortmem.<folder>`` for ortmem's own (which of
+    its layers a strategy loaded), the top-level package for everything else (``onnx``, ``google``)."""
     out = {".".join(n.split(".")[:2]) if n.startswith("ortmem.") else n.split(".")[0] for n in names}
     return sorted(out)
 
