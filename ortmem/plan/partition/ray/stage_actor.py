@@ -35,7 +35,11 @@ class StageWorker:
                  sess_options: Callable[[], Any] | None = None):
         import onnxruntime  # noqa: F401  (imported before the baseline, as the probe does)
 
+        # the whole session path before the baseline, as the probe does: the stage's memory is its
+        # session's, not ortmem's imports (the session class alone defers them to the first start)
+        from ortmem.session import decide, handoff, request  # noqa: F401
         from ortmem.session.inference import InferenceSession  # noqa: F401
+        from ortmem.store import verdict  # noqa: F401
 
         self.stage, self.node = stage, node
         self.folder = Path(folder)
