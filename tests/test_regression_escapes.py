@@ -11,12 +11,12 @@ The faults, and the test that holds each:
    included: a key without one of them lets the foreign files be mapped.
 2. ``ctime`` dropped from a source's identity:
    ``test_a_source_edited_in_place_with_its_mtime_restored_is_never_served_stale``.
-3. The background packer does not take the creator lock:
-   ``test_the_background_packer_does_not_pack_while_another_process_holds_the_creator_lock``.
+3. The background finisher does not take the creator lock:
+   ``test_the_background_finisher_does_not_pack_while_another_process_holds_the_creator_lock``.
 4. A hit finishes the entry while another process holds its creator lock:
    ``test_a_hit_does_not_finish_while_another_process_holds_the_creator_lock``.
-5. ``ORTMEM_HOOK`` kept in the packer's environment:
-   ``test_a_packer_started_from_a_hooked_program_runs_unhooked``.
+5. ``ORTMEM_HOOK`` kept in the finisher's environment:
+   ``test_a_finisher_started_from_a_hooked_program_runs_unhooked``.
 6. The external-data end-of-file check off by one:
    ``test_external_data_one_byte_short_is_refused_and_exactly_long_enough_loads``.
 7. The block-size bound of the DQ+MatMul matcher held by a single value:
@@ -64,7 +64,7 @@ from ortmem.ort.release import capabilities
 from ortmem.ort.settings import session_settings
 from ortmem.ort.variants import dq_matmul_model
 from ortmem.passes.rules.dq_matmul_match import dq_matmul_match
-from ortmem.store.finisher import FinishLater, run as run_packer, wait_background
+from ortmem.store.finisher import FinishLater, run as run_finisher, wait_background
 from ortmem.measure.synth import SynthConfig, write_model
 from tests.support import builders as mb
 from tests.support.compare import assert_same_outputs
@@ -84,7 +84,7 @@ LOCK_DEADLINE_S = 30.0
 # ------------------------------------------------------------------------------------------ helpers
 @pytest.fixture
 def qdq(tmp_path) -> Path:
-    """A tiny Llama-shaped int4 QDQ model (external data): converted by ortmem, too small for a packer."""
+    """A tiny Llama-shaped int4 QDQ model (external data): converted by ortmem, too small for a finisher."""
     path = tmp_path / "q" / "model.onnx"
     path.parent.mkdir()
     return write_model(SynthConfig.tiny(storage="external"), path)
@@ -96,7 +96,7 @@ def _only_entry(root: Path):
 
 
 def _child_env() -> dict[str, str]:
-    """The environment of a child that must import the ortmem under test (as the packer's does)."""
+    """The environment of a child that must import the ortmem under test (as the finisher's does)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
     return env
@@ -164,7 +164,7 @@ def _mapped_inodes() -> set[int]:
 
 
 #: The background job on another machine, simulated in a child process: what ``finished_key_parts`` reads there.
-_FOREIGN_PACKER = """
+_FOREIGN_FINISHER = """
 import json, platform, sys
 import onnxruntime
 from ortmem.ort import release
@@ -193,9 +193,9 @@ def test_finished_models_made_for_another_cpu_machine_or_format_are_not_mapped(f
     sees another ``field``; the warm start runs here, on this machine."""
     cache = tmp_path / "cache"
     expected = run_plain(qdq, FEEDS)
-    ortmem.InferenceSession(qdq, providers=CPU, cache=cache)  # cold: converts (too small for a packer)
+    ortmem.InferenceSession(qdq, providers=CPU, cache=cache)  # cold: converts (too small for a finisher)
     entry = _only_entry(cache)
-    r = subprocess.run([sys.executable, "-c", _FOREIGN_PACKER, str(cache), entry.key, field], env=_child_env(),
+    r = subprocess.run([sys.executable, "-c", _FOREIGN_FINISHER, str(cache), entry.key, field], env=_child_env(),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and _stem(entry.path) and (entry.path / f"{_stem(entry.path)}.json").exists(), \
         r.stderr[-2000:]
@@ -240,8 +240,8 @@ def test_a_source_edited_in_place_with_its_mtime_restored_is_never_served_stale(
 
 # ------------------------------------------------------------------------------ 3, 4: creator lock
 @needs_saving
-def test_the_background_packer_does_not_pack_while_another_process_holds_the_creator_lock(qdq, tmp_path):
-    """The packer (``python -m ortmem.store.finisher``, as a cold start leaves it) finds the entry's
+def test_the_background_finisher_does_not_pack_while_another_process_holds_the_creator_lock(qdq, tmp_path):
+    """The finisher (``python -m ortmem.store.finisher``, as a cold start leaves it) finds the entry's
     creator lock held by another process: it packs nothing until that process lets go."""
     cache = tmp_path / "cache"
     expected = run_plain(qdq, FEEDS)
@@ -249,18 +249,18 @@ def test_the_background_packer_does_not_pack_while_another_process_holds_the_cre
     entry = _only_entry(cache)
     job = FinishLater(str(cache), entry.key, "full")
     holder = LockHolder(cache, entry.key)
-    packer = None
+    finisher = None
     try:
-        packer = subprocess.Popen([sys.executable, "-m", "ortmem.store.finisher", json.dumps(asdict(job))],
+        finisher = subprocess.Popen([sys.executable, "-m", "ortmem.store.finisher", json.dumps(asdict(job))],
                                   env=_child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        _until(lambda: packer.poll() is not None, holder)
-        assert _packed_or_packing(entry.path) == [], "the packer packed while another process held the lock"
+        _until(lambda: finisher.poll() is not None, holder)
+        assert _packed_or_packing(entry.path) == [], "the finisher packed while another process held the lock"
     finally:
         holder.release()
-        if packer is not None:
-            _, err = packer.communicate(timeout=120)
-    assert packer.returncode == 0, err[-2000:]
-    assert run_packer(job) is not None and finished_problem(entry.path, _stem(entry.path)) is None  # once free
+        if finisher is not None:
+            _, err = finisher.communicate(timeout=120)
+    assert finisher.returncode == 0, err[-2000:]
+    assert run_finisher(job) is not None and finished_problem(entry.path, _stem(entry.path)) is None  # once free
     warm = ortmem.InferenceSession(qdq, providers=CPU, cache=cache)
     assert warm.ortmem_action == "finished"
     assert_same_outputs(warm.run(None, FEEDS), expected)
@@ -299,7 +299,7 @@ def test_a_hit_does_not_finish_while_another_process_holds_the_creator_lock(qdq,
     assert_same_outputs(result["out"], expected)
 
 
-# --------------------------------------------------------------------------- 5: the packer unhooked
+# --------------------------------------------------------------------------- 5: the finisher unhooked
 _RECORDER = """
 import atexit, json, os, sys
 
@@ -321,14 +321,14 @@ import os
 os.environ["ORTMEM_PREPARE_MIN_BYTES"] = "0"  # this small model gets the job a big one gets
 s = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
 out = s.run(None, {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)})[0]
-print(json.dumps({"action": s.ortmem_action, "packers": finisher.started_packers(),
+print(json.dumps({"action": s.ortmem_action, "finishers": finisher.started_finishers(),
                   "waited": finisher.wait_background(120), "out": out.tolist()}))
 """
 
 
 @needs_saving
-def test_a_packer_started_from_a_hooked_program_runs_unhooked(qdq, tmp_path):
-    """Under ``python -m ortmem run`` every child interpreter is hooked, but the packer a cold start
+def test_a_finisher_started_from_a_hooked_program_runs_unhooked(qdq, tmp_path):
+    """Under ``python -m ortmem run`` every child interpreter is hooked, but the finisher a cold start
     leaves is ortmem's own work: it must run plain (no hook installed, none of its packing sessions
     routed through ortmem), and still pack."""
     site = tmp_path / "site"
@@ -345,11 +345,11 @@ def test_a_packer_started_from_a_hooked_program_runs_unhooked(qdq, tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
-    assert result["action"] == "converted" and result["waited"] and len(result["packers"]) == 1
+    assert result["action"] == "converted" and result["waited"] and len(result["finishers"]) == 1
     assert_same_outputs([np.array(result["out"], dtype=np.float32)], run_plain(qdq, FEEDS))
     records = {rec["pid"]: rec for rec in map(json.loads, record.read_text().splitlines())}
-    packer = records[result["packers"][0]]
-    assert not packer["hooked"] and packer["sessions"] == 0, f"the packer ran hooked: {packer}"
+    finisher = records[result["finishers"][0]]
+    assert not finisher["hooked"] and finisher["sessions"] == 0, f"the finisher ran hooked: {finisher}"
     assert any(rec["hooked"] for rec in records.values())  # the program itself was (the setup works)
     assert finished_problem(_only_entry(cache).path, _stem(_only_entry(cache).path)) is None  # and the job did its work
 

@@ -1,4 +1,4 @@
-"""The environment of ortmem's own helper processes: the release probe, the background packer, measurement
+"""The environment of ortmem's own helper processes: the release probe, the background finisher, measurement
 children. One function, so every helper is started the same way.
 
 Why: ``python -m ortmem run`` exports the hook to every Python child of the program it runs (the switch

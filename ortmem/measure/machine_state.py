@@ -8,7 +8,7 @@ after a cold one can take twice as long). The flush is made after any preparatio
 step, which may itself write (``ortmem-start2`` prepares with a whole cold start).
 
 Why wait for leftovers, and how they are found: a strategy may leave processes running after its
-measured process exits; ortmem's cold start leaves its background packer (``ortmem.store.finisher``),
+measured process exits; ortmem's cold start leaves its background finisher (``ortmem.store.finisher``),
 niced and in a session of its own (``start_new_session``), so neither the measured process's exit nor
 a kill of its process group ends it, and once its parent exits it is re-parented away from the bench.
 While a :class:`Leftovers` scope is open this process is a *child subreaper*

@@ -335,7 +335,7 @@ def _assemble(
     t_end = ev.get("run_end", t_create_end)
     main = raw["pid"]
     slack = 2 * interval  # a sample taken just after an event still belongs to that phase
-    # A cold start's background packer (ortmem.store.finisher) is spawned as the first run returns:
+    # A cold start's background finisher (ortmem.store.finisher) is spawned as the first run returns:
     # until its exec, /proc shows the measured process's own memory under its pid (a 1.6 GB model's
     # run peak once read 1.96x), and afterwards it is reported apart (background_peak_bytes).
     background = set(raw.get("background_pids") or ())
@@ -354,8 +354,8 @@ def _assemble(
         return sum(last_hwm.values())
 
     def background_peak() -> int:
-        """The packers' own high-water marks: each one's last reading (exec starts a new memory map
-        with its own mark, so the last reading is the packer's, not its parent's)."""
+        """The finishers' own high-water marks: each one's last reading (exec starts a new memory map
+        with its own mark, so the last reading is the finisher's, not its parent's)."""
         last: dict[int, int] = {}
         for s in all_samples:
             for pid in background & s.procs.keys():

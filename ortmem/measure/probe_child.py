@@ -208,7 +208,7 @@ def _wait_for_background(result: dict[str, Any]) -> None:
     the next probe nor goes unreported (its time from the end of the run; the parent's sampler
     sees its memory)."""
     later = sys.modules.get("ortmem.store.finisher")
-    pids = later.started_packers() if later is not None else []
+    pids = later.started_finishers() if later is not None else []
     if not pids:
         return
     later.wait_background()

@@ -19,7 +19,7 @@ because older releases crash the process on some malformed graphs, and a crash m
 the user's program. :mod:`ortmem.ort.release` runs it by module name once per ORT build and CPU and
 caches the answer (about 130 tiny sessions, a few seconds).
 
-Why here and not in ``ortmodel``: the questions are put to ortmem's own converter, pre-packer and
+Why here and not in ``ortmodel``: the questions are put to ortmem's own converter, pre-finisher and
 session path, which sit above ``ortmodel``; the release model only names the variants
 (:mod:`ortmem.ort.variants`) and reads the answers, so ``ortmodel`` imports nothing above it. The
 converter and the session path are imported inside the functions that use them, so that

@@ -412,8 +412,8 @@ def _strategy_flags(sr: StrategyResult) -> list[str]:
     if actions:  # what the ortmem session gave ORT: a warm strategy that missed its entry shows
         flags.append("/".join(actions))
     background = [r for r in sr.runs if r.background_wall_s is not None]
-    if background:  # a cold start's packer, after the measured phases (ortmem.store.finisher)
-        flags.append(f"packer {statistics.median(r.background_wall_s for r in background):.1f} s "
+    if background:  # a cold start's finisher, after the measured phases (ortmem.store.finisher)
+        flags.append(f"finisher {statistics.median(r.background_wall_s for r in background):.1f} s "
                      f"{statistics.median(r.background_peak_bytes or 0 for r in background) / 2**20:.0f} MiB")
     return flags
 
@@ -473,7 +473,7 @@ def render_table(report: BenchReport, *, wide: bool = False) -> str:
         + ("; init fastest/ref: fastest over fastest. " if wide else ". ")
         + "bimodal: samples split at a gap over 3% and 2 MiB (memory) or 20% and 50 ms (time) of the median, "
         "modes' medians "
-        "(counts). packer: a cold start's background "
+        "(counts). finisher: a cold start's background "
         "packing of ORT's weights after the first run (ortmem.store.finisher), s from the run's end and its "
         "sampled peak, outside every column."
         + ("" if wide else " --wide adds the sampled private and shared peaks, the first run, the fastest init and their ratios.")

@@ -332,7 +332,7 @@ def create_ortmem_warm1(model_path: str, options: dict) -> Any:
 
 def prepare_start2(model_path: str, options: dict, workdir: str) -> str:
     """Start 1 in this unmeasured process: an empty cache, a cold start and its first run, then wait
-    for the packer it leaves (``ortmem.store.finisher``), so the measured start is the second one."""
+    for the finisher it leaves (``ortmem.store.finisher``), so the measured start is the second one."""
     from ortmem.store.cache import Cache
     from ortmem.store.finisher import wait_background
     from ortmem.ort.feeds import make_inputs

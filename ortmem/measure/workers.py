@@ -319,7 +319,7 @@ def measure_workers(
             sel.close()
             for f in logs:
                 f.close()
-            leftovers.wait(timeout)  # e.g. a cold start's background packer: not into the next run
+            leftovers.wait(timeout)  # e.g. a cold start's background finisher: not into the next run
     run.used_before_bytes, run.peak_used_bytes = sampler.before, sampler.peak
     run.total_pss_bytes = sum(w.pss for w in run.workers)
     run.total_private_bytes = sum(w.private for w in run.workers)

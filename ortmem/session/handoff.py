@@ -33,7 +33,7 @@ from ortmem.store.start import Decision, Start
 if TYPE_CHECKING:  # the conversion (and onnx) is imported only by a start that converts
     import onnx
 
-    from ortmem.store.finisher import FinishLater  # a warm start leaves nothing for later: no packer imported
+    from ortmem.store.finisher import FinishLater  # a warm start leaves nothing for later: no finisher imported
 
     from ortmem.session.inmemory import InMemoryConversion
     from ortmem.passes.conversion_report import ConversionReport

@@ -69,8 +69,8 @@ def finishing_settings(settings: OrtSettings, packing: Optional[dict[str, str]])
 
 
 def settings_record(settings: OrtSettings, converting: bool) -> dict[str, Any]:
-    """The key parts of :func:`finished_key` a starter hands the background packer (as JSON), so the
-    packer can compute the key again from the source as it is then (:func:`settings_of_record`)."""
+    """The key parts of :func:`finished_key` a starter hands the background finisher (as JSON), so the
+    finisher can compute the key again from the source as it is then (:func:`settings_of_record`)."""
     return {"level": settings.graph_optimization_level, "config": dict(settings.session_config),
             "disabled": sorted(settings.disabled_optimizers), "converting": converting}
 

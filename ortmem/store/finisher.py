@@ -66,17 +66,17 @@ from ortmem.store.finished_entries import (build_finished, finish_converted, fin
 log = logging.getLogger(__name__)
 
 #: Converted weights (``weights.bin``) below which the first cache hit packs in its own process.
-#: A packer process costs about 0.3 s of CPU and 60 MiB to start (Python, onnxruntime, onnx).
+#: A finisher process costs about 0.3 s of CPU and 60 MiB to start (Python, onnxruntime, onnx).
 MIN_WEIGHT_BYTES = 32 * 1024 * 1024
-#: Niceness added in the packer: the user's sessions come first on a busy machine.
+#: Niceness added in the finisher: the user's sessions come first on a busy machine.
 NICENESS = 10
 
 _started: list[subprocess.Popen] = []
 _lock = threading.Lock()
 
 
-def _forget_parents_packers() -> None:
-    """In a forked child: the parent's packers are not this process's to count or wait for, and a
+def _forget_parents_finishers() -> None:
+    """In a forked child: the parent's finishers are not this process's to count or wait for, and a
     lock some other thread of the parent held at the fork would never be released here."""
     global _lock
     _lock = threading.Lock()
@@ -84,12 +84,12 @@ def _forget_parents_packers() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_parents_packers)
+    os.register_at_fork(after_in_child=_forget_parents_finishers)
 
 
 @dataclass
 class FinishLater:
-    """Work left for after a session's first run (a start's ``later``): what the packer needs to finish
+    """Work left for after a session's first run (a start's ``later``): what the finisher needs to finish
     one entry, where it is, and the options finishing depends on."""
 
     cache_root: str
@@ -97,14 +97,14 @@ class FinishLater:
     verify: str = "full"
     config: dict[str, str] = field(default_factory=dict)
     intra_op_num_threads: int = 0
-    #: In the packer: the descriptor of the entry's creator lock, locked by the process that started it.
+    #: In the finisher: the descriptor of the entry's creator lock, locked by the process that started it.
     lock_fd: Optional[int] = None
     #: "converted": ORT's finished model of a converted entry, kept in the entry
     #: (:func:`ortmem.store.finished_entries.finish_converted`); "finished": a finished entry of ``source``.
     kind: str = "converted"
     #: "finished": the model file. Both kinds: the settings the model is finished at (level, config,
     #: disabled optimizers, conversion enabled: :func:`ortmem.store.finished_entries.settings_record`); a
-    #: finished entry's key is checked against the source as it is when the packer runs.
+    #: finished entry's key is checked against the source as it is when the finisher runs.
     source: str = ""
     settings: dict = field(default_factory=dict)
 
@@ -134,9 +134,9 @@ class FinishLater:
         return finishing_settings(settings_of_record(self.settings)[0], self.config)
 
     def start(self) -> Optional[subprocess.Popen]:
-        """Start the packer (detached; reaped by a daemon thread) holding the entry's creator lock;
+        """Start the finisher (detached; reaped by a daemon thread) holding the entry's creator lock;
         None when the entry is already packed, another process holds the lock (packing it, or
-        starting a packer: workers forked after a ``--preload`` share this job), or the process
+        starting a finisher: workers forked after a ``--preload`` share this job), or the process
         cannot be started (logged: the next start packs then)."""
         if self.done() or not self._worth_a_process():
             return None
@@ -153,7 +153,7 @@ class FinishLater:
             if proc is None or fd < 0:
                 release_creator_lock(lock, fd)
             else:
-                os.close(fd)  # the packer's copy holds the lock now; it removes the file when done
+                os.close(fd)  # the finisher's copy holds the lock now; it removes the file when done
         if proc is not None:
             with _lock:
                 _started.append(proc)  # a process starts one per cold start: kept for wait_background
@@ -162,7 +162,7 @@ class FinishLater:
         return proc
 
     def _spawn(self, lock_fd: int) -> Optional[subprocess.Popen]:
-        """The packer process, given ``lock_fd`` (the locked creator lock; -1: none) under the same number."""
+        """The finisher process, given ``lock_fd`` (the locked creator lock; -1: none) under the same number."""
         env = helper_environment()  # unhooked, this very ortmem; its job is the user's cache entry
         passed = (lock_fd,) if lock_fd >= 0 else ()
         job = json.dumps({**asdict(self), "lock_fd": lock_fd if passed else None})
@@ -171,18 +171,18 @@ class FinishLater:
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
                                     pass_fds=passed, start_new_session=True)
         except OSError as exc:
-            log.info("ortmem: could not start the background packer (%s); the next start packs", exc)
+            log.info("ortmem: could not start the background finisher (%s); the next start packs", exc)
             return None
 
 
-def started_packers() -> list[int]:
-    """The process ids of the packers this process has started."""
+def started_finishers() -> list[int]:
+    """The process ids of the finishers this process has started."""
     with _lock:
         return [p.pid for p in _started]
 
 
 def wait_background(timeout: Optional[float] = None) -> bool:
-    """Wait for every packer this process started; True when none is still running. For benchmarks
+    """Wait for every finisher this process started; True when none is still running. For benchmarks
     and tests that must not leave one running into the next measurement (users need not call it)."""
     with _lock:
         procs = list(_started)
@@ -195,7 +195,7 @@ def wait_background(timeout: Optional[float] = None) -> bool:
 
 
 def run(job: FinishLater) -> Optional[Path]:
-    """The packer's work (in the background process): under the entry's creator lock (handed over by
+    """The finisher's work (in the background process): under the entry's creator lock (handed over by
     its starter, else taken here without waiting), check the entry in full, then save its pre-packed
     weights unless another process already did. Another holder of the lock means another process is
     packing the entry: this one stops at once."""
@@ -268,7 +268,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         pass
     try:
         run(FinishLater(**json.loads(args[0])))
-    except Exception as exc:  # noqa: BLE001 - a failed packer publishes nothing; the next start packs
+    except Exception as exc:  # noqa: BLE001 - a failed finisher publishes nothing; the next start packs
         log.warning("ortmem: background packing failed: %s", exc)
         return 1
     return 0

@@ -33,7 +33,7 @@ def entry_start(cache: Cache, entry: Entry, finishing: bool, settings: OrtSettin
         return Start(Decision.FINISHED, path=path, fallback=entry.model_path, entry=entry, cache=cache, hit=True)
     if settled:
         return Start(Decision.CACHE_HIT, path=entry.model_path, entry=entry, cache=cache, hit=True)
-    from ortmem.store.finisher import FinishLater  # only a start that leaves work for later imports the packer
+    from ortmem.store.finisher import FinishLater  # only a start that leaves work for later imports the finisher
 
     later = FinishLater(str(cache.root), entry.key, cache.verify_mode, dict(packing[0]), packing[1],
                         kind="converted", settings=settings_record(settings, True))

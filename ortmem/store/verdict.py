@@ -6,7 +6,7 @@ and what is left for after the session's first run. Everything the answer depend
 :func:`start`: the keys (:mod:`ortmem.files.sources`), every lookup with its trust, digest and sources
 checks (:mod:`ortmem.store.cache`), a converted entry's hit with the full check before anything is
 derived from it and ORT's finished model of it (:mod:`ortmem.store.hit`), a finished
-entry's own check (:mod:`ortmem.store.finished_entries`), and the work left for the background packer
+entry's own check (:mod:`ortmem.store.finished_entries`), and the work left for the background finisher
 (:mod:`ortmem.store.finisher`). A miss that converts then publishes its entry through
 :func:`ortmem.store.publish.publish`. The caller (:mod:`ortmem.session`) never verifies, discards or
 locks anything itself, and the store never asks the release whether ORT saves pre-packed weights:

@@ -1,4 +1,4 @@
-"""ortmem's own helper processes (the release probe, the background packer, measurement children) never
+"""ortmem's own helper processes (the release probe, the background finisher, measurement children) never
 run hooked and never write the user's cache except where their job is that cache.
 
 Why: a program under ``python -m ortmem run`` exports ``ORTMEM_HOOK=1`` to every child interpreter. A

@@ -51,7 +51,7 @@ def create_stamp(model: str, options: dict) -> Any:
 
 
 def _detached_writer(marker: str, seconds: float) -> None:
-    """Start a process in a session of its own (as ortmem's background packer is) that outlives its
+    """Start a process in a session of its own (as ortmem's background finisher is) that outlives its
     parent and writes ``marker`` when done."""
     code = f"import time, pathlib; time.sleep({seconds}); pathlib.Path({marker!r}).write_text('done')"
     subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdin=subprocess.DEVNULL)

@@ -1,7 +1,7 @@
 """The cache's creator lock under hostile timing: every wait on it is bounded,
-a warm start never waits for it, nothing packs while another process holds it, and one packer runs per
+a warm start never waits for it, nothing packs while another process holds it, and one finisher runs per
 entry whatever the process layout. Real ORT sessions, real lock holders in other processes (stopped
-with SIGSTOP, as a starved or suspended packer would be), real forked workers."""
+with SIGSTOP, as a starved or suspended finisher would be), real forked workers."""
 from __future__ import annotations
 
 import hashlib
@@ -150,41 +150,41 @@ def test_a_warm_start_never_waits_for_a_held_lock_and_finishes_nothing(model, tm
     assert not creator_lock_path(cache, entry.name).exists()
 
 
-def _packer(job: finisher.FinishLater) -> subprocess.CompletedProcess:
-    """The background packer's own command, run to the end (no lock handed to it)."""
+def _finisher(job: finisher.FinishLater) -> subprocess.CompletedProcess:
+    """The background finisher's own command, run to the end (no lock handed to it)."""
     return subprocess.run([sys.executable, "-m", "ortmem.store.finisher", json.dumps(asdict(job))],
                           capture_output=True, text=True, timeout=120)
 
 
 @needs_saving
-def test_the_packer_never_packs_while_another_process_holds_the_lock(model, tmp_path, hold_lock):
-    """Neither the packer's starter nor the packer process itself works on an entry whose creator lock
-    another process holds; with the lock free, the same packer process packs."""
+def test_the_finisher_never_packs_while_another_process_holds_the_lock(model, tmp_path, hold_lock):
+    """Neither the finisher's starter nor the finisher process itself works on an entry whose creator lock
+    another process holds; with the lock free, the same finisher process packs."""
     cache = tmp_path / "cache"
     ortmem.InferenceSession(model, providers=CPU, cache=cache)
     entry = next(p for p in cache.iterdir() if not p.name.startswith("."))
     job = finisher.FinishLater(str(cache), entry.name)
     holder = hold_lock(cache, entry.name)
-    before = len(finisher.started_packers())
-    assert job.start() is None and len(finisher.started_packers()) == before
-    assert _packer(job).returncode == 0
+    before = len(finisher.started_finishers())
+    assert job.start() is None and len(finisher.started_finishers()) == before
+    assert _finisher(job).returncode == 0
     assert not _finished(entry)
     _release(holder)
-    assert _packer(job).returncode == 0
+    assert _finisher(job).returncode == 0
     assert _finished(entry)
 
 
 @needs_saving
-def test_a_started_packer_holds_the_lock_until_it_is_done(model, tmp_path):
-    """The starter hands its claim to the packer: a second start (another server, a sibling worker)
-    finds the entry claimed while the packer runs, and packed after; no lock file is left."""
+def test_a_started_finisher_holds_the_lock_until_it_is_done(model, tmp_path):
+    """The starter hands its claim to the finisher: a second start (another server, a sibling worker)
+    finds the entry claimed while the finisher runs, and packed after; no lock file is left."""
     cache = tmp_path / "cache"
     ortmem.InferenceSession(model, providers=CPU, cache=cache)
     entry = next(p for p in cache.iterdir() if not p.name.startswith("."))
     job = finisher.FinishLater(str(cache), entry.name)
     proc = job.start()
     assert proc is not None
-    assert job.start() is None  # claimed by the running packer
+    assert job.start() is None  # claimed by the running finisher
     assert proc.wait(120) == 0
     assert _finished(entry)
     assert job.start() is None  # packed
@@ -208,9 +208,9 @@ for _ in range(int(sys.argv[3])):  # gunicorn --preload: the master created the 
     if pid == 0:
         os.read(go_r, 1)  # every worker's first run at the same moment
         out = s.run(None, feeds)[0]
-        started = len(finisher.started_packers())
+        started = len(finisher.started_finishers())
         done = finisher.wait_background(120)
-        line = json.dumps({"packers": started, "done": done, "out": hashlib.sha256(out.tobytes()).hexdigest()})
+        line = json.dumps({"finishers": started, "done": done, "out": hashlib.sha256(out.tobytes()).hexdigest()})
         os.write(res_w, (line + "\n").encode())
         os._exit(0)
     kids.append(pid)
@@ -219,14 +219,14 @@ status = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in kids]
 os.close(res_w)
 with os.fdopen(res_r) as f:
     results = [json.loads(line) for line in f]
-print(json.dumps({"status": status, "results": results, "parent": len(finisher.started_packers())}))
+print(json.dumps({"status": status, "results": results, "parent": len(finisher.started_finishers())}))
 """
 
 
 @needs_saving
-def test_workers_forked_after_a_cold_start_start_one_packer(model, tmp_path):
+def test_workers_forked_after_a_cold_start_start_one_finisher(model, tmp_path):
     """A session created before fork (gunicorn ``--preload``) carries the cold start's pending packing
-    into every worker: of three workers whose first runs come together, exactly one starts a packer,
+    into every worker: of three workers whose first runs come together, exactly one starts a finisher,
     the entry gets ORT's finished model, and every worker answers with ORT's outputs."""
     cache = tmp_path / "cache"
     r = subprocess.run([sys.executable, "-c", _FORKED, str(model), str(cache), "3"], capture_output=True, text=True,
@@ -234,7 +234,7 @@ def test_workers_forked_after_a_cold_start_start_one_packer(model, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert report["status"] == [0, 0, 0] and report["parent"] == 0
-    assert sorted(w["packers"] for w in report["results"]) == [0, 0, 1]
+    assert sorted(w["finishers"] for w in report["results"]) == [0, 0, 1]
     assert all(w["done"] for w in report["results"])
     expected = hashlib.sha256(run_plain(model, FEEDS)[0].tobytes()).hexdigest()
     assert {w["out"] for w in report["results"]} == {expected}

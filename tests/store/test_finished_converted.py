@@ -169,7 +169,7 @@ from ortmem.base import procfs
 s = ortmem.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"], cache=sys.argv[2])
 created = procfs.read_status("self")
 out = s.run(None, {"input_ids": np.array([[1, 17, 5, 900, 42, 3]], dtype=np.int64)})[0]
-print(json.dumps({"action": s.ortmem_action, "anon": created["RssAnon"], "packer": len(finisher.started_packers()),
+print(json.dumps({"action": s.ortmem_action, "anon": created["RssAnon"], "finisher": len(finisher.started_finishers()),
                   "waited": finisher.wait_background(300), "out": out.tolist()}))
 """
 
@@ -197,10 +197,10 @@ def test_the_second_start_is_warm(big_qdq: Path, tmp_path: Path) -> None:
     entry = next(p for p in cache.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert (entry / layout.WEIGHTS_FILE).stat().st_size >= scan.MIN_FINISHED_BYTES
     assert first["action"] == "converted" and first["waited"]
-    assert first["packer"] == (1 if SAVES else 0)
+    assert first["finisher"] == (1 if SAVES else 0)
     assert (entry / FINISHED).exists() == SAVES
     second = _start(big_qdq, cache)
-    assert second["packer"] == 0
+    assert second["finisher"] == 0
     assert second["action"] == ("finished" if SAVES else "cache-hit")
     for s in (first, second):
         assert np.array_equal(np.array(s["out"], dtype=expected.dtype), expected)

@@ -106,7 +106,7 @@ def test_a_decoder_whose_check_cannot_run_fails_once_and_records_nothing(tmp_pat
         start.run(None, decoder_feeds())
     job = start.ortmem_handoff.later
     assert job is not None and job.kind == "finished"
-    with pytest.raises(FinishCheckError, match=GATHER_FAULT):  # the background packer's work, here
+    with pytest.raises(FinishCheckError, match=GATHER_FAULT):  # the background finisher's work, here
         finisher.run(job)
     assert _entries(cache) == []
 

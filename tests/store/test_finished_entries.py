@@ -65,11 +65,11 @@ def test_a_model_ortmem_declined_to_convert_gets_no_prepared_entry(tmp_path: Pat
     model.write_bytes(proto.SerializeToString())  # its weights stay in the source's data file
     cache = tmp_path / "cache"
     expected = run_plain(model, FEEDS)
-    before = len(finisher.started_packers())
+    before = len(finisher.started_finishers())
     for _ in range(2):
         s = ortmem.InferenceSession(model, providers=CPU, cache=cache)
         assert s.ortmem_handoff.declined and s.ortmem_action == "as-is" and s.ortmem_report is None
         assert_same_outputs(s.run(None, FEEDS), expected)
         assert_same_outputs(s.run(None, FEEDS), expected)
     assert finisher.wait_background(120)
-    assert len(finisher.started_packers()) == before and _entries(cache) == []
+    assert len(finisher.started_finishers()) == before and _entries(cache) == []

@@ -139,7 +139,7 @@ def test_cold_prepared_and_warm_starts_equal_plain_ort(name, tmp_path, any_size)
     cold = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     assert cold.ortmem_action in ("as-is", "mapped")  # mapped: an embedded model (int8, conv)
     assert np.array_equal(cold.run(None, feeds)[0], expected)  # the first run leaves the builder
-    assert len(finisher.started_packers()) >= 1 and finisher.wait_background(120)
+    assert len(finisher.started_finishers()) >= 1 and finisher.wait_background(120)
     (entry,) = entries(cache)
     marker = finished_entries.is_marker(finished_entries.lookup_finished(ortmem.store.cache.Cache(cache), entry.name))
     if warm_action == "finished" and not ort_reload_is_identical(model, feeds, tmp_path / "ort-save"):
@@ -150,30 +150,30 @@ def test_cold_prepared_and_warm_starts_equal_plain_ort(name, tmp_path, any_size)
         off.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         assert np.array_equal(ort.InferenceSession(str(entry / "model.onnx"), off, providers=CPU).run(None, feeds)[0],
                               expected)
-    before = len(finisher.started_packers())
+    before = len(finisher.started_finishers())
     warm = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     assert warm.ortmem_action == warm_action
     assert np.array_equal(warm.run(None, feeds)[0], expected)
-    assert len(finisher.started_packers()) == before  # nothing left to build
+    assert len(finisher.started_finishers()) == before  # nothing left to build
 
 
 def test_a_small_model_gets_no_entry_and_no_process(tmp_path):
     model = mlp(tmp_path / "small.onnx", layers=2, dim=256)  # 0.5 MiB, under MIN_FINISHED_BYTES
     cache = tmp_path / "cache"
-    before = len(finisher.started_packers())
+    before = len(finisher.started_finishers())
     s = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     s.run(None, mlp_feeds(256))
-    assert s.ortmem_action == "as-is" and len(finisher.started_packers()) == before
+    assert s.ortmem_action == "as-is" and len(finisher.started_finishers()) == before
     assert entries(cache) == []
 
 
 def test_bytes_models_and_cache_false_prepare_nothing(tmp_path, any_size):
     model = mlp(tmp_path / "m.onnx", layers=2, dim=256)
-    before = len(finisher.started_packers())
+    before = len(finisher.started_finishers())
     for s in (ortmem.InferenceSession(model, providers=CPU, cache=False),
               ortmem.InferenceSession(onnx.load(str(model)), providers=CPU, cache=tmp_path / "cache")):
         s.run(None, mlp_feeds(256))
-    assert len(finisher.started_packers()) == before and entries(tmp_path / "cache") == []
+    assert len(finisher.started_finishers()) == before and entries(tmp_path / "cache") == []
 
 
 def _prepared_cache(tmp_path: Path, model: Path) -> Path:
@@ -266,11 +266,11 @@ def test_prepare_a_folder_converts_qdq_and_prepares_the_rest(tmp_path, any_size,
     found = entries(cache)
     assert len(found) == 3
     assert sum(any((e / f"{stem}.onnx").exists() for stem in finished_stems(e)) for e in found) == 1  # the converted QDQ entry, finished
-    before = len(finisher.started_packers())
+    before = len(finisher.started_finishers())
     assert ortmem.InferenceSession(fp32, providers=CPU, cache=cache).ortmem_action == "finished"
     assert ortmem.InferenceSession(qdq, providers=CPU, cache=cache).ortmem_action == "finished"  # its converted entry's finished model
     assert ortmem.InferenceSession(cnv, providers=CPU, cache=cache).ortmem_action == "finished"  # NCHWc filters mapped
-    assert len(finisher.started_packers()) == before
+    assert len(finisher.started_finishers()) == before
     assert "finished entry" in capsys.readouterr().err
     assert cli_main(["prepare", str(folder), "--cache", str(cache)]) == 0  # again: all there already
     assert sorted(entries(cache)) == sorted(found)
@@ -304,7 +304,7 @@ else:
     action = s.ortmem_action
 out = s.run(None, feeds)[0]
 print(json.dumps({"action": action, "anon": procfs.read_status("self")["RssAnon"], "out": out.tolist(),
-                  "packers": len(finisher.started_packers())}))
+                  "finishers": len(finisher.started_finishers())}))
 """
 
 
@@ -325,7 +325,7 @@ def test_a_warm_start_holds_far_less_private_memory_than_plain_ort(tmp_path):
     cache = _prepared_cache(tmp_path, model)
     base = _start("ort", str(model), "2048")
     warm = _start("ortmem", str(model), "2048", str(cache))
-    assert warm["action"] == "finished" and warm["packers"] == 0
+    assert warm["action"] == "finished" and warm["finishers"] == 0
     assert warm["out"] == base["out"]
     assert warm["anon"] <= 0.5 * base["anon"], (warm["anon"] >> 20, base["anon"] >> 20)
 
@@ -348,14 +348,14 @@ def _tree(folder: Path) -> dict[str, tuple[int, int]]:
 
 def test_a_read_only_cache_warm_starts_with_no_write(tmp_path, any_size):
     """After `ortmem prepare`, a process that cannot write the cache folder maps the entry: no
-    packer, no warning, nothing in the folder touched (not even the recency mtime), every byte still
+    finisher, no warning, nothing in the folder touched (not even the recency mtime), every byte still
     verified (a byte flipped is refused the same way)."""
     model = mlp(tmp_path / "m.onnx", layers=2, dim=256)
     cache = _prepared_cache(tmp_path, model)
     prefix = _read_only_prefix(cache)
     before = _tree(cache)
     warm = _start("ortmem", str(model), "256", str(cache), prefix=prefix)
-    assert warm["action"] == "finished" and warm["packers"] == 0
+    assert warm["action"] == "finished" and warm["finishers"] == 0
     assert "ortmem" not in warm["stderr"] and "WARNING" not in warm["stderr"], warm["stderr"]
     assert _tree(cache) == before
     assert warm["out"] == run_plain(model, mlp_feeds(256))[0].tolist()
@@ -367,7 +367,7 @@ def test_a_read_only_cache_warm_starts_with_no_write(tmp_path, any_size):
         f.write(bytes([b[0] ^ 1]))
     before = _tree(cache)
     damaged = _start("ortmem", str(model), "256", str(cache), prefix=prefix)
-    assert damaged["action"] == "as-is" and damaged["packers"] == 0 and _tree(cache) == before
+    assert damaged["action"] == "as-is" and damaged["finishers"] == 0 and _tree(cache) == before
     assert damaged["out"] == warm["out"]
 
 

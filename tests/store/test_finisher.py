@@ -1,7 +1,7 @@
-"""The background packer (:mod:`ortmem.store.finisher`) as a session starts it: once, after the session's
-first run, whatever that packer's fate.
+"""The background finisher (:mod:`ortmem.store.finisher`) as a session starts it: once, after the session's
+first run, whatever that finisher's fate.
 
-A packer that fails publishes nothing and lets go of the entry's lock, so a session that started it
+A finisher that fails publishes nothing and lets go of the entry's lock, so a session that started it
 again on a later run would start one more process per ``run()`` (each importing onnxruntime and onnx
 at the user's expense). The work left for after the first run is taken once: later runs start none.
 """
@@ -43,8 +43,8 @@ def _mlp(path: Path) -> Path:
 
 def test_a_failed_background_packing_is_started_once_not_on_every_run(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The model file is removed once the session exists (a deployment replacing it): the packer the
-    first run starts cannot read it and fails. Later runs, each after that packer has exited, start
+    """The model file is removed once the session exists (a deployment replacing it): the finisher the
+    first run starts cannot read it and fails. Later runs, each after that finisher has exited, start
     none, and the session's outputs stay ORT's."""
     monkeypatch.setenv(scan.MIN_BYTES_ENV, "0")  # a prepared entry for this small model too
     model = _mlp(tmp_path / "mlp.onnx")
@@ -53,9 +53,9 @@ def test_a_failed_background_packing_is_started_once_not_on_every_run(tmp_path: 
     session = ortmem.InferenceSession(model, providers=CPU, cache=cache)
     assert session.ortmem_handoff.later is not None  # a miss ORT gets unconverted: prepared after its first run
     model.unlink()
-    before = len(finisher.started_packers())
+    before = len(finisher.started_finishers())
     for _ in range(4):
         assert_same_outputs(session.run(None, FEEDS), expected)
-        assert finisher.wait_background(120)  # the packer has exited: its lock is free again
-    assert len(finisher.started_packers()) == before + 1
+        assert finisher.wait_background(120)  # the finisher has exited: its lock is free again
+    assert len(finisher.started_finishers()) == before + 1
     assert list(Cache(cache).entries()) == []  # it failed: nothing published

@@ -32,7 +32,7 @@ How (each term is checked against measurements in ``docs/estimator.md``):
    work on the graph it hands over: the session path a first ``ortmem.InferenceSession`` imports (no
    onnx), and on a cold start the conversion's imports (onnx, the loader, the passes),
    the source digest, the weightless copy's type resolution and the entry's writers
-   (:func:`cold_start`). The background packer a cold start leaves is a process of its own and in no
+   (:func:`cold_start`). The background finisher a cold start leaves is a process of its own and in no
    side. ortmem's DQ -> Gather rewrite (GatherBlockQuantized) is applied on its sides: that DQ never
    runs and its table is read row by row (:func:`~ortmem.plan.estimate.recipe.ortmem_gathers`).
 4. **Activations**: :mod:`ortmem.plan.estimate.activations` (shape inference with ``dims``, ORT's execution
