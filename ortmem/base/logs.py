@@ -25,3 +25,11 @@ def warning(name: str, msg: str, *args: object) -> None:
     import logging
 
     logging.getLogger(name).warning(msg, *args)
+
+
+def info(name: str, msg: str, *args: object) -> None:
+    """``logging.getLogger(name).info(msg, *args)`` where logging is loaded; nothing otherwise (an info
+    record reaches no handler unless someone configured logging, which imports it)."""
+    logging = sys.modules.get("logging")
+    if logging is not None:
+        logging.getLogger(name).info(msg, *args)

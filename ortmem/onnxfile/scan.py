@@ -137,6 +137,9 @@ class FileFacts(NamedTuple):
     #: (:mod:`ortmem.store.handoff_records`): facts read from a record carry this instead of
     #: ``skeleton``'s bytes, and ORT is given it as it is.
     skeleton_file: Optional[Path] = None
+    #: ``ortmem prepare`` made a store entry for this file (a handoff record says so,
+    #: :func:`ortmem.store.handoff_records.mark_prepared`): the session path serves it from the store.
+    prepared: bool = False
 
 
 class PlainHandoff(NamedTuple):
@@ -192,10 +195,11 @@ def read_facts(path: Path, *, stop_outside_main_graph: bool = False) -> FileFact
 
 def needs_session_path(facts: FileFacts, converting: bool) -> bool:
     """Whether a model file needs ortmem's loader or conversion: DequantizeLinear to convert, recompute
-    metadata, external data (or inline tensors) the loader must check, or no graph at all (the loader
-    names that fault). A model that needs none of it is handed to ORT by :func:`plain_handoff`, with no
-    onnx import."""
-    return facts.needs_loader or facts.recompute or (facts.dequantize and converting) or not facts.has_graph
+    metadata, external data (or inline tensors) the loader must check, no graph at all (the loader
+    names that fault), or an entry ``ortmem prepare`` made for it (the store serves it). A model that
+    needs none of it is handed to ORT by :func:`plain_handoff`, with no onnx import."""
+    return (facts.needs_loader or facts.recompute or (facts.dequantize and converting) or not facts.has_graph
+            or facts.prepared)
 
 
 def plain_handoff(path: Path, facts: FileFacts) -> Optional[PlainHandoff]:

@@ -24,25 +24,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging
 import os
-import platform
 import re
-import subprocess
 import sys
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from ortmem.base import logs
 from ortmem.base.hashing import short_hash
 from ortmem.base.child_env import cache_folder, helper_environment
 from ortmem.files.stamps import boot_id
 from ortmem.files.trust import first_private_folder, make_private_dir, stat_untrusted_reason
 from ortmem.ort.variants import (ACCURACY_LEVELS, BLOCK_SWEEP, GATHER_WEIGHT_TYPES, SCALE_TYPES, SHARED_WEIGHT_KEY, WEIGHT_TYPES, variant_key)
 
-log = logging.getLogger(__name__)
 
 #: The oldest (major, minor) ortmem converts for, and the newest it was tested with. 1.25 is the
 #: oldest because (a) it is the oldest release whose DQ+MatMul rule fuses every weight type ortmem
@@ -184,6 +180,11 @@ def cpu_flags() -> tuple[str, ...]:
     return tuple(sorted(flags & _CPU_FLAGS))
 
 
+def machine() -> str:
+    """The CPU architecture (``platform.machine()``, read without importing :mod:`platform`)."""
+    return os.uname().machine
+
+
 @functools.lru_cache(maxsize=None)
 def installed() -> Release:
     """The ORT release this process runs. The build is identified by the native module's size and
@@ -196,7 +197,7 @@ def installed() -> Release:
         build = f"{Path(native.__file__).name}:{st.st_size}:{st.st_mtime_ns}"
     except (OSError, AttributeError, TypeError):
         build = "unknown"
-    return Release(ort.__version__, build, cpu_flags(), platform.machine())
+    return Release(ort.__version__, build, cpu_flags(), machine())
 
 
 # ------------------------------------------------------------------------------------ capabilities
@@ -411,6 +412,9 @@ def run_probe(timeout: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
     The child is a helper (:func:`ortmem.base.child_env.helper_environment`): never hooked, since it must
     compare ORT's own run of each pattern with ortmem's rewrite, and with a cache folder of its own that
     goes with it, so nothing it does can leave entries in the user's cache."""
+    import subprocess
+    import tempfile
+
     with tempfile.TemporaryDirectory(prefix="ortmem-probe-run-") as own:
         env = helper_environment(cache_dir=os.path.join(own, "cache"), ORTMEM_PROBE_CHILD="1", OMP_NUM_THREADS="1",
                                  TMPDIR=own)
@@ -450,7 +454,7 @@ def probe_dir() -> Optional[Path]:
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = d.lstat()
         if not _private(st):
-            log.warning("ortmem: %s is not a private folder of this user; probe answers are not cached there", d)
+            logs.warning(__name__, "ortmem: %s is not a private folder of this user; probe answers are not cached there", d)
             return None
         return d
     except OSError:
@@ -469,6 +473,8 @@ def runtime_probe_dir(*, create: bool = True) -> Optional[Path]:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isabs(runtime):
         candidates.append(Path(runtime) / RUNTIME_PROBE_FOLDER)
+    import tempfile
+
     uid = os.geteuid() if hasattr(os, "geteuid") else 0
     candidates.append(Path(tempfile.gettempdir()) / f"{RUNTIME_PROBE_FOLDER}-{uid}")
     return first_private_folder(candidates, create=create)
@@ -510,6 +516,8 @@ def _read_answers(path: Path) -> Optional[dict[str, Any]]:
 def _write_answers(path: Path, answers: dict[str, Any]) -> Optional[str]:
     """Keep ``answers`` at ``path`` (a private temporary file renamed over it); None when kept, else why
     not (a read-only folder, a full disk: ``strerror``)."""
+    import tempfile
+
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-", suffix=".json")
     except OSError as exc:
@@ -574,7 +582,9 @@ def capabilities(*, refresh: bool = False) -> Capabilities:
         answers = None if runtime is None else _read_answers(runtime_answers_path(runtime, release))
     probed_now = answers is None
     if answers is None:
-        log.info("ortmem: probing onnxruntime %s (once per build and CPU)", release.version)
+        import subprocess
+
+        logs.info(__name__, "ortmem: probing onnxruntime %s (once per build and CPU)", release.version)
         try:
             answers = run_probe()
         except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
@@ -659,7 +669,7 @@ def config_keys() -> Optional[tuple[str, ...]]:
     try:
         keys = scan_config_keys(library_files())
     except (OSError, ImportError, AttributeError, TypeError) as exc:
-        log.info("ortmem: the session config keys of onnxruntime %s cannot be read (%s)", release.version, exc)
+        logs.info(__name__, "ortmem: the session config keys of onnxruntime %s cannot be read (%s)", release.version, exc)
         keys = ()
     _config_keys = keys
     record = {"format": CONFIG_KEYS_FORMAT, "release": release.key(), "keys": list(keys)}

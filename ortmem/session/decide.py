@@ -165,8 +165,10 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
         # ORT would look for every external file in the caller's folder, not beside what we give it
         return Handoff(model=str(model), action=Decision.UNTOUCHED, reason=f"the caller's SessionOptions set {FOLDER_KEY}")
     path = Path(model)
-    if path.is_file() and path.stat().st_size < min_finished_bytes():
-        # No entry can exist for a small file with nothing to convert: the store is not asked
+    small = path.is_file() and path.stat().st_size < min_finished_bytes()
+    if small:
+        # Only `ortmem prepare` makes an entry for a small file with nothing to convert, and its
+        # handoff record says so: the store is asked for no other
         plain = _plain(path, request, settled=False)
         if plain is not None:
             return plain
@@ -176,6 +178,11 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
                         converting=request.converting, prepacked=request.prepacked, packing=request.packing)
     if verdict.path is not None:  # a warm start: nothing to parse but the entry, which ORT reads itself
         return _from_verdict(verdict)
+    if small and verdict.kind is Decision.MISS:
+        # a prepared entry for other settings, or one pruned since: the file as the bytes decide
+        plain = _plain(path, request, settled=False, store_missed=True)
+        if plain is not None:
+            return plain
     if verdict.kind is Decision.UNCONVERTED:
         plain = _plain(path, request, settled=True)
         if plain is not None:
@@ -197,7 +204,7 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
     return handoff
 
 
-def _plain(path: Path, request: Request, *, settled: bool) -> Optional[Handoff]:
+def _plain(path: Path, request: Request, *, settled: bool, store_missed: bool = False) -> Optional[Handoff]:
     """The handoff of a model file that needs nothing of the loader or the conversion, decided from its
     bytes (:func:`_bytes_decision`, as the hook's light route decides); None sends the model the
     loader's way."""
@@ -206,11 +213,12 @@ def _plain(path: Path, request: Request, *, settled: bool) -> Optional[Handoff]:
     from ortmem.store.handoff_records import records_folder
 
     records = records_folder(request.cache.root) if request.cache is not None else None
-    decided = _bytes_decision(path, request.converting, records, settled=settled)
+    decided = _bytes_decision(path, request.converting, records, settled=settled, store_missed=store_missed)
     return decided.handoff() if decided is not None else None
 
 
-def _bytes_decision(path: Path, converting: bool, records: Optional[Path], *, settled: bool) -> Optional[BytesHandoff]:
+def _bytes_decision(path: Path, converting: bool, records: Optional[Path], *, settled: bool,
+                    store_missed: bool = False) -> Optional[BytesHandoff]:
     """What ORT gets for a model file that needs nothing of the loader or the conversion, decided from
     its bytes (:mod:`ortmem.onnxfile.scan`): the file, or its skeleton beside a hard link (``mapped``),
     and no onnx, loader or pass is imported, so ortmem costs nothing where it does nothing. Asked of a
@@ -220,13 +228,16 @@ def _bytes_decision(path: Path, converting: bool, records: Optional[Path], *, se
     ``UNCONVERTED``: an earlier start loaded it, converted nothing, and its files are unchanged, so
     neither the conversion nor the loader's checks are needed again). The
     walk's facts come from, and go to, the handoff records in ``records`` (None: walked, not
-    recorded). None sends the model the loader's way."""
+    recorded). A record's mark that ``ortmem prepare`` made an entry sends the model to the store,
+    unless the store has just ``store_missed`` it. None sends the model the loader's way."""
     if records is None:
         facts = read_facts(path)
     else:
         from ortmem.store.handoff_records import facts_of
 
         facts = facts_of(path, records)
+        if store_missed:
+            facts = facts._replace(prepared=False)
     if settled and not facts.embedded_bytes and not facts.recompute and facts.has_graph:
         return BytesHandoff(str(path), "as-is")  # external data ORT maps itself, as plain ORT does
     if needs_session_path(facts, converting and not settled):

@@ -104,6 +104,7 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> str:
     from ortmem.ort.settings import session_settings
     from ortmem.onnxfile.scan import min_finished_bytes
     from ortmem.store.finished_entries import describe, ensure_finished, is_marker, finished_key
+    from ortmem.store.handoff_records import mark_prepared, records_folder
     from ortmem.base.progress import progress_bar
 
     settings = session_settings(None)
@@ -124,10 +125,6 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> str:
         if not capabilities().prepacked_save:
             say(f"{path}: this onnxruntime saves no pre-packed weights: nothing to prepare")
             return NOTHING
-        if weights < min_finished_bytes():
-            say(f"{path}: {weights / 2**20:.1f} MiB of initializers, below {min_finished_bytes() / 2**20:.0f} MiB: "
-                "nothing to prepare (plain onnxruntime costs as little; $ORTMEM_PREPARE_MIN_BYTES)")
-            return NOTHING
         say(f"{path}: finishing (onnxruntime saves the model it finishes, with its pre-packed weights)")
         entry, built = ensure_finished(cache, path, finished_key(path, settings, {}, True))
     except OrtmemError as exc:
@@ -139,6 +136,10 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> str:
             f"it as given (entry {entry.key}, {state}, records this)")
         return NOTHING
     say(f"{path}: finished entry {entry.key} ({state}): {describe(entry)}")
+    if weights < min_finished_bytes() and not mark_prepared(records_folder(cache.root), path):
+        say(f"{path}: sessions hand it to onnxruntime as given: no handoff record could send them to the entry "
+            "(a file written in the last seconds, or a cache folder that cannot be written)")
+        return NOTHING
     return PREPARED
 
 

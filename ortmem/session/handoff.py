@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,6 +150,8 @@ class Handoff:
 
     def cleanup(self) -> None:
         """Remove the temporary folders (what ORT mapped from them stays readable to it)."""
+        import shutil
+
         for d in self.tempdirs:
             shutil.rmtree(d, ignore_errors=True)
 

@@ -33,15 +33,13 @@ import contextlib
 import fcntl
 import functools
 import json
-import logging
 import os
-import shutil
 import stat
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from ortmem.base import logs
 from ortmem.files import digest
 from ortmem.errors import CacheError
 from ortmem.base.child_env import STORE_FOLDER, cache_folder
@@ -49,7 +47,6 @@ from ortmem.files.layout import MANIFEST, MODEL_FILE, SOURCE_LINK_PREFIX, WEIGHT
 from ortmem.files.sources import linked_digests, private_mode, source_content, source_record, sources_problem
 from ortmem.files.trust import (PRIVATE_FILE_MODE, TMP_PREFIX, TRASH_PREFIX, cache_file_problem, fsync_dir, make_private_dir, parent_untrusted_reason, read_nofollow, remove_aside, untrusted_reason, write_new)
 
-log = logging.getLogger(__name__)
 
 #: 2: identities with ctime, a full digest of every file, private modes.
 FORMAT = 2
@@ -125,7 +122,7 @@ class Cache:
                 except OSError:
                     pass
             return e
-        log.warning("ortmem: cache entry %s is unusable (%s); rebuilding", e.path, problem)
+        logs.warning(__name__, "ortmem: cache entry %s is unusable (%s); rebuilding", e.path, problem)
         remove_aside(e.path)
         return None
 
@@ -143,7 +140,7 @@ class Cache:
         manifest = manifest if isinstance(manifest, dict) else {}
         problem, update = sources_problem(manifest)
         if problem is not None:
-            log.info("ortmem: %s of cache entry %s; rebuilding", problem, entry.path)
+            logs.info(__name__, "ortmem: %s of cache entry %s; rebuilding", problem, entry.path)
             self.discard(entry)
             return None
         if update and self.writable:
@@ -221,6 +218,9 @@ class Cache:
         Files the builder created are given ``file_mode`` (0600 or stricter); hard links it made
         (``source-*``) keep their own owner and mode.
         """
+        import shutil
+        import uuid
+
         self.reclaim_stale()
         tmp = self.root / f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
         try:
@@ -373,6 +373,8 @@ class Cache:
         creator lock files no live process holds (a creator killed after publishing leaves its lock
         file behind: :func:`remove_unheld_lock`). Called by every writer and by prune/clear; returns
         the bytes of disk freed (:func:`reclaimable_bytes`, counted before each removal)."""
+        import shutil
+
         now = time.time() if now is None else now
         freed = 0
         candidates: list[Path] = []
@@ -439,7 +441,7 @@ class Cache:
 
         freed = self.prune(parse_bytes(limit), keep=keep)
         if freed:
-            log.info("ortmem: cache limit ORTMEM_CACHE_MAX_SIZE=%s: removed %.1f MiB (least recently used "
+            logs.info(__name__, "ortmem: cache limit ORTMEM_CACHE_MAX_SIZE=%s: removed %.1f MiB (least recently used "
                      "entries, crash leftovers)", limit, freed / 2**20)
         return freed
 
@@ -482,7 +484,7 @@ def lock_timeout() -> float:
     except ValueError:
         value = -1.0
     if not value >= 0 or value == float("inf"):
-        log.warning("ortmem: %s=%r is not a number of seconds; waiting at most %g s", LOCK_TIMEOUT_ENV, text,
+        logs.warning(__name__, "ortmem: %s=%r is not a number of seconds; waiting at most %g s", LOCK_TIMEOUT_ENV, text,
                     DEFAULT_LOCK_TIMEOUT)
         return DEFAULT_LOCK_TIMEOUT
     return value
@@ -513,7 +515,7 @@ def acquire_creator_lock(path: Path, timeout: float, *, inherited_fd: Optional[i
         try:
             candidate = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
         except OSError as exc:
-            log.debug("ortmem: no creator lock %s (%s)", path, exc)
+            logs.debug(__name__, "ortmem: no creator lock %s (%s)", path, exc)
             return -1
         try:
             fcntl.flock(candidate, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -526,7 +528,7 @@ def acquire_creator_lock(path: Path, timeout: float, *, inherited_fd: Optional[i
             pause = min(pause * 2, LOCK_POLL_MAX_SECONDS)
             continue
         except OSError as exc:
-            log.debug("ortmem: flock refused for %s (%s)", path, exc)
+            logs.debug(__name__, "ortmem: flock refused for %s (%s)", path, exc)
             os.close(candidate)
             return -1
         if _locks_path(candidate, path):
@@ -593,7 +595,7 @@ def open_cache(root: Optional[Path] = None, *, verify: str = digest.DEFAULT_VERI
     try:
         return Cache(root, verify=verify)
     except CacheError as exc:
-        log.warning("ortmem: not using the cache (%s); converting without it", exc)
+        logs.warning(__name__, "ortmem: not using the cache (%s); converting without it", exc)
         return None
 
 

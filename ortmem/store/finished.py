@@ -52,13 +52,9 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
-import platform
 import re
-import shutil
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -66,6 +62,7 @@ from typing import Any, Optional
 import numpy as np
 import onnxruntime as ort
 
+from ortmem.base import logs
 from ortmem.files import digest
 from ortmem.files.sources import source_record, sources_problem
 from ortmem.errors import CacheError
@@ -73,17 +70,16 @@ from ortmem.files.trust import (PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, cache_file_
 from ortmem.base.ort_class import ORT_SESSION  # ORT's own class: never a hooked session
 from ortmem.ort.settings import OrtSettings
 
-log = logging.getLogger(__name__)
 
 
 def finished_key_parts(settings: Optional[OrtSettings] = None) -> dict[str, Any]:
     """What a finished model depends on beyond its source: the ORT release and build (its version, its
     build info and its native module's identity), the CPU's features and this format, and (``settings``
     given) the optimization level, disabled optimizers and config entries it was finished at."""
-    from ortmem.ort.release import cpu_flags, installed
+    from ortmem.ort.release import cpu_flags, installed, machine
 
     parts: dict[str, Any] = {"finished_format": FINISHED_FORMAT, "onnxruntime": ort.__version__,
-                             "machine": platform.machine(), "cpu_flags": list(cpu_flags()),
+                             "machine": machine(), "cpu_flags": list(cpu_flags()),
                              "build": installed().build, "build_info": getattr(ort, "get_build_info", lambda: "")()}
     if settings is not None:
         parts["settings"] = settings_parts(settings)
@@ -126,6 +122,8 @@ NEARLY_FULL_BYTES = 1 << 20
 
 def free_bytes(folder: Path) -> Optional[int]:
     """Bytes still free on ``folder``'s filesystem (None: unknown)."""
+    import shutil
+
     try:
         return shutil.disk_usage(folder).free
     except OSError:
@@ -207,6 +205,9 @@ def finish_model(source: Path, folder: Path, stem: str = "prepared", *, settings
 def _finish_model(source: Path, folder: Path, stem: str, settings: Optional[OrtSettings],
                    threads: int) -> FinishedReport:
     """:func:`finish_model`'s work; an OSError of a full disk is turned into :class:`NoSpaceError` there."""
+    import shutil
+    import uuid
+
     import onnx
 
     from ortmem.onnxfile.walk import external_data_dict
@@ -233,7 +234,7 @@ def _finish_model(source: Path, folder: Path, stem: str, settings: Optional[OrtS
         made = prepacked or bool({t.name for t in saved.graph.initializer} - _initializer_names(source))
         refusal = worth_mapping(source, work / f"{stem}.onnx", settings, threads) if made else NOTHING_MADE
         if refusal:
-            log.info("ortmem: %s is not finished: %s", source, refusal)
+            logs.info(__name__, "ortmem: %s is not finished: %s", source, refusal)
         names = [n for n in (f"{stem}.onnx", f"{stem}.data") if (work / n).exists()]
         for name in names:
             os.chmod(work / name, PRIVATE_FILE_MODE)
@@ -542,5 +543,5 @@ def finished_path(folder: Path, stem: str = "prepared", *, source: Optional[Path
     problem = finished_problem(folder, stem, source=source, mode=mode, settings=settings)
     if problem is None:
         return Path(folder) / f"{stem}.onnx"
-    log.info("ortmem: not using the finished model in %s (%s)", folder, problem)
+    logs.info(__name__, "ortmem: not using the finished model in %s (%s)", folder, problem)
     return None

@@ -22,7 +22,6 @@ sharing one cache folder each keep their own.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any, Optional
 import onnxruntime as ort
 
 from ortmem import __version__
+from ortmem.base import logs
 from ortmem.errors import resource_failure
 from ortmem.store.cache import Cache
 from ortmem.files.layout import Entry
@@ -40,7 +40,6 @@ from ortmem.ort.settings import OrtSettings
 from ortmem.base.hashing import short_hash
 from ortmem.store.finished import (FINISHED_FORMAT, NoSpaceError, FinishCheckError, FinishError, FinishedReport, finish_model, finished_problem, discard_finished, finished_key_parts, finished_settled, free_bytes, keep_decision_only, finished_path, read_manifest, settings_parts, source_files)
 
-log = logging.getLogger(__name__)
 
 #: The stem :func:`ortmem.store.finished.finish_model` writes an entry's files under: ``model.onnx`` is the
 #: cache's ``MODEL_FILE``.
@@ -107,7 +106,7 @@ def usable_finished(cache: Cache, entry: Entry) -> Optional[Entry]:
     problem = finished_problem(entry.path, STEM, mode="sampled" if cache.verify_mode == "sampled" else "off")
     if problem is None:
         return entry
-    log.warning("ortmem: cache entry %s is unusable (%s); rebuilding", entry.path, problem)
+    logs.warning(__name__, "ortmem: cache entry %s is unusable (%s); rebuilding", entry.path, problem)
     cache.discard(entry)
     return None
 
@@ -133,7 +132,7 @@ def build_finished(cache: Cache, source: Path, key: str, *, packing: Optional[di
         except FinishError as exc:
             if resource_failure(exc):  # says nothing about the model: no marker, a later start tries again
                 raise
-            log.info("ortmem: %s; later starts load %s as given", exc, source)
+            logs.info(__name__, "ortmem: %s; later starts load %s as given", exc, source)
             return {"kind": "prepared", "marker": True, "source": str(source), "why": str(exc),
                     **source_record(source_files(source))}
         if not report.useful and resource_failure(report.refusal):
@@ -251,7 +250,7 @@ def record_no_space(entry: Entry, free: Optional[int]) -> None:
     try:
         entry.rewrite_manifest(m)
     except OSError as exc:
-        log.debug("ortmem: could not record the full disk in %s (%s)", entry.path, exc)
+        logs.debug(__name__, "ortmem: could not record the full disk in %s (%s)", entry.path, exc)
 
 
 def converted_finished(cache: Cache, entry: Entry, settings: OrtSettings) -> tuple[Optional[Path], bool]:
@@ -269,7 +268,7 @@ def converted_finished(cache: Cache, entry: Entry, settings: OrtSettings) -> tup
             return None, False
         if str(entry.path) not in _said_full:
             _said_full.add(str(entry.path))
-            log.warning("ortmem: %s; sessions load the converted entry", refusal)
+            logs.warning(__name__, "ortmem: %s; sessions load the converted entry", refusal)
         return None, True
     path = finished_path(entry.path, stem, mode=cache.verify_mode, settings=settings)
     if path is not None:
@@ -303,7 +302,7 @@ def finish_converted(cache: Cache, entry: Entry, settings: OrtSettings, *, threa
         return path
     problem = cache.verify(entry, mode="full")  # nothing is derived from an entry not checked in full
     if problem is not None:  # damaged where verify="sampled"/"off" did not look: the next start converts again
-        log.warning("ortmem: cache entry %s is damaged (%s); not finishing it, rebuilding", entry.path, problem)
+        logs.warning(__name__, "ortmem: cache entry %s is damaged (%s); not finishing it, rebuilding", entry.path, problem)
         cache.discard(entry)
         return None
     free = free_bytes(entry.path)

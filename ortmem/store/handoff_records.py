@@ -56,6 +56,8 @@ FOLDER = ".handover"
 FORMAT = 1
 #: A record's description of itself.
 FACTS_FILE = "facts"
+#: Present in a record when ``ortmem prepare`` made a store entry for its file (:func:`mark_prepared`).
+PREPARED_FILE = "prepared"
 #: A folder left by a writer that died, removed by the next record made after this long.
 STALE_SECONDS = 86400.0
 #: A record made this recently is never replaced (its maker's ORT may be reading its skeleton): a
@@ -121,7 +123,32 @@ def recorded_facts(folder: Path, path: Path, st: os.stat_result, *,
         embedded = int(fields.get("embedded_bytes", ""))
     except ValueError:
         return None
-    return FileFacts(skeleton=None, embedded_bytes=embedded, skeleton_file=skeleton_file, **flags)
+    prepared = os.path.lexists(where / PREPARED_FILE)  # the folder passed the trust check: only its owner writes it
+    return FileFacts(skeleton=None, embedded_bytes=embedded, skeleton_file=skeleton_file, prepared=prepared, **flags)
+
+
+def mark_prepared(folder: Optional[Path], path: Path) -> bool:
+    """Record that ``ortmem prepare`` made a store entry for ``path``, so that starts ask the store for
+    it instead of handing the file to ORT from its bytes (the records serve files below the finished
+    threshold, which no start otherwise looks up). The record is made first if there is none. True
+    when starts will ask the store: marked now or before, or a file the session path takes anyway;
+    False when nothing could be recorded (no usable folder, a file written within
+    :data:`~ortmem.files.trust.RACY_SECONDS`, a read-only or full disk)."""
+    if folder is None:
+        return False
+    try:
+        facts = facts_of(path, folder)
+        if needs_session_path(facts, converting=True):
+            return True  # marked before, or the session path takes it anyway
+        where = folder / _key(path, os.stat(path))
+        if not (where / FACTS_FILE).is_file():
+            return False
+        write_new(where / PREPARED_FILE, b"")
+        return True
+    except FileExistsError:
+        return True
+    except OSError:
+        return False
 
 
 def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *,

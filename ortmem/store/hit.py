@@ -7,7 +7,6 @@ made in the background after a session's first run (:mod:`ortmem.store.finisher`
 """
 from __future__ import annotations
 
-import logging
 
 from ortmem.ort.settings import OrtSettings, Packing
 from ortmem.store.cache import Cache
@@ -15,7 +14,6 @@ from ortmem.files.layout import Entry
 from ortmem.store.finished_entries import converted_finished, finishing_settings, settings_record
 from ortmem.store.start import Decision, Start
 
-log = logging.getLogger(__name__)
 
 
 def entry_start(cache: Cache, entry: Entry, finishing: bool, settings: OrtSettings, packing: Packing) -> Start:

@@ -15,11 +15,11 @@ locks anything itself, and the store never asks the release whether ORT saves pr
 """
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Optional
 
+from ortmem.base import logs
 from ortmem.base.child_env import STORE_FOLDER, cache_folder
 from ortmem.ort.settings import OrtSettings, Packing
 from ortmem.store.cache import Cache
@@ -28,7 +28,6 @@ from ortmem.store.finished_entries import is_marker, finished_key, settings_reco
 from ortmem.files.sources import converted_key
 from ortmem.store.start import Decision, Start
 
-log = logging.getLogger(__name__)
 
 
 def start(cache: Optional[Cache], path: Path, *, settings: OrtSettings, fp16_in_fp32: Optional[bool] = None,
@@ -68,7 +67,7 @@ def say_stale(cache: Cache, path: Path) -> None:
     model = os.path.abspath(path)
     default = cache.root == cache_folder() / STORE_FOLDER
     command = f"ortmem prepare {model}" + ("" if default else f" --cache {cache.root}")
-    log.warning("ortmem: the cache entry of %s was made with onnxruntime %s, not %s, and is not used: the cache "
+    logs.warning(__name__, "ortmem: the cache entry of %s was made with onnxruntime %s, not %s, and is not used: the cache "
                 "cannot be written, so every start converts the model (or loads it as given) until `%s` rebuilds "
                 "the entry with this onnxruntime", model, recorded, ort.__version__, command)
 

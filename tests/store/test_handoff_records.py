@@ -282,3 +282,35 @@ def test_the_session_path_hands_a_small_model_over_from_its_record(embedded: Pat
     for s in (first, second):
         assert np.array_equal(s.run(None, FEED)[0], _ort(embedded))
 
+
+
+def test_a_small_model_ortmem_prepare_finished_starts_from_its_finished_entry(tmp_path: Path):
+    """Below the finished threshold no start asks the store, except for a file ``ortmem prepare``
+    finished: its record says so. Pruned or cleared, the entry is missed once per start and the file is
+    handed over from its bytes again; outputs are ORT's own throughout."""
+    import shutil
+
+    import ortmem
+    from ortmem.session.deploy import prepare_path
+
+    rng = np.random.default_rng(5)
+    model = _settled(save(matmul_chain(rng, [64, 512, 512, 512, 8]), tmp_path / "models" / "chain.onnx"))
+    lines: list[str] = []
+    assert prepare_path(model, say=lines.append) == 0, lines
+    records = records_folder(store_folder(True))
+    assert records is not None
+    recorded = facts_of(model, records)
+    finished = "finished entry" in lines[-1]
+    assert recorded.prepared == finished, lines
+    session = ortmem.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    assert session.ortmem_action == ("finished" if finished else "mapped"), lines
+    assert np.array_equal(session.run(None, FEED)[0], _ort(model))
+    if not finished:
+        pytest.skip(f"this onnxruntime finishes nothing worth mapping here: {lines[-1]}")
+    del session
+    for d in (store_folder(True)).iterdir():
+        if not d.name.startswith("."):
+            shutil.rmtree(d)  # every entry gone, the records kept
+    again = ortmem.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    assert again.ortmem_action == "mapped"
+    assert np.array_equal(again.run(None, FEED)[0], _ort(model))
