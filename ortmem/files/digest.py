@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
 from ortmem.base.hashing import xxhash as _xxhash  # the module, or None where it is not installed
-from ortmem.onnxfile.weights import PAGE
+from ortmem.base.units import PAGE
 from ortmem.files import stamps
 
 PathLike = Union[str, os.PathLike]

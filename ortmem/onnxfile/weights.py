@@ -31,9 +31,9 @@ from typing import Iterator, Optional
 import numpy as np
 
 from ortmem.base.dtypes import dtype_info
+from ortmem.base.units import PAGE
 from ortmem.errors import WeightStateError
 
-PAGE = mmap.PAGESIZE
 #: Where tensors start in the weights files ortmem lays out at a fixed offset grid (a partition's shared
 #: weights.bin, synthetic models' external data): 4096 bytes, the page of x86-64 and of most ARM
 #: builds, fixed rather than this machine's page so that a file's bytes do not depend on where it was made.

@@ -25,7 +25,8 @@ import numpy as np
 
 from ortmem.files.digest import RunningDigest
 from ortmem.errors import ConversionError
-from ortmem.onnxfile.weights import PAGE, WeightRef, page_align
+from ortmem.base.units import PAGE
+from ortmem.onnxfile.weights import WeightRef, page_align
 from ortmem.passes.tensors import OutTensor
 
 Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, tensor name)

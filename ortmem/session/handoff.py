@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
 import onnxruntime as ort
 
-from ortmem.onnxfile.model import Model
 from ortmem.onnxfile.scan import FOLDER_KEY, RECOMPUTE_METADATA, file_mentions
 from ortmem.ort.recorded_settings import merge_config_value, recorded_settings
 from ortmem.base.options import get_config, scoped_config
@@ -32,6 +31,7 @@ from ortmem.store.start import Decision, Start
 if TYPE_CHECKING:  # the conversion (and onnx) is imported only by a start that converts
     import onnx
 
+    from ortmem.onnxfile.model import Model  # a loaded source: its start imported it already
     from ortmem.store.finisher import FinishLater  # a warm start leaves nothing for later: no finisher imported
 
     from ortmem.session.inmemory import InMemoryConversion
@@ -150,6 +150,8 @@ class Handoff:
 
     def cleanup(self) -> None:
         """Remove the temporary folders (what ORT mapped from them stays readable to it)."""
+        if not self.tempdirs:
+            return  # most starts: nothing to remove, and shutil is not imported for it
         import shutil
 
         for d in self.tempdirs:

@@ -196,6 +196,18 @@ def test_a_model_the_session_path_reads_is_not_recorded(tmp_path: Path, folder: 
     assert os.listdir(folder) == []
 
 
+def test_a_model_with_external_data_is_walked_once(tmp_path: Path, folder: Path, walks: list[Path]):
+    """Its external data sends it the session path's way on every start (the loader checks it, or the
+    store serves its entry without reading it): the walk that found so is recorded, not repeated."""
+    path = _settled(save(matmul_chain(np.random.default_rng(4), [64, 256, 8]), tmp_path / "x" / "model.onnx",
+                         external=True))
+    first = facts_of(path, folder)
+    again = facts_of(path, folder)
+    assert first.needs_loader and again.needs_loader and again.skeleton_file is None
+    assert walks == [path]
+    assert [name for name in os.listdir(folder) if not name.startswith(".")]
+
+
 def test_records_live_in_the_store_folder_and_go_with_it(tmp_path: Path, embedded: Path,
                                                         monkeypatch: pytest.MonkeyPatch):
     """The hook finds the store's folder from its ``cache=`` option as the session path does, and
