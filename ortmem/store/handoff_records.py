@@ -15,9 +15,9 @@ inode, size and mtime, this record format and ortmem's version. It holds ``facts
 :class:`~ortmem.onnxfile.scan.FileFacts` fields, the identity, the ctime after the record was made and
 the skeleton's digest) and, for a file whose embedded weights ORT maps, the skeleton and a hard link
 to the file: the pair :func:`ortmem.onnxfile.scan.link_skeleton` would write into a temporary folder.
-Every walk is recorded but that of a file with DequantizeLinear (its conversion reads the file
-anyway): a model the session path takes for its external data gets a record too (its facts alone, no
-skeleton), since its warm start reads only the store's entry and would otherwise walk the file again.
+Every walk is recorded, that of a model the session path takes too (its external data, its
+DequantizeLinear): its warm start, or a start the store settled as converting nothing, reads only the
+store's entry or the file's record, and would otherwise walk the file again.
 
 A file modified within :data:`~ortmem.files.trust.RACY_SECONDS` gets no record: on a file system
 with coarse timestamps a second write in the same tick would leave mtime and ctime as recorded.
@@ -96,8 +96,6 @@ def facts_of(path: Path, folder: Optional[Path], *, stop_outside_main_graph: boo
     if recorded is not None:
         return recorded
     facts = read_facts(path, stop_outside_main_graph=stop_outside_main_graph)
-    if facts.dequantize:
-        return facts  # its conversion reads the file anyway
     return record(folder, path, before, facts, stop_outside_main_graph=stop_outside_main_graph)
 
 
