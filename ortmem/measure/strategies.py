@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -376,8 +377,8 @@ def prepare_twin(model_path: str, options: dict, workdir: str) -> str:
 def prepare_prepared(model_path: str, options: dict, workdir: str) -> str:
     """What ``ortmem prepare MODEL --cache DIR`` does (:func:`ortmem.session.deploy.prepare_path`),
     into this strategy's cache, unmeasured: a QDQ model's converted entry and its pre-packed weights,
-    any other model's finished entry (or nothing, where ortmem prepares nothing: below
-    ``ORTMEM_PREPARE_MIN_BYTES``, or a marker where ORT packs nothing). ``ortmem prepare`` builds what a
+    any other model's finished entry (or nothing, where ortmem prepares nothing: a marker where ORT
+    packs nothing). ``ortmem prepare`` builds what a
     default session looks up, so ``--session-config`` entries that change the key make the measured
     start miss it: the probe's ``ortmem_action`` says what the start did."""
     from ortmem.session.deploy import prepare_path
@@ -397,6 +398,46 @@ def create_ortmem_prepared(model_path: str, options: dict) -> Any:
 
     return ortmem.InferenceSession(model_path, _session_options(options), providers=["CPUExecutionProvider"],
                                    cache=_bench_cache("prepared"))
+
+
+def prepare_finished_floor(model_path: str, options: dict, workdir: str) -> str:
+    """``ortmem prepare`` into this strategy's cache, unmeasured, then what an ortmem start hands ORT
+    written down (the file, its config entries, whether it is ORT's finished model), so the measured
+    child runs plain ORT on it with nothing of ortmem's start: what ORT itself holds and takes for its
+    finished model, the floor under ``ortmem-prepared-warm``. A start that gets no finished model
+    leaves plain ORT on the source."""
+    import ortmem
+    from ortmem.session.deploy import prepare_path
+    from ortmem.store.cache import Cache
+
+    cache = _bench_cache("floor")
+    code = prepare_path(Path(model_path), Cache(cache))
+    if code:
+        raise RuntimeError(f"ortmem prepare {model_path} failed (exit code {code})")
+    session = ortmem.InferenceSession(model_path, _session_options(options), providers=["CPUExecutionProvider"],
+                                      cache=cache)
+    finished = session.ortmem_action == "finished"
+    handoff = session.ortmem_handoff
+    spec = {"model": handoff.model if finished else model_path,
+            "config": dict(handoff.config) if finished else {}, "finished": finished}
+    del session
+    path = Path(workdir) / f"floor-{_path_tag(model_path)}.json"
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+def create_ort_finished(spec_path: str, options: dict) -> Any:
+    """Plain ORT on what :func:`prepare_finished_floor` wrote down: ORT's finished model with the
+    config entries and ``ORT_DISABLE_ALL`` an ortmem start gives it."""
+    import onnxruntime as ort
+
+    spec = json.loads(Path(spec_path).read_text())
+    so = _session_options(options)
+    for key, value in spec["config"].items():
+        so.add_session_config_entry(key, value)
+    if spec["finished"]:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(spec["model"], so, providers=["CPUExecutionProvider"])
 
 
 ORT_CODE = "import onnxruntime as o\no.InferenceSession({model}, {so}providers=['CPUExecutionProvider'])"
@@ -431,10 +472,17 @@ register("ortmem-nocache", create_ortmem_nocache, description="ortmem.InferenceS
 register("ortmem-prepared-warm", create_ortmem_prepared, prepare=prepare_prepared,
          description="ortmem.InferenceSession on a cache `ortmem prepare` filled beforehand (any model)",
          code=ORTMEM_CODE % ("prepared", ""))
+register("ort-finished", create_ort_finished, prepare=prepare_finished_floor,
+         description="plain ORT on ORT's finished model from a cache `ortmem prepare` filled: the floor under "
+                     "ortmem-prepared-warm",
+         code="import json, onnxruntime\nspec = json.load(open({model}))\nso = {options}\n"
+              "for k, v in spec['config'].items():\n    so.add_session_config_entry(k, v)\n"
+              "if spec['finished']:\n    so.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL\n"
+              "onnxruntime.InferenceSession(spec['model'], so, providers=['CPUExecutionProvider'])")
 register("genai", "ortmem.measure.genai_session:create_genai_plain",
          description="onnxruntime-genai og.Model(og.Config(FOLDER)), greedy tokens from a fixed prompt",
          code="import onnxruntime_genai as og\nog.Model(og.Config({model}))")
 register("genai-prepared", "ortmem.measure.genai_session:create_genai_prepared",
          prepare="ortmem.measure.genai_session:prepare_genai",
          description="ortmem.session.genai.genai_model(FOLDER) after `ortmem prepare FOLDER`",
-         code="import ortmem.session.genai\nortmem.reach.genai.genai_model({model})")
+         code="import ortmem.session.genai\nortmem.session.genai.genai_model({model})")

@@ -44,9 +44,8 @@ has loaded. Anything failing: that file is loaded as given, one warning says why
 from __future__ import annotations
 
 import json
-import logging
 import os
-import platform
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,13 +53,13 @@ from typing import Any, Iterator, Optional
 
 import onnxruntime as ort
 
+from ortmem.base import logs
 from ortmem.errors import OrtmemError
 from ortmem.base.hygiene import allocator_hygiene
 from ortmem.ort.settings import OrtSettings
 from ortmem.ort.settings import packing_settings as ort_packing_settings
 from ortmem.store.finished import FinishCheckError, FinishedReport, finish_model, finished_problem, read_manifest
 
-log = logging.getLogger(__name__)
 
 GENAI_CONFIG = "genai_config.json"
 #: What the backup of a rewritten ``genai_config.json`` is called (beside it; genai ignores it).
@@ -344,7 +343,7 @@ def genai_ort_problem() -> Optional[str]:
     (Windows genai loads ``onnxruntime.dll`` from the same package folder).
     """
     capi = Path(ort.__file__).resolve().parent / "capi"
-    if platform.system() == "Linux":
+    if sys.platform.startswith("linux"):
         try:
             maps = Path("/proc/self/maps").read_text()
         except OSError:
@@ -450,7 +449,7 @@ def genai_config(folder: Path, *, mode: str = "full") -> Any:
         reasons.append(f"pipeline stages keep their files ({', '.join(kept)}): og.Config.overlay cannot "
                        "re-point them; ortmem.session.genai.rewrite_config can")
     if reasons:
-        log.warning("ortmem: genai folder %s: %s; those files load as given", folder, "; ".join(reasons))
+        logs.warning(__name__, "ortmem: genai folder %s: %s; those files load as given", folder, "; ".join(reasons))
     return config
 
 
@@ -520,7 +519,7 @@ def rewrite_config(folder: Path, *, backup: bool = True) -> list[str]:
             else:
                 obj.pop("session_options")
     if reasons:
-        log.warning("ortmem: genai folder %s: %s; those files stay as given", folder, "; ".join(reasons))
+        logs.warning(__name__, "ortmem: genai folder %s: %s; those files stay as given", folder, "; ".join(reasons))
     if backup and not (folder / CONFIG_BACKUP).exists():
         _write_config(folder / CONFIG_BACKUP, original, path.stat().st_mode & 0o777)
     _write_config(path, json.dumps(config, indent=4) + "\n", path.stat().st_mode & 0o777)
