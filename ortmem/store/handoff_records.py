@@ -96,7 +96,8 @@ def facts_of(path: Path, folder: Optional[Path], *, stop_outside_main_graph: boo
     if recorded is not None:
         return recorded
     facts = read_facts(path, stop_outside_main_graph=stop_outside_main_graph)
-    return record(folder, path, before, facts, stop_outside_main_graph=stop_outside_main_graph)
+    facts = record(folder, path, before, facts, stop_outside_main_graph=stop_outside_main_graph)
+    return facts if facts.prepared else facts._replace(prepared=_marked(folder / _key(path, before)))
 
 
 def recorded_facts(folder: Path, path: Path, st: os.stat_result, *,
@@ -122,8 +123,19 @@ def recorded_facts(folder: Path, path: Path, st: os.stat_result, *,
         embedded = int(fields.get("embedded_bytes", ""))
     except ValueError:
         return None
-    prepared = os.path.lexists(where / PREPARED_FILE)  # the folder passed the trust check: only its owner writes it
+    prepared = _marked(where)
     return FileFacts(skeleton=None, embedded_bytes=embedded, skeleton_file=skeleton_file, prepared=prepared, **flags)
+
+
+def _marked(where: Path) -> bool:
+    """Whether the record folder ``where`` (named by the file's identity: path, inode, size, mtime)
+    holds :func:`mark_prepared`'s mark. Kept apart from the record's validity: a link to the file
+    or a chmod moves its ctime and sends the next start to the walk, while the mark only sends it to
+    the store, which checks the source itself and is missed (the bytes decide) if it changed."""
+    try:
+        return untrusted_reason(where) is None and os.path.lexists(where / PREPARED_FILE)
+    except OSError:
+        return False
 
 
 def mark_prepared(folder: Optional[Path], path: Path) -> bool:
@@ -166,6 +178,7 @@ def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *
         return facts  # just written: a second write within the same timestamp tick would go unseen
     # Old records go first: removing one whose link is this same inode moves the file's ctime.
     _remove_stale(folder, keep=key)
+    carried = _marked(target)  # a replaced record of the same identity passes its mark on
     if _age(target) > IN_USE_SECONDS:  # a younger one may be its maker's session's model right now
         remove_aside(target)
     building = folder / f"{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
@@ -183,6 +196,8 @@ def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *
                   **{k: "1" if getattr(facts, k) else "0" for k in _FLAGS},
                   "skeleton": short_hash(facts.skeleton) if pair else "-"}
         write_new(building / FACTS_FILE, "".join(f"{k} {v}\n" for k, v in fields.items()).encode())
+        if carried:
+            write_new(building / PREPARED_FILE, b"")
         os.rename(building, target)
     except OSError:  # no room, read-only, a link across file systems, or another writer was first
         remove_aside(building)

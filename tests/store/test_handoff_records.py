@@ -322,6 +322,10 @@ def test_a_small_model_ortmem_prepare_finished_starts_from_its_finished_entry(tm
     assert np.array_equal(session.run(None, FEED)[0], _ort(model))
     if not finished:
         pytest.skip(f"this onnxruntime finishes nothing worth mapping here: {lines[-1]}")
+    os.link(model, tmp_path / "another-name.onnx")  # moves the file's ctime: its record is walked again
+    relinked = ortmem.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    assert relinked.ortmem_action == "finished"  # the mark outlives the record it was made in
+    del relinked
     del session
     for d in (store_folder(True)).iterdir():
         if not d.name.startswith("."):
