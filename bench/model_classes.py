@@ -16,9 +16,9 @@ PP-OCRv4 text detector), an LSTM (built here with ``onnx.helper``: silero-vad 6.
 recurrent models but no ``LSTM``/``GRU`` operator, its cells are unrolled ``Gemm``s), an int8 QOperator
 model (``quantize_dynamic`` of the MiniLM: ``MatMulInteger``), an int8 QDQ one (``quantize_static``), an fp16
 one (the MiniLM's weights stored as fp16 behind ``Cast``) and a genai folder (:mod:`tests.support.genai_folder`).
-A third strategy, ``ort-finished``, runs plain ORT (nothing of ortmem's start in the process) on
-the finished model the warm start loads, with the same settings: the floor, what ORT itself holds and
-takes for that model, under which no start of it can go. Besides the text table, ``model-classes.md``
+A third strategy, ``ort-finished``, runs plain ORT (nothing of ortmem's start in the process, no
+allocator trim) on the finished model the warm start loads, with the same settings: what ORT itself
+holds and takes for that model. Besides the text table, ``model-classes.md``
 gives private memory above the interpreter's before creation, the 4 workers' per-extra-worker PSS against "interpreter's private + 5% of the weights + 4 MiB"
 and creation ortmem over ORT, every miss marked.
 
@@ -61,7 +61,7 @@ WEIGHT_SHARE = 0.05  # per extra worker: the empty interpreter's private + this 
 PRIVATE_FLOOR_MIB = 10  # the private target applies where plain ORT holds at least this above the interpreter
 INIT_TARGET = 1.0  # ortmem's creation over ORT's
 WORKERS = 4
-PLAIN, WARM, FLOOR = "ort", "ortmem-prepared-warm", "ort-finished"
+PLAIN, WARM, ALONE = "ort", "ortmem-prepared-warm", "ort-finished"
 
 
 @dataclass
@@ -72,9 +72,9 @@ class ModelClass:
     build: Callable[[Path], Path]
     plain: str = PLAIN
     warm: str = WARM
-    #: Plain ORT on ORT's finished model (no ortmem in the process): what ORT itself needs, the floor
-    #: under the warm start; None where there is no such single file (a genai folder).
-    floor: Optional[str] = FLOOR
+    #: Plain ORT on ORT's finished model (no ortmem in the process): what ORT itself holds and takes
+    #: for it; None where there is no such single file (a genai folder).
+    alone: Optional[str] = ALONE
     options: Optional[dict[str, Any]] = None  # the bench's options (dims, int_high)
 
 
@@ -98,8 +98,8 @@ class Row:
     plain_init: tuple[float, float]  # fastest, median
     warm_init: tuple[float, float]
     identical: bool
-    floor_above: Optional[float] = None  # the floor's private after the first run above its interpreter's
-    floor_init: Optional[tuple[float, float]] = None
+    alone_above: Optional[float] = None  # ORT alone on the finished model: private after the first run above its interpreter's
+    alone_init: Optional[tuple[float, float]] = None
 
     @property
     def private_ratio(self) -> float:
@@ -287,8 +287,8 @@ def classes(preset: str) -> list[ModelClass]:
         ModelClass("fp32 conv net (rapidocr PP-OCRv4 det)", rapidocr_det, options={"dims": {f"p2o.DynamicDimension.{i}": n for i, n in enumerate((1, 128, 128))}}),
         ModelClass("fp32 LSTM (2 x 1024, onnx.helper)", lstm),
         ModelClass("int8 QOperator (quantize_dynamic MiniLM, MatMulInteger)", minilm_int8, options={"int_high": 2}),
-        ModelClass("genai folder (16 x 512 decoder)", genai_folder(16), plain="genai", warm="genai-prepared", floor=None),
-        ModelClass("genai folder (32 x 512 decoder)", genai_folder(32), plain="genai", warm="genai-prepared", floor=None),
+        ModelClass("genai folder (16 x 512 decoder)", genai_folder(16), plain="genai", warm="genai-prepared", alone=None),
+        ModelClass("genai folder (32 x 512 decoder)", genai_folder(32), plain="genai", warm="genai-prepared", alone=None),
     ]
 
 
@@ -318,7 +318,7 @@ def measure(mc: ModelClass, work: Path, out: Path, repeat: int, say: Callable[[s
     say(f"== {mc.name}: {model}")
     packs, weights = ort_packs(model)
     options = dict(mc.options or {})
-    strategies = [mc.plain, mc.warm] + ([mc.floor] if mc.floor else [])
+    strategies = [mc.plain, mc.warm] + ([mc.alone] if mc.alone else [])
     report = run_bench([model], strategies, repeat, options=options, progress=True)
     report.workers = run_workers(model, [mc.plain, mc.warm], [1, WORKERS], options=options, say=say)
     slug = "-".join("".join(c if c.isalnum() else " " for c in mc.name).split())  # the whole name: two genai sizes
@@ -351,10 +351,10 @@ def summarize(mc: ModelClass, model: Path, weights: float, packs: str, report: B
         s = sr.stat("create_wall_s")
         return (s.min, s.median)
 
-    floor = mr.strategies.get(mc.floor) if mc.floor else None
-    floor_ok = floor is not None and not floor.errors and floor.runs
-    floor_above = ((floor.stat("anon_after_run_bytes").median - floor.stat("baseline_anon_bytes").median) / MiB
-                   if floor_ok else None)
+    alone = mr.strategies.get(mc.alone) if mc.alone else None
+    alone_ok = alone is not None and not alone.errors and alone.runs
+    alone_above = ((alone.stat("anon_after_run_bytes").median - alone.stat("baseline_anon_bytes").median) / MiB
+                   if alone_ok else None)
 
     return Row(name=mc.name, model=str(model), weights_mib=weights, ort_packs=packs, action="/".join(actions),
                plain_private=plain.stat("anon_after_run_bytes").median / MiB,
@@ -364,7 +364,7 @@ def summarize(mc: ModelClass, model: Path, weights: float, packs: str, report: B
                plain_pss1=pss(mc.plain, 1), plain_pss4=pss(mc.plain, WORKERS),
                warm_pss1=pss(mc.warm, 1), warm_pss4=pss(mc.warm, WORKERS),
                plain_init=init(plain), warm_init=init(warm), identical=len(reference) == 1 and hashes == reference,
-               floor_above=floor_above, floor_init=init(floor) if floor_ok else None)
+               alone_above=alone_above, alone_init=init(alone) if alone_ok else None)
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -400,7 +400,7 @@ def markdown(rows: list[Row]) -> str:
         return "ok" if ok else "**MISS**"
 
     head = ["class", "init MiB", "ORT private above interp. MiB", "ortmem private above interp. MiB",
-            "floor: ORT on its finished model, above interp. MiB / create fastest s",
+            "ORT alone on the finished model: above interp. MiB / create fastest s",
             f"ratio (<= {PRIVATE_TARGET})", f"{WORKERS}w PSS warm/ort", f"{WORKERS}w/1w warm",
             "per extra worker MiB (target)", "create fastest ortmem/ORT s (ratio)",
             "create median ortmem/ORT s (ratio)", "outputs equal", "ortmem_action"]
@@ -410,7 +410,7 @@ def markdown(rows: list[Row]) -> str:
         fast, med = r.init_ratio
         lines.append("| " + " | ".join([
             r.name, f"{r.weights_mib:.0f}", f"{r.plain_above:.1f}", f"{r.warm_above:.1f}",
-            "-" if r.floor_above is None or r.floor_init is None else f"{r.floor_above:.1f} / {r.floor_init[0]:.3f}",
+            "-" if r.alone_above is None or r.alone_init is None else f"{r.alone_above:.1f} / {r.alone_init[0]:.3f}",
             f"{r.above_ratio:.2f} " + (mark(r.above_ratio <= PRIVATE_TARGET) if applies else "(n/a: ORT < 10 MiB)"),
             f"{r.warm_pss4 / r.plain_pss4:.2f} ({r.warm_pss4:.0f} / {r.plain_pss4:.0f})",
             f"{r.workers_ratio:.2f}",

@@ -400,17 +400,17 @@ def create_ortmem_prepared(model_path: str, options: dict) -> Any:
                                    cache=_bench_cache("prepared"))
 
 
-def prepare_finished_floor(model_path: str, options: dict, workdir: str) -> str:
+def prepare_ort_finished(model_path: str, options: dict, workdir: str) -> str:
     """``ortmem prepare`` into this strategy's cache, unmeasured, then what an ortmem start hands ORT
     written down (the file, its config entries, whether it is ORT's finished model), so the measured
     child runs plain ORT on it with nothing of ortmem's start: what ORT itself holds and takes for its
-    finished model, the floor under ``ortmem-prepared-warm``. A start that gets no finished model
-    leaves plain ORT on the source."""
+    finished model, beside ``ortmem-prepared-warm``. A start that gets no finished model leaves plain
+    ORT on the source."""
     import ortmem
     from ortmem.session.deploy import prepare_path
     from ortmem.store.cache import Cache
 
-    cache = _bench_cache("floor")
+    cache = _bench_cache("ort-finished")
     code = prepare_path(Path(model_path), Cache(cache))
     if code:
         raise RuntimeError(f"ortmem prepare {model_path} failed (exit code {code})")
@@ -421,13 +421,13 @@ def prepare_finished_floor(model_path: str, options: dict, workdir: str) -> str:
     spec = {"model": handoff.model if finished else model_path,
             "config": dict(handoff.config) if finished else {}, "finished": finished}
     del session
-    path = Path(workdir) / f"floor-{_path_tag(model_path)}.json"
+    path = Path(workdir) / f"ort-finished-{_path_tag(model_path)}.json"
     path.write_text(json.dumps(spec))
     return str(path)
 
 
 def create_ort_finished(spec_path: str, options: dict) -> Any:
-    """Plain ORT on what :func:`prepare_finished_floor` wrote down: ORT's finished model with the
+    """Plain ORT on what :func:`prepare_ort_finished` wrote down: ORT's finished model with the
     config entries and ``ORT_DISABLE_ALL`` an ortmem start gives it."""
     import onnxruntime as ort
 
@@ -472,9 +472,9 @@ register("ortmem-nocache", create_ortmem_nocache, description="ortmem.InferenceS
 register("ortmem-prepared-warm", create_ortmem_prepared, prepare=prepare_prepared,
          description="ortmem.InferenceSession on a cache `ortmem prepare` filled beforehand (any model)",
          code=ORTMEM_CODE % ("prepared", ""))
-register("ort-finished", create_ort_finished, prepare=prepare_finished_floor,
-         description="plain ORT on ORT's finished model from a cache `ortmem prepare` filled: the floor under "
-                     "ortmem-prepared-warm",
+register("ort-finished", create_ort_finished, prepare=prepare_ort_finished,
+         description="plain ORT on ORT's finished model from a cache `ortmem prepare` filled, no ortmem in the "
+                     "process",
          code="import json, onnxruntime\nspec = json.load(open({model}))\nso = {options}\n"
               "for k, v in spec['config'].items():\n    so.add_session_config_entry(k, v)\n"
               "if spec['finished']:\n    so.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL\n"
