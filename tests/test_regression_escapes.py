@@ -165,7 +165,7 @@ def _mapped_inodes() -> set[int]:
 
 #: The background job on another machine, simulated in a child process: what ``finished_key_parts`` reads there.
 _FOREIGN_FINISHER = """
-import json, platform, sys
+import json, sys
 import onnxruntime
 from ortmem.ort import release
 from ortmem.store import finished
@@ -175,7 +175,8 @@ if field == "cpu_flags":  # one instruction set fewer (or one more): MLAS may pi
     here = release.cpu_flags()
     release.cpu_flags = lambda: tuple(here[1:]) if here else ("avx512_vnni",)
 elif field == "machine":
-    platform.machine = lambda: "riscv64" if platform.uname().machine != "riscv64" else "x86_64"
+    here = release.machine()
+    release.machine = lambda: "riscv64" if here != "riscv64" else "x86_64"
 elif field == "finished_format":
     finished.FINISHED_FORMAT += 1
 elif field == "onnxruntime":
