@@ -381,13 +381,18 @@ def prepare_prepared(model_path: str, options: dict, workdir: str) -> str:
     packs nothing). ``ortmem prepare`` builds what a
     default session looks up, so ``--session-config`` entries that change the key make the measured
     start miss it: the probe's ``ortmem_action`` says what the start did."""
+    _prepare_into(model_path, _bench_cache("prepared"))
+    return model_path
+
+
+def _prepare_into(model_path: str, cache: Path) -> None:
+    """:func:`ortmem.session.deploy.prepare_path` of ``model_path`` into ``cache``; a failure raises."""
     from ortmem.session.deploy import prepare_path
     from ortmem.store.cache import Cache
 
-    code = prepare_path(Path(model_path), Cache(_bench_cache("prepared")))
+    code = prepare_path(Path(model_path), Cache(cache))
     if code:
         raise RuntimeError(f"ortmem prepare {model_path} failed (exit code {code})")
-    return model_path
 
 
 def create_ortmem_prepared(model_path: str, options: dict) -> Any:
@@ -407,13 +412,9 @@ def prepare_ort_finished(model_path: str, options: dict, workdir: str) -> str:
     finished model, beside ``ortmem-prepared-warm``. A start that gets no finished model leaves plain
     ORT on the source."""
     import ortmem
-    from ortmem.session.deploy import prepare_path
-    from ortmem.store.cache import Cache
 
     cache = _bench_cache("ort-finished")
-    code = prepare_path(Path(model_path), Cache(cache))
-    if code:
-        raise RuntimeError(f"ortmem prepare {model_path} failed (exit code {code})")
+    _prepare_into(model_path, cache)
     session = ortmem.InferenceSession(model_path, _session_options(options), providers=["CPUExecutionProvider"],
                                       cache=cache)
     finished = session.ortmem_action == "finished"
