@@ -6,14 +6,14 @@ environment's pairs with this module and loads nothing it does not need.
 """
 from __future__ import annotations
 
-import mmap
+import os
 import re
 from typing import Optional
 
 #: The mebibyte, defined once for the modules that name it (others still write ``2**20`` inline).
 MiB = 1 << 20
 #: This machine's memory page: the unit ORT maps files in and the digest samples by.
-PAGE = mmap.PAGESIZE
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096  # mmap.PAGESIZE, without mmap
 
 _UNITS = {
     "": 1, "b": 1,

@@ -1,6 +1,6 @@
 """The store's folder format: the one place its entries' file names are defined (the handoff records'
 are defined in :mod:`ortmem.store.handoff_records`, which the hook imports without this module's json
-and dataclasses).
+and named tuples).
 
 A converted entry ``<root>/<key>/`` holds ``model.onnx`` (a skeleton whose large tensors are external
 data), ``weights.bin`` (every converted weight, page-aligned), hard links to unchanged source files
@@ -18,9 +18,8 @@ from __future__ import annotations
 import json
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 from ortmem.files.trust import read_nofollow, replace_private
 
@@ -38,8 +37,7 @@ SOURCE_LINK_PREFIX = "source-"
 FINISHED_STEM = "finished"
 
 
-@dataclass
-class Entry:
+class Entry(NamedTuple):
     key: str
     path: Path
 
@@ -88,8 +86,7 @@ def reclaimable_bytes(path: Path) -> int:
     return st.st_blocks * 512 if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
 
 
-@dataclass(frozen=True)
-class DiskUse:
+class DiskUse(NamedTuple):
     """What entries hold on disk: each file's bytes once however many hard links it has (``bytes``),
     and of those the bytes of files also linked from outside the entries counted (``shared``): a
     source an entry hard-links stays the user's model file, its bytes were on disk before the entry."""

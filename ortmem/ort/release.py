@@ -21,16 +21,14 @@ notice that it is untested.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
 import re
 import sys
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 from ortmem.base import logs
 from ortmem.base.hashing import short_hash
@@ -63,8 +61,7 @@ amx_fp16 asimd asimddp asimdhp fphp sve sve2 i8mm bf16 svei8mm svebf16 sme sme2
 """.split())
 
 
-@dataclass(frozen=True)
-class ReleaseFacts:
+class ReleaseFacts(NamedTuple):
     """What one tested release does (one row of :data:`RELEASE_TABLE`)."""
 
     #: Largest DQ block size ORT's ``DQMatMulToMatMulNBits`` fuses (smallest is always 16;
@@ -127,8 +124,7 @@ RELEASE_TABLE: dict[tuple[int, int], ReleaseFacts] = {
 }
 
 
-@dataclass(frozen=True)
-class Release:
+class Release(NamedTuple):
     """The ORT this process imports: version, build identity and CPU (what probe answers depend on)."""
 
     version: str
@@ -203,16 +199,14 @@ def installed() -> Release:
 # ------------------------------------------------------------------------------------ capabilities
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(NamedTuple):
     """Whether ortmem may convert one variant on this ORT, and why (or why not)."""
 
     ok: bool
     why: str = ""
 
 
-@dataclass(frozen=True)
-class Capabilities:
+class Capabilities(NamedTuple):
     """What ortmem may do on the installed ORT: the table and the probe, reconciled."""
 
     release: Release
@@ -220,8 +214,8 @@ class Capabilities:
     convert: bool
     fusion_block_max: int
     convert_block_max: int = 256
-    matmul: Mapping[str, Verdict] = field(default_factory=dict)
-    gather: Mapping[str, Verdict] = field(default_factory=dict)
+    matmul: Mapping[str, Verdict] = {}  # read-only by contract, as every field here
+    gather: Mapping[str, Verdict] = {}
     prepacked_save: bool = False
     prepacked_validated: bool = False
     shared_initializer_guard: bool = True
@@ -358,7 +352,7 @@ def from_probe(release: Release, answers: Mapping[str, Any]) -> Capabilities:
         shared_initializer_guard=not (isinstance(shared, dict) and shared.get("fused") is True),
         borrows_memory_buffers=bool(answers.get("borrows_memory_buffers", False)),
         import_baseline_bytes=int(answers.get("import_baseline_bytes") or 0), source="probe")
-    return dataclasses.replace(caps, notes=tuple(_notes(caps)))
+    return caps._replace(notes=tuple(_notes(caps)))
 
 
 def _notes(caps: Capabilities) -> list[str]:
@@ -368,14 +362,14 @@ def _notes(caps: Capabilities) -> list[str]:
     if release.version_tuple[:2] > max(RELEASE_TABLE):
         return [f"onnxruntime {release.version} is newer than the last release ortmem was tested with "
                 f"({TESTED_RELEASES[-1]}): ortmem converts what its probe proves identical on it"]
-    table = table_capabilities(release)
-    if table is None:
+    facts = release.facts()  # the row itself, not table_capabilities(): every start reads these notes
+    if facts is None:
         return []
-    notes = [f"probe and table disagree on {k}" for k, v in caps.matmul.items() if v.ok != table.matmul[k].ok]
-    notes += [f"probe and table disagree on {k}" for k, v in caps.gather.items() if v.ok != table.gather[k].ok]
+    notes = [f"probe and table disagree on {k}" for k, v in caps.matmul.items() if v.ok == (k in facts.matmul_not)]
+    notes += [f"probe and table disagree on {k}" for k, v in caps.gather.items() if v.ok == (k in facts.gather_not)]
     for name in ("fusion_block_max", "convert_block_max", "prepacked_save", "prepacked_validated",
                  "shared_initializer_guard", "borrows_memory_buffers"):
-        probed, recorded = getattr(caps, name), getattr(table, name)
+        probed, recorded = getattr(caps, name), getattr(facts, name)
         if probed != recorded:
             notes.append(f"probe and table disagree on {name}: the probe says {probed}, the table {recorded}")
     return notes
@@ -610,7 +604,8 @@ def _warn_once(message: str) -> None:
 #: Prefixes of the session config keys an ORT library defines (its ``onnxruntime_session_options_config_keys.h``
 #: and the EPs' own): ``session.*``, ``optimization.*``, ``mlas.*`` and ``ep.*``.
 CONFIG_KEY_PREFIXES = (b"session.", b"optimization.", b"mlas.", b"ep.")
-_CONFIG_KEY = re.compile(rb"(?:session|optimization|mlas|ep)\.[a-z0-9_.]*[a-z0-9_]")
+#: A whole config key from one of the prefixes (compiled by the scan, which runs once per build).
+CONFIG_KEY_PATTERN = rb"(?:session|optimization|mlas|ep)\.[a-z0-9_.]*[a-z0-9_]"
 #: Bumped whenever :func:`config_keys` reads the library differently.
 CONFIG_KEYS_FORMAT = 1
 #: The name of a build's config keys in a probe folder: its release key, then this.
@@ -630,6 +625,7 @@ def scan_config_keys(files: list[Path]) -> tuple[str, ...]:
     """Every string in ``files`` that is a whole C string shaped like a session config key (one of
     :data:`CONFIG_KEY_PREFIXES`, lower-case words joined by dots): what this build reads from
     ``SessionOptions``' config entries, taken from the library itself instead of a list kept here."""
+    shape = re.compile(CONFIG_KEY_PATTERN)
     keys: set[str] = set()
     for path in files:
         data = path.read_bytes()
@@ -637,7 +633,7 @@ def scan_config_keys(files: list[Path]) -> tuple[str, ...]:
             at = data.find(prefix)
             while at >= 0:
                 if at == 0 or data[at - 1] == 0:
-                    m = _CONFIG_KEY.match(data, at)
+                    m = shape.match(data, at)
                     if m is not None and data[m.end():m.end() + 1] == b"\x00":
                         keys.add(m.group().decode())
                 at = data.find(prefix, at + 1)

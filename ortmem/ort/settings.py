@@ -7,8 +7,7 @@ the user asked for.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Mapping, Optional
+from typing import Any, Iterable, Literal, Mapping, NamedTuple, Optional
 
 from ortmem.base.options import get_config
 
@@ -26,8 +25,7 @@ SAVE_CONFIG_KEYS = ("session.optimized_model_external_initializers_file_name",
                     "session.save_external_prepacked_constant_initializers")
 
 
-@dataclass(frozen=True)
-class OrtSettings:
+class OrtSettings(NamedTuple):
     """The session settings ORT's decision depends on, parsed like ORT parses them.
 
     ``graph_optimization_level`` uses ORT's numbers (``onnxruntime.GraphOptimizationLevel`` values work).
@@ -40,7 +38,7 @@ class OrtSettings:
     """
 
     graph_optimization_level: int = 99
-    session_config: Mapping[str, str] = field(default_factory=dict)
+    session_config: Mapping[str, str] = {}  # read-only by contract, as every field here
     disabled_optimizers: frozenset[str] = frozenset()
     #: ``SessionOptions.execution_order``: the order ORT runs nodes in (activation lifetimes).
     execution_order: ExecutionOrder = "DEFAULT"

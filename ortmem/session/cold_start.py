@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Optional, Union
@@ -52,7 +51,7 @@ def converted_or_as_is(model: Model, request: Request, own_folder: bool = False)
     fault = validity_fault(model.skeleton.graph)
     if fault is not None:  # a rewrite could hide it: ORT judges the model as given
         log.info("ortmem: not converting %s (%s); onnxruntime gets it as given", model.path, fault)
-        return replace(from_model(model, own_folder=own_folder, link_root=link_root), declined=True)
+        return from_model(model, own_folder=own_folder, link_root=link_root)._replace(declined=True)
     try:
         return _convert(model, request, own_folder)
     except MemoryError:
@@ -62,7 +61,7 @@ def converted_or_as_is(model: Model, request: Request, own_folder: bool = False)
     except Exception as exc:  # noqa: BLE001 - any rewrite failure: ORT gets the model as given
         detail = str(exc) if isinstance(exc, OrtmemError) else f"{type(exc).__name__}: {exc}"
         log.warning("ortmem: could not convert %s (%s); onnxruntime gets it as given", model.path, detail)
-        return replace(from_model(model, own_folder=own_folder, link_root=link_root), declined=True)
+        return from_model(model, own_folder=own_folder, link_root=link_root)._replace(declined=True)
 
 
 def _convert(model: Model, request: Request, own_folder: bool) -> Union[Handoff, Start]:

@@ -40,7 +40,6 @@ import pickle
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple, Optional, Union
 
@@ -121,7 +120,7 @@ def _converted_in_helper(path: Path, request: Request, model_bytes: int) -> Opti
     the caller converts in its own process (see the module docstring)."""
     assert request.cache is not None
     job = Job(str(path), str(request.cache.root), request.cache.verify_mode,
-              replace(request.settings, session_config=dict(request.settings.session_config)), request.fp16_in_fp32,
+              request.settings._replace(session_config=dict(request.settings.session_config)), request.fp16_in_fp32,
               request.packing[1])
     started = time.perf_counter()
     timeout = helper_timeout(model_bytes)
@@ -164,7 +163,7 @@ def _converted_in_helper(path: Path, request: Request, model_bytes: int) -> Opti
     _emit(answer.records)
     made = new_entry_start(request.cache, entry, answer.report, finishing=request.prepacked, settings=request.settings,
                            packing=request.packing)
-    return replace(made, in_helper=True)
+    return made._replace(in_helper=True)
 
 
 def _emit(records: list[tuple[str, int, str]]) -> None:

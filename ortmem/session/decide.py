@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
-from ortmem.onnxfile.scan import (DEQUANTIZE, FOLDER_KEY, file_mentions, min_finished_bytes, needs_session_path, plain_handoff,
-                                  read_facts)
+from ortmem.onnxfile.scan import (DEQUANTIZE, FOLDER_KEY, FileFacts, file_mentions, min_finished_bytes, needs_session_path,
+                                  plain_handoff, read_facts)
 from ortmem.base.child_env import store_folder
 from ortmem.base.options import get_config, scoped_config
 
@@ -121,22 +121,26 @@ def bytes_start(model: Any, sess_options: Optional[ort.SessionOptions], *, conve
     path = Path(model)
     if not path.is_file() or path.stat().st_size >= min_finished_bytes():
         return None
-    if convert and file_mentions(path, DEQUANTIZE):
-        return None  # converted, or not for the providers: the request says which (asked first, as ever)
-    records = None
+    records = root = None
     if cache is not False:
         from ortmem.files.digest import VERIFY_MODES
-        from ortmem.store.handoff_records import records_folder
 
         root = store_folder(cache)
         if verify not in VERIFY_MODES or not root.is_dir():
             return None  # the cache refuses the value, or creates its folder: the request opens it
+        records = _records_if_any(root)
+    recorded = _recorded_facts(path, records)
+    if convert and _may_dequantize(path, recorded):
+        return None  # converted, or not for the providers: the request says which (asked first, as ever)
+    if root is not None and records is None:
+        from ortmem.store.handoff_records import records_folder
+
         records = records_folder(root)
         if records is None:  # an untrusted folder: the store's own checks decide (and warn)
             return None
     # Nothing to convert whatever the providers: ``convert`` stands for the request's ``converting``
     # (the walk finds DequantizeLinear only where the search does).
-    return _bytes_decision(path, convert, records, settled=False)
+    return _bytes_decision(path, convert, records, settled=False, recorded=recorded)
 
 
 def _is_loaded_model(model: object) -> bool:
@@ -155,8 +159,6 @@ def _is_model_proto(model: object) -> bool:
 
 def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
     """A model file: the store's entry when it has one, else the model loaded, converted or as given."""
-    from dataclasses import replace
-
     from ortmem.session.handoff import Handoff
     from ortmem.store.start import Decision, Start
     from ortmem.store.verdict import start
@@ -200,7 +202,7 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
         # ORT gets the model unconverted: its finished entry is built after the first run (if worth it)
         # (small models stay at zero cost)
         if verdict.later is not None and handoff.source.weight_bytes >= min_finished_bytes():
-            return replace(handoff, later=verdict.later)
+            return handoff._replace(later=verdict.later)
     return handoff
 
 
@@ -208,17 +210,50 @@ def _plain(path: Path, request: Request, *, settled: bool, store_missed: bool = 
     """The handoff of a model file that needs nothing of the loader or the conversion, decided from its
     bytes (:func:`_bytes_decision`, as the hook's light route decides); None sends the model the
     loader's way."""
-    if not path.is_file() or not settled and request.converting and file_mentions(path, DEQUANTIZE):
+    if not path.is_file():
         return None
-    from ortmem.store.handoff_records import records_folder
+    records = _records_if_any(request.cache.root) if request.cache is not None else None
+    recorded = _recorded_facts(path, records)
+    if not settled and request.converting and _may_dequantize(path, recorded):
+        return None
+    if records is None and request.cache is not None:
+        from ortmem.store.handoff_records import records_folder
 
-    records = records_folder(request.cache.root) if request.cache is not None else None
-    decided = _bytes_decision(path, request.converting, records, settled=settled, store_missed=store_missed)
+        records = records_folder(request.cache.root)
+    decided = _bytes_decision(path, request.converting, records, settled=settled, store_missed=store_missed,
+                              recorded=recorded)
     return decided.handoff() if decided is not None else None
 
 
+def _records_if_any(store: Path) -> Optional[Path]:
+    """The store's handoff records folder (:func:`ortmem.store.handoff_records.records_folder`) where it
+    exists already; None where there is none yet, so no record either: a model with DequantizeLinear to
+    convert makes no records folder (it is never walked from here)."""
+    from ortmem.store.handoff_records import FOLDER, records_folder
+
+    return records_folder(store) if (store / FOLDER).is_dir() else None
+
+
+def _recorded_facts(path: Path, records: Optional[Path]) -> Optional[FileFacts]:
+    """The facts a usable handoff record in ``records`` holds for ``path`` (None: no record, nothing read)."""
+    if records is None:
+        return None
+    from ortmem.store.handoff_records import recorded_facts
+
+    try:
+        return recorded_facts(records, path, os.stat(path))
+    except OSError:
+        return None
+
+
+def _may_dequantize(path: Path, recorded: Optional[FileFacts]) -> bool:
+    """Whether ``path`` may hold DequantizeLinear: its record's walk answers where there is one (a start
+    of a file seen before reads none of its bytes), else a search of its bytes (cheaper than the walk)."""
+    return recorded.dequantize if recorded is not None else file_mentions(path, DEQUANTIZE)
+
+
 def _bytes_decision(path: Path, converting: bool, records: Optional[Path], *, settled: bool,
-                    store_missed: bool = False) -> Optional[BytesHandoff]:
+                    store_missed: bool = False, recorded: Optional[FileFacts] = None) -> Optional[BytesHandoff]:
     """What ORT gets for a model file that needs nothing of the loader or the conversion, decided from
     its bytes (:mod:`ortmem.onnxfile.scan`): the file, or its skeleton beside a hard link (``mapped``),
     and no onnx, loader or pass is imported, so ortmem costs nothing where it does nothing. Asked of a
@@ -228,16 +263,19 @@ def _bytes_decision(path: Path, converting: bool, records: Optional[Path], *, se
     ``UNCONVERTED``: an earlier start loaded it, converted nothing, and its files are unchanged, so
     neither the conversion nor the loader's checks are needed again). The
     walk's facts come from, and go to, the handoff records in ``records`` (None: walked, not
-    recorded). A record's mark that ``ortmem prepare`` made an entry sends the model to the store,
-    unless the store has just ``store_missed`` it. None sends the model the loader's way."""
-    if records is None:
+    recorded; ``recorded``: the record's facts the caller read already). A record's mark that ``ortmem
+    prepare`` made an entry sends the model to the store, unless the store has just ``store_missed``
+    it. None sends the model the loader's way."""
+    if recorded is not None:
+        facts = recorded
+    elif records is None:
         facts = read_facts(path)
     else:
         from ortmem.store.handoff_records import facts_of
 
         facts = facts_of(path, records)
-        if store_missed:
-            facts = facts._replace(prepared=False)
+    if store_missed:
+        facts = facts._replace(prepared=False)
     if settled and not facts.embedded_bytes and not facts.recompute and facts.has_graph:
         return BytesHandoff(str(path), "as-is")  # external data ORT maps itself, as plain ORT does
     if needs_session_path(facts, converting and not settled):
@@ -255,8 +293,6 @@ def _spill(write: Callable, request: Request) -> Handoff:
     """Write an in-memory model to a private file so its weights can be mapped instead of copied."""
     import shutil
     import tempfile
-    from dataclasses import replace
-
     from ortmem.onnxfile.loader import load
     from ortmem.session.cold_start import converted_or_as_is
 
@@ -267,11 +303,11 @@ def _spill(write: Callable, request: Request) -> Handoff:
             write(f)
         # a temporary file has no identity worth caching under (and is gone before a background
         # cache write could read it)
-        handoff = _from_verdict(converted_or_as_is(load(path), replace(request, cache=None), own_folder=True))
+        handoff = _from_verdict(converted_or_as_is(load(path), request._replace(cache=None), own_folder=True))
     except BaseException:
         shutil.rmtree(tempdir, ignore_errors=True)
         raise
-    return replace(handoff, tempdirs=(*handoff.tempdirs, tempdir))
+    return handoff._replace(tempdirs=(*handoff.tempdirs, tempdir))
 
 
 def _from_verdict(outcome: Union[Handoff, Start]) -> Handoff:

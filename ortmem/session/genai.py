@@ -47,9 +47,8 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import onnxruntime as ort
 
@@ -84,8 +83,7 @@ class GenaiFolderError(OrtmemError):
 
 
 # ------------------------------------------------------------------------------ reading a folder
-@dataclass(frozen=True)
-class GenaiModelFile:
+class GenaiModelFile(NamedTuple):
     """One ONNX file a genai config names.
 
     ``where``: the JSON path of the object holding ``filename`` (strings are keys, ints list
@@ -271,16 +269,15 @@ def _finished_options(config: dict[str, Any], item: GenaiModelFile) -> dict[str,
 
 
 # -------------------------------------------------------------------------------- preparing
-@dataclass
-class GenaiPrepareReport:
+class GenaiPrepareReport(NamedTuple):
     """What :func:`prepare_genai_folder` did: per config filename, the prepared file's report, why it
     was skipped, or why its check could not run (``failed``: nothing was written for it)."""
 
     folder: Path
-    seconds: float = 0.0
-    prepared: dict[str, FinishedReport] = field(default_factory=dict)
-    skipped: dict[str, str] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)
+    seconds: float
+    prepared: dict[str, FinishedReport]
+    skipped: dict[str, str]
+    failed: dict[str, str]
 
     def lines(self) -> list[str]:
         """One line per file, for ``ortmem prepare``'s output."""
@@ -306,12 +303,14 @@ def prepare_genai_folder(folder: Path) -> GenaiPrepareReport:
     """
     folder = Path(folder)
     config = read_config(folder)
-    report = GenaiPrepareReport(folder)
+    prepared: dict[str, FinishedReport] = {}
+    skipped: dict[str, str] = {}
+    failed: dict[str, str] = {}
     start = time.perf_counter()
     done: set[str] = set()
     for item in model_files(config):
         if item.skip:
-            report.skipped[item.filename] = item.skip
+            skipped[item.filename] = item.skip
             continue
         if item.source in done:  # a file two sections name is prepared once
             continue
@@ -323,14 +322,13 @@ def prepare_genai_folder(folder: Path) -> GenaiPrepareReport:
         try:
             result = finish_model(source, source.parent, stem=item.stem, settings=settings, threads=threads)
         except FinishCheckError as exc:
-            report.failed[item.filename] = str(exc)
+            failed[item.filename] = str(exc)
             continue
         if not result.useful:  # keep the manifest only: genai loads the source, with no warning
             for suffix in (".onnx", ".data"):
                 (source.parent / f"{item.stem}{suffix}").unlink(missing_ok=True)
-        report.prepared[item.filename] = result
-    report.seconds = time.perf_counter() - start
-    return report
+        prepared[item.filename] = result
+    return GenaiPrepareReport(folder, time.perf_counter() - start, prepared, skipped, failed)
 
 
 # -------------------------------------------------------------------------------- choosing files

@@ -13,13 +13,10 @@ folders) is given back by :meth:`Handoff.after_create`, which may be called more
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple, Optional, Union
 
 import onnxruntime as ort
 
@@ -45,13 +42,12 @@ ENTRY_ACTIONS = frozenset({Decision.CACHE_HIT, Decision.FINISHED, Decision.CONVE
 #: The decisions whose model is ORT's finished model (:mod:`ortmem.store.finished`): ORT uses it as it
 #: was saved, so its session is created with graph optimizations off (for that call only).
 FINISHED_ACTIONS = frozenset({Decision.FINISHED})
-#: The default of the handoff's read-only mappings: an empty read-only view (of one shared empty dict
-#: nothing else holds, so nothing can fill it).
-_NOTHING = functools.partial(MappingProxyType, {})
+#: The default of the handoff's read-only mappings: an empty read-only view (of an empty dict nothing
+#: else holds, so nothing can fill it).
+NOTHING: Mapping[str, Any] = MappingProxyType({})
 
 
-@dataclass(frozen=True)
-class Handoff:
+class Handoff(NamedTuple):
     """What ORT is given: a path or skeleton bytes, the session config entries it needs, and (for a
     conversion done in memory) the buffer ORT borrows, which this object keeps alive; and what ortmem
     decided: :attr:`action` (and its :attr:`reason`), :attr:`report`, :attr:`cache_hit`."""
@@ -59,7 +55,7 @@ class Handoff:
     model: Union[str, bytes]
     #: Session config entries ORT needs for ``model`` (set only for the creation call; read-only, a
     #: ``MappingProxyType``).
-    config: Mapping[str, str] = field(default_factory=_NOTHING)
+    config: Mapping[str, str] = NOTHING
     #: What ortmem did (:class:`ortmem.store.start.Decision`): the store's verdict for what it loads
     #: (``CONVERTED``, ``CACHE_HIT``, ``FINISHED``: ORT's finished model, loaded with graph
     #: optimizations off, :mod:`ortmem.store.finished`), or ``AS_IS``, ``MAPPED``, ``IN_MEMORY``,
@@ -92,7 +88,7 @@ class Handoff:
     converted_in_helper: bool = False
     #: Session changes a recompute-written model records (``execution_order``, ``session_config``;
     #: :meth:`with_recorded_settings`).
-    recompute: Mapping[str, Any] = field(default_factory=_NOTHING)
+    recompute: Mapping[str, Any] = NOTHING
 
     def refused(self, *, keep: bool = False) -> "Handoff":
         """ORT failed on ``model``: load ``fallback`` instead. ORT refused what ``model`` holds: discard it
@@ -101,7 +97,7 @@ class Handoff:
         stays for later starts."""
         if self.start is not None and not keep:
             self.start.refused()
-        return dataclasses.replace(self, model=self.fallback, fallback=None, start=None,
+        return self._replace(model=self.fallback, fallback=None, start=None,
                                    action=Decision.CACHE_HIT if self.cache_hit else Decision.AS_IS)
 
     def with_recorded_settings(self) -> "Handoff":
@@ -112,7 +108,7 @@ class Handoff:
         skeleton = self.skeleton()
         if not any(p.key.startswith(RECOMPUTE_METADATA) for p in skeleton.metadata_props):
             return self  # the common case: nothing recorded
-        return dataclasses.replace(self, recompute=MappingProxyType(recorded_settings(skeleton)))
+        return self._replace(recompute=MappingProxyType(recorded_settings(skeleton)))
 
     @contextmanager
     def creation_options(self, user_options: Optional[ort.SessionOptions]) -> Iterator[ort.SessionOptions]:

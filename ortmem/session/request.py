@@ -9,10 +9,9 @@ asked once, while the request is built, so neither the handoff nor the store ask
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 from ortmem.ort.providers import cpu_only, fusing_only, runs_fp16_on_gpu, session_provider_names
 from ortmem.ort.release import capabilities
@@ -23,13 +22,12 @@ if TYPE_CHECKING:  # the passes are imported only by a start that converts
     from ortmem.passes.writers import Progress
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     """What the hook may do to the graph before ORT sees it, and with what."""
 
     #: Rewrite what ORT would fuse (DQ+MatMul into MatMulNBits...) ahead of time.
     converting: bool = True
-    settings: OrtSettings = field(default_factory=OrtSettings)
+    settings: OrtSettings = OrtSettings()
     #: None: converted in memory (or a private temporary folder), nothing kept.
     cache: Optional[Cache] = None
     progress: Optional[Progress] = None

@@ -30,7 +30,6 @@ from the entry (pre-packing) and by ``ortmem cache verify``.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import json
 import os
@@ -508,6 +507,8 @@ def acquire_creator_lock(path: Path, timeout: float, *, inherited_fd: Optional[i
     :data:`LOCK_POLL_MAX_SECONDS`. The holder removes the file before it lets go, so a lock taken on
     a file that is no longer the one at ``path`` is dropped and the path opened again.
     """
+    import fcntl  # only here and in _adopted_lock: a warm start takes no lock
+
     deadline = time.monotonic() + max(timeout, 0.0)
     pause = 0.002
     fd = _adopted_lock(path, inherited_fd)
@@ -557,6 +558,8 @@ def _adopted_lock(path: Path, fd: Optional[int]) -> Optional[int]:
     through a descriptor whose open file already holds the lock succeeds at once); else None."""
     if fd is None:
         return None
+    import fcntl
+
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         if _locks_path(fd, path):

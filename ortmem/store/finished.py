@@ -55,9 +55,8 @@ import json
 import os
 import re
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import onnxruntime as ort
@@ -142,8 +141,7 @@ class FinishCheckError(FinishError):
     the feeds ortmem makes): no verdict, so nothing may be recorded of it (names the source)."""
 
 
-@dataclass
-class FinishedReport:
+class FinishedReport(NamedTuple):
     """What :func:`finish_model` did."""
 
     seconds: float
@@ -239,15 +237,15 @@ def _finish_model(source: Path, folder: Path, stem: str, settings: Optional[OrtS
         for name in names:
             os.chmod(work / name, PRIVATE_FILE_MODE)
         files = {n: (work / n).stat().st_size for n in names}
-        report = FinishedReport(0.0, prepacked, files.get(f"{stem}.data", 0), refusal is None, refusal or "")
         manifest = {"format": FINISHED_FORMAT, "key_parts": finished_key_parts(settings), "created": time.time(),
                     "files": files, "digests": {n: digest.file_digest(work / n) for n in names}, **record}
         if f"{stem}.data" in files:  # what verify="sampled" reads: the first and last page of every span
             spans = data_spans(saved, f"{stem}.data")
             manifest.update(spot_spans=spans, spot_digest=digest.sampled_digest(work / f"{stem}.data", spans))
         _publish(work, folder, stem, names)
-        report.seconds = time.perf_counter() - start
-        manifest["report"] = asdict(report)
+        report = FinishedReport(time.perf_counter() - start, prepacked, files.get(f"{stem}.data", 0), refusal is None,
+                                refusal or "")
+        manifest["report"] = report._asdict()
         tmp = folder / f".{stem}.json.{os.getpid()}-{uuid.uuid4().hex[:8]}"
         write_new(tmp, json.dumps(manifest, indent=1).encode(), sync=True)
         os.replace(tmp, folder / f"{stem}.json")

@@ -26,9 +26,8 @@ The store's decisions (:attr:`Start.kind`):
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from ortmem.files.layout import Entry
 from ortmem.files.layout import MODEL_FILE
@@ -72,8 +71,7 @@ class Decision(enum.Enum):
         return self.value
 
 
-@dataclass(frozen=True)
-class Start:
+class Start(NamedTuple):
     """The store's verdict on one start (see the module docstring for the decisions)."""
 
     kind: Decision

@@ -6,7 +6,6 @@ handoff is asked directly (:func:`ortmem.session.decide.prepare`), and what it h
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from pathlib import Path
@@ -49,7 +48,7 @@ def _request(tmp_path, **kw) -> Request:
 
 def test_a_request_is_frozen_and_decided_once(tmp_path):
     request = _request(tmp_path)
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         request.converting = False  # type: ignore[misc]
     assert request.converting  # the CPU EP is one ORT fuses DQ+MatMul for
     # pre-packed weights only where this ORT saves them (the release probe's answer, asked here once)
@@ -65,7 +64,7 @@ def test_cold_then_warm_start_hand_over_the_store_entry_with_ort_outputs(tmp_pat
     cold = prepare(str(qdq), request)
     assert cold.action == Decision.CONVERTED and not cold.cache_hit and cold.report is not None
     assert str(tmp_path / "cache") in cold.model  # ORT loads the new entry by path
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         cold.action = "as-is"  # type: ignore[misc]
     assert_same_outputs(_run(cold), expected)
 

@@ -9,7 +9,6 @@ ORT's outputs.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -139,8 +138,8 @@ def _short_while_saving(source, folder, *args, **kwargs):
 
 def _short_while_judging(source, folder, *args, **kwargs):
     report = finish_model(source, folder, *args, **kwargs)
-    return dataclasses.replace(report, useful=False,
-                               refusal=f"onnxruntime cannot run the prepared model ({BAD_ALLOC})")
+    return report._replace(useful=False,
+                           refusal=f"onnxruntime cannot run the prepared model ({BAD_ALLOC})")
 
 
 @pytest.mark.parametrize("shortage", [_short_while_saving, _short_while_judging])

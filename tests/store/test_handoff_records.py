@@ -333,3 +333,34 @@ def test_a_small_model_ortmem_prepare_finished_starts_from_its_finished_entry(tm
     again = ortmem.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     assert again.ortmem_action == "mapped"
     assert np.array_equal(again.run(None, FEED)[0], _ort(model))
+
+
+def test_a_start_of_a_file_with_a_record_searches_none_of_its_bytes(tmp_path: Path, walks: list[Path],
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    """The record says whether the file holds DequantizeLinear, so a start of a file seen before neither
+    searches its bytes nor walks it, whether ORT gets the file (or its skeleton) or ``ortmem prepare``'s
+    finished entry; outputs are ORT's own."""
+    import ortmem
+    from ortmem.session import decide
+    from ortmem.session.deploy import prepare_path
+
+    rng = np.random.default_rng(7)
+    plain = _settled(save(matmul_chain(rng, [64, 256, 8]), tmp_path / "models" / "plain.onnx"))
+    prepared = _settled(save(matmul_chain(rng, [64, 512, 512, 512, 8]), tmp_path / "models" / "prepared.onnx"))
+    assert prepare_path(prepared, say=lambda line: None) == 0
+    first = {p: ortmem.InferenceSession(str(p), providers=["CPUExecutionProvider"]).ortmem_action
+             for p in (plain, prepared)}
+    searched: list[Path] = []
+    real_search = decide.file_mentions
+
+    def counted(path: Path, needle: bytes) -> bool:
+        searched.append(Path(path))
+        return real_search(path, needle)
+
+    monkeypatch.setattr(decide, "file_mentions", counted)
+    walks.clear()
+    for path in (plain, prepared):
+        session = ortmem.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        assert session.ortmem_action == first[path]
+        assert np.array_equal(session.run(None, FEED)[0], _ort(path))
+    assert not [p for p in searched if p in (plain, prepared)] and not walks
