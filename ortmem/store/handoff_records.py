@@ -28,8 +28,9 @@ hence another key), the link is still the file's inode, and the skeleton's diges
 offset would point ORT at other bytes). Otherwise the walk runs as without records, and its record
 replaces the old one, unless that one is under a minute old (:data:`IN_USE_SECONDS`: its maker's ORT
 may be reading its skeleton; the start then hands the skeleton over from a temporary folder, as
-without records). A link made to the file by anyone else (a cache entry's) also moves its ctime: the
-next start walks once more and records again. Workers starting together: one that walked while
+without records). A link made to the file by anyone else (a cache entry's, another cache's record) also moves its
+ctime: the next start walks once more and, finding exactly what the record says, rewrites the record's
+ctime in place, linking nothing (a new record's link would move the ctime again). Workers starting together: one that walked while
 another recorded takes the other's record.
 
 What removes them: ``ortmem cache clear`` (the folder is inside the store's), and every new record:
@@ -176,6 +177,9 @@ def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *
         return recorded  # another process recorded it while this one walked (workers starting together)
     if time.time_ns() - before.st_mtime_ns < RACY_SECONDS * 1e9:
         return facts  # just written: a second write within the same timestamp tick would go unseen
+    refreshed = _refreshed(target, path, before, facts, pair)
+    if refreshed is not None:
+        return refreshed  # the record describes the file as walked: only its ctime moved (a link elsewhere)
     # Old records go first: removing one whose link is this same inode moves the file's ctime.
     _remove_stale(folder, keep=key)
     carried = _marked(target)  # a replaced record of the same identity passes its mark on
@@ -190,12 +194,7 @@ def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *
         after = os.stat(path)  # after the link, which moved its ctime
         if any(getattr(after, f"st_{k}") != getattr(before, f"st_{k}") for k in _IDENTITY):
             raise OSError("the file changed while it was walked")
-        fields = {"format": str(FORMAT), "path": os.path.abspath(path),
-                  **{k: str(getattr(after, f"st_{k}")) for k in _IDENTITY}, "ctime_ns": str(after.st_ctime_ns),
-                  "embedded_bytes": str(facts.embedded_bytes),
-                  **{k: "1" if getattr(facts, k) else "0" for k in _FLAGS},
-                  "skeleton": short_hash(facts.skeleton) if pair else "-"}
-        write_new(building / FACTS_FILE, "".join(f"{k} {v}\n" for k, v in fields.items()).encode())
+        write_new(building / FACTS_FILE, _facts_text(path, after, facts, pair))
         if carried:
             write_new(building / PREPARED_FILE, b"")
         os.rename(building, target)
@@ -205,6 +204,55 @@ def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *
     if not pair:
         return facts
     return facts._replace(skeleton=None, skeleton_file=target / skeleton_name(path))
+
+
+def _facts_text(path: Path, st: os.stat_result, facts: FileFacts, pair: bool) -> bytes:
+    """A record's ``facts`` file for ``facts`` walked from ``path`` as ``st`` describes it."""
+    fields = {"format": str(FORMAT), "path": os.path.abspath(path),
+              **{k: str(getattr(st, f"st_{k}")) for k in _IDENTITY}, "ctime_ns": str(st.st_ctime_ns),
+              "embedded_bytes": str(facts.embedded_bytes),
+              **{k: "1" if getattr(facts, k) else "0" for k in _FLAGS},
+              "skeleton": short_hash(facts.skeleton) if pair else "-"}
+    return "".join(f"{k} {v}\n" for k, v in fields.items()).encode()
+
+
+def _refreshed(target: Path, path: Path, before: os.stat_result, facts: FileFacts, pair: bool) -> Optional[FileFacts]:
+    """The record ``target`` made usable again when the walk just made of ``path`` finds exactly what it
+    recorded and only the file's ctime moved since (a hard link made or removed elsewhere: another
+    cache's record or entry, a temporary skeleton's): its ``facts`` file is rewritten with the new
+    ctime, and nothing is linked or unlinked. Replacing the record instead would link the file again,
+    and each start that found it unusable within :data:`IN_USE_SECONDS` would move the ctime once
+    more with its temporary skeleton, so that no record of it was ever usable while starts kept
+    coming. None where the record differs in anything else (the caller replaces it)."""
+    fields = _read_facts_file(target)
+    if fields is None or any(fields.get(k) != str(getattr(before, f"st_{k}")) for k in _IDENTITY):
+        return None
+    if pair and not (_is_file_pair(target / path.name, before)
+                     and _skeleton_matches(target / skeleton_name(path), fields.get("skeleton", ""))):
+        return None
+    text = _facts_text(path, before, facts, pair)
+    recorded = {k: v for k, v in fields.items() if k != "ctime_ns"}
+    walked = dict(line.split(" ", 1) for line in text.decode().splitlines())
+    walked.pop("ctime_ns")
+    if recorded != walked:
+        return None
+    try:
+        after = os.stat(path)
+        if any(getattr(after, f"st_{k}") != getattr(before, f"st_{k}") for k in _IDENTITY):
+            return None
+        tmp = target / f"{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+        write_new(tmp, _facts_text(path, after, facts, pair))
+    except OSError:
+        return None
+    try:
+        os.replace(tmp, target / FACTS_FILE)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return None
+    prepared = facts.prepared or _marked(target)
+    if not pair:
+        return facts._replace(prepared=prepared)
+    return facts._replace(skeleton=None, skeleton_file=target / skeleton_name(path), prepared=prepared)
 
 
 def _usable(folder: Path, path: Path, stop_outside_main_graph: bool) -> Optional[FileFacts]:

@@ -99,6 +99,25 @@ def test_an_edit_with_the_mtime_set_back_is_walked_again(embedded: Path, folder:
     assert np.array_equal(_mapped_output(embedded, facts), _ort(embedded))
 
 
+def test_a_link_made_elsewhere_costs_one_walk_and_moves_nothing(embedded: Path, folder: Path, walks: list[Path]):
+    """Another hard link to the file (another cache's record, a copy made with ``ln``) moves its ctime: the
+    next start walks once, finds what the record says and updates the record in place, linking and
+    unlinking nothing (each link would move the ctime again, and starts coming within a minute of the
+    record would then walk every time); later starts walk nothing and ORT maps from the record."""
+    first = facts_of(embedded, folder)
+    os.link(embedded, embedded.parent / "elsewhere.onnx")
+    moved = embedded.stat()
+    again = facts_of(embedded, folder)
+    assert walks == [embedded, embedded] and again.skeleton_file == first.skeleton_file is not None
+    now = embedded.stat()
+    assert (now.st_ctime_ns, now.st_nlink) == (moved.st_ctime_ns, moved.st_nlink)
+    for _ in range(3):
+        assert facts_of(embedded, folder).skeleton_file == first.skeleton_file
+    assert walks == [embedded, embedded]
+    assert embedded.stat().st_ctime_ns == moved.st_ctime_ns
+    assert np.array_equal(_mapped_output(embedded, again), _ort(embedded))
+
+
 def test_a_replaced_file_gets_a_new_record_and_the_old_one_goes(embedded: Path, folder: Path, walks: list[Path]):
     facts_of(embedded, folder)
     (old,) = os.listdir(folder)
