@@ -108,14 +108,16 @@ def caller_config(user: Optional[Any]) -> Optional[dict[str, str]]:
     """Every session config entry the caller set (not empty) among the keys the installed ORT build
     defines (:func:`ortmem.ort.release.config_keys`, read from the library itself): what may change
     the model ORT finishes, its kernels or their packing, so what a finished model is keyed by and made
-    with. None when this build's keys cannot be read: no finished model may then be used or made."""
+    with. None when this build's keys cannot be read: no finished model may then be used or made. A
+    caller without options set nothing: ``{}``, without reading the keys (the first start in a cache
+    would otherwise scan ORT's library for them, a quarter of a second here)."""
+    if user is None:
+        return {}
     from ortmem.ort.release import config_keys
 
     keys = config_keys()
     if keys is None:
         return None
-    if user is None:
-        return {}
     return {k: v for k in keys if (v := get_config(user, k))}
 
 

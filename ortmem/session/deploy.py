@@ -27,9 +27,14 @@ PREPARED, NOTHING, FAILED = "prepared", "nothing to prepare", "failed"
 
 def prepare_path(target: Path, cache: Optional[Cache] = None, say: Optional[Callable[[str], None]] = None) -> int:
     """Prepare a model file or every model of a folder into ``cache`` (default: a session's); the exit status."""
+    from ortmem.ort.release import config_keys
+
     target = Path(target)
     cache = cache if cache is not None else Cache()
     say = say or _stage_printer()
+    # Read here, at deploy time, and kept with the probe's answers: the first serving process that
+    # passes SessionOptions would otherwise scan ORT's library for them (a quarter of a second here).
+    config_keys()
     if target.is_dir():
         return _prepare_folder(target, cache, say)
     if not target.is_file():

@@ -240,3 +240,55 @@ def test_doctor_and_version(capsys):
     with pytest.raises(SystemExit):
         main(["--version"])
     assert "supported 1.25 on" in capsys.readouterr().out
+
+
+_START_COUNTING_SCANS = r"""
+import sys, onnxruntime as ort
+import ortmem
+from ortmem.ort import release
+scans = []
+real = release.scan_config_keys
+release.scan_config_keys = lambda files: scans.append(1) or real(files)
+options = ort.SessionOptions() if sys.argv[2] == "options" else None
+session = ortmem.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
+print(session.ortmem_action, len(scans))
+"""
+
+
+def test_ortmem_prepare_reads_the_config_keys_so_that_serving_starts_do_not(tmp_path):
+    """This build's session config keys are scanned from ORT's library (about a quarter of a second):
+    ``ortmem prepare`` does it at deploy time and keeps them with the probe's answers. A start whose
+    caller passes no SessionOptions needs none (the caller set nothing); one that passes them reads the
+    kept keys. Fresh processes, a probe folder of their own holding only the probe's answers."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.support.builders import matmul_chain, save
+
+    rel.capabilities()  # the probe's answers exist in the shared probe folder
+    here = rel.installed()
+    probes = tmp_path / "probes"
+    probes.mkdir(mode=0o700)
+    shutil.copy2(rel.probe_dir() / f"{here.key()}.json", probes)
+    keys_file = probes / f"{here.key()}{rel.CONFIG_KEYS_SUFFIX}"
+    model = save(matmul_chain(np.random.default_rng(11), [64, 512, 512, 8]), tmp_path / "m" / "chain.onnx")
+    env = {**os.environ, rel.PROBE_DIR_ENV: str(probes), "ORTMEM_CACHE_DIR": str(tmp_path / "cache")}
+
+    def start(options: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", _START_COUNTING_SCANS, str(model), options], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    assert start("none")[1] == "0" and not keys_file.exists()
+    done = subprocess.run([sys.executable, "-m", "ortmem", "prepare", str(model)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert keys_file.exists()
+    action, scans = start("options")
+    assert scans == "0" and action in ("finished", "mapped", "as-is")
+    assert np.array_equal(
+        ortmem.InferenceSession(str(model), ort.SessionOptions(), providers=["CPUExecutionProvider"]).run(
+            None, {"x": np.ones((4, 64), np.float32)})[0],
+        run_plain(model, {"x": np.ones((4, 64), np.float32)})[0])
