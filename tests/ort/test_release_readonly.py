@@ -147,7 +147,10 @@ def test_an_upgrade_under_a_read_only_cache_probes_once_per_boot_and_names_the_s
     prepared = subprocess.run([sys.executable, "-c", PREPARE, str(model), PREVIOUS, str(answers)], env=env,
                               capture_output=True, text=True)
     assert prepared.returncode == 0, prepared.stderr
-    assert len(list((cache / "converted").iterdir())) == 1 and len(list((cache / ".release-probes").iterdir())) == 1
+    kept = sorted(p.name for p in (cache / ".release-probes").iterdir())
+    # the previous release's answers and its config keys (ortmem prepare reads them for serving processes)
+    assert len(list((cache / "converted").iterdir())) == 1 and len(kept) == 2, kept
+    assert len([n for n in kept if n.endswith(rel.CONFIG_KEYS_SUFFIX)]) == 1, kept
 
     prefix, preexec = _read_only(how, base, cache)
     before = _tree(cache)
