@@ -207,7 +207,8 @@ class Verdict(NamedTuple):
 
 
 class Capabilities(NamedTuple):
-    """What ortmem may do on the installed ORT: the table and the probe, reconciled."""
+    """What ortmem may do on the installed ORT: the table and the probe, reconciled (a named tuple, as
+    every record a warm start imports: :class:`ortmem.session.handoff.Handoff` says why)."""
 
     release: Release
     #: False: convert nothing (release outside :data:`SUPPORTED`, or the probe could not run).

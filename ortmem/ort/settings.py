@@ -26,7 +26,8 @@ SAVE_CONFIG_KEYS = ("session.optimized_model_external_initializers_file_name",
 
 
 class OrtSettings(NamedTuple):
-    """The session settings ORT's decision depends on, parsed like ORT parses them.
+    """The session settings ORT's decision depends on, parsed like ORT parses them (a named tuple, as
+    every record a warm start imports: :class:`ortmem.session.handoff.Handoff` says why).
 
     ``graph_optimization_level`` uses ORT's numbers (``onnxruntime.GraphOptimizationLevel`` values work).
     ``session_config`` holds ``SessionOptions.add_session_config_entry`` pairs; the keys read are

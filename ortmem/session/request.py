@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # the passes are imported only by a start that converts
 
 
 class Request(NamedTuple):
-    """What the hook may do to the graph before ORT sees it, and with what."""
+    """What the hook may do to the graph before ORT sees it, and with what (a named tuple, as every
+    record a warm start imports: :class:`ortmem.session.handoff.Handoff` says why)."""
 
     #: Rewrite what ORT would fuse (DQ+MatMul into MatMulNBits...) ahead of time.
     converting: bool = True

@@ -72,7 +72,8 @@ class Decision(enum.Enum):
 
 
 class Start(NamedTuple):
-    """The store's verdict on one start (see the module docstring for the decisions)."""
+    """The store's verdict on one start (see the module docstring for the decisions); a named tuple, as
+    every record a warm start imports (:class:`ortmem.session.handoff.Handoff` says why)."""
 
     kind: Decision
     #: What ORT loads (None on a miss).
