@@ -121,23 +121,19 @@ def bytes_start(model: Any, sess_options: Optional[ort.SessionOptions], *, conve
     path = Path(model)
     if not path.is_file() or path.stat().st_size >= min_finished_bytes():
         return None
-    records = root = None
+    root = None
     if cache is not False:
         from ortmem.files.digest import VERIFY_MODES
 
         root = store_folder(cache)
         if verify not in VERIFY_MODES or not root.is_dir():
             return None  # the cache refuses the value, or creates its folder: the request opens it
-        records = _records_if_any(root)
-    recorded = _recorded_facts(path, records)
-    if convert and _may_dequantize(path, recorded):
+    found = _records_and_facts(path, root, converting=convert)
+    if found is None:
         return None  # converted, or not for the providers: the request says which (asked first, as ever)
-    if root is not None and records is None:
-        from ortmem.store.handoff_records import records_folder
-
-        records = records_folder(root)
-        if records is None:  # an untrusted folder: the store's own checks decide (and warn)
-            return None
+    records, recorded = found
+    if root is not None and records is None:  # an untrusted folder: the store's own checks decide (and warn)
+        return None
     # Nothing to convert whatever the providers: ``convert`` stands for the request's ``converting``
     # (the walk finds DequantizeLinear only where the search does).
     return _bytes_decision(path, convert, records, settled=False, recorded=recorded)
@@ -212,44 +208,38 @@ def _plain(path: Path, request: Request, *, settled: bool, store_missed: bool = 
     loader's way."""
     if not path.is_file():
         return None
-    records = _records_if_any(request.cache.root) if request.cache is not None else None
-    recorded = _recorded_facts(path, records)
-    if not settled and request.converting and _may_dequantize(path, recorded):
+    found = _records_and_facts(path, request.cache.root if request.cache is not None else None,
+                               converting=request.converting and not settled)
+    if found is None:
         return None
-    if records is None and request.cache is not None:
-        from ortmem.store.handoff_records import records_folder
-
-        records = records_folder(request.cache.root)
+    records, recorded = found
     decided = _bytes_decision(path, request.converting, records, settled=settled, store_missed=store_missed,
                               recorded=recorded)
     return decided.handoff() if decided is not None else None
 
 
-def _records_if_any(store: Path) -> Optional[Path]:
-    """The store's handoff records folder (:func:`ortmem.store.handoff_records.records_folder`) where it
-    exists already; None where there is none yet, so no record either: a model with DequantizeLinear to
-    convert makes no records folder (it is never walked from here)."""
-    from ortmem.store.handoff_records import FOLDER, records_folder
+def _records_and_facts(path: Path, store: Optional[Path], *,
+                       converting: bool) -> Optional[tuple[Optional[Path], Optional[FileFacts]]]:
+    """(the handoff records folder of ``store``, the facts its record for ``path`` holds) for a file with
+    nothing to convert; None where ``converting`` and the file may hold DequantizeLinear. Its record's
+    walk answers that where there is one, so a start of a file seen before reads none of its bytes;
+    else a search of its bytes (cheaper than the walk). A records folder is made only for a file with
+    nothing to convert (it is walked next); the folder is None with no ``store``, or one not trusted."""
+    records = recorded = None
+    if store is not None:
+        from ortmem.store.handoff_records import FOLDER, recorded_facts, records_folder
 
-    return records_folder(store) if (store / FOLDER).is_dir() else None
-
-
-def _recorded_facts(path: Path, records: Optional[Path]) -> Optional[FileFacts]:
-    """The facts a usable handoff record in ``records`` holds for ``path`` (None: no record, nothing read)."""
-    if records is None:
+        records = records_folder(store) if (store / FOLDER).is_dir() else None
+        if records is not None:
+            try:
+                recorded = recorded_facts(records, path, os.stat(path))
+            except OSError:
+                recorded = None
+    if converting and (recorded.dequantize if recorded is not None else file_mentions(path, DEQUANTIZE)):
         return None
-    from ortmem.store.handoff_records import recorded_facts
-
-    try:
-        return recorded_facts(records, path, os.stat(path))
-    except OSError:
-        return None
-
-
-def _may_dequantize(path: Path, recorded: Optional[FileFacts]) -> bool:
-    """Whether ``path`` may hold DequantizeLinear: its record's walk answers where there is one (a start
-    of a file seen before reads none of its bytes), else a search of its bytes (cheaper than the walk)."""
-    return recorded.dequantize if recorded is not None else file_mentions(path, DEQUANTIZE)
+    if records is None and store is not None:
+        records = records_folder(store)
+    return records, recorded
 
 
 def _bytes_decision(path: Path, converting: bool, records: Optional[Path], *, settled: bool,
