@@ -28,10 +28,10 @@ hence another key), the link is still the file's inode, and the skeleton's diges
 offset would point ORT at other bytes). Otherwise the walk runs as without records, and its record
 replaces the old one, unless that one is under a minute old (:data:`IN_USE_SECONDS`: its maker's ORT
 may be reading its skeleton; the start then hands the skeleton over from a temporary folder, as
-without records). A link made to the file by anyone else (a cache entry's, another cache's record) also moves its
-ctime: the next start walks once more and, finding exactly what the record says, rewrites the record's
-ctime in place, linking nothing (a new record's link would move the ctime again). Workers starting together: one that walked while
-another recorded takes the other's record.
+without records). A link made to the file by anyone else (a cache entry's, another cache's record)
+also moves its ctime: the next start walks once more and, finding exactly what the record says,
+rewrites the record's ctime in place, linking nothing (a new record's link would move the ctime
+again). Workers starting together: one that walked while another recorded takes the other's record.
 
 What removes them: ``ortmem cache clear`` (the folder is inside the store's), and every new record:
 before it is made, records whose file no longer has the identity in their key (deleted, replaced,
@@ -194,7 +194,7 @@ def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *
         after = os.stat(path)  # after the link, which moved its ctime
         if any(getattr(after, f"st_{k}") != getattr(before, f"st_{k}") for k in _IDENTITY):
             raise OSError("the file changed while it was walked")
-        write_new(building / FACTS_FILE, _facts_text(path, after, facts, pair))
+        write_new(building / FACTS_FILE, _facts_text(_facts_fields(path, after, facts, pair)))
         if carried:
             write_new(building / PREPARED_FILE, b"")
         os.rename(building, target)
@@ -206,13 +206,16 @@ def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *
     return facts._replace(skeleton=None, skeleton_file=target / skeleton_name(path))
 
 
-def _facts_text(path: Path, st: os.stat_result, facts: FileFacts, pair: bool) -> bytes:
-    """A record's ``facts`` file for ``facts`` walked from ``path`` as ``st`` describes it."""
-    fields = {"format": str(FORMAT), "path": os.path.abspath(path),
-              **{k: str(getattr(st, f"st_{k}")) for k in _IDENTITY}, "ctime_ns": str(st.st_ctime_ns),
-              "embedded_bytes": str(facts.embedded_bytes),
-              **{k: "1" if getattr(facts, k) else "0" for k in _FLAGS},
-              "skeleton": short_hash(facts.skeleton) if pair else "-"}
+def _facts_fields(path: Path, st: os.stat_result, facts: FileFacts, pair: bool) -> dict[str, str]:
+    """A record's ``facts`` fields for ``facts`` walked from ``path`` as ``st`` describes it."""
+    return {"format": str(FORMAT), "path": os.path.abspath(path),
+            **{k: str(getattr(st, f"st_{k}")) for k in _IDENTITY}, "ctime_ns": str(st.st_ctime_ns),
+            "embedded_bytes": str(facts.embedded_bytes),
+            **{k: "1" if getattr(facts, k) else "0" for k in _FLAGS},
+            "skeleton": short_hash(facts.skeleton) if pair else "-"}
+
+
+def _facts_text(fields: dict[str, str]) -> bytes:
     return "".join(f"{k} {v}\n" for k, v in fields.items()).encode()
 
 
@@ -230,18 +233,15 @@ def _refreshed(target: Path, path: Path, before: os.stat_result, facts: FileFact
     if pair and not (_is_file_pair(target / path.name, before)
                      and _skeleton_matches(target / skeleton_name(path), fields.get("skeleton", ""))):
         return None
-    text = _facts_text(path, before, facts, pair)
-    recorded = {k: v for k, v in fields.items() if k != "ctime_ns"}
-    walked = dict(line.split(" ", 1) for line in text.decode().splitlines())
-    walked.pop("ctime_ns")
-    if recorded != walked:
+    walked = _facts_fields(path, before, facts, pair)
+    if {**fields, "ctime_ns": ""} != {**walked, "ctime_ns": ""}:
         return None
     try:
         after = os.stat(path)
         if any(getattr(after, f"st_{k}") != getattr(before, f"st_{k}") for k in _IDENTITY):
             return None
         tmp = target / f"{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
-        write_new(tmp, _facts_text(path, after, facts, pair))
+        write_new(tmp, _facts_text({**walked, "ctime_ns": str(after.st_ctime_ns)}))
     except OSError:
         return None
     try:
