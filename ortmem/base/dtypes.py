@@ -7,9 +7,10 @@ low bits first. The byte length of a tensor is therefore ``ceil(numel * bits / 8
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import numpy as np
+from ortmem.base.records import record
 from ortmem.errors import UnsupportedDtypeError
 
 
@@ -31,7 +32,8 @@ ORT_NUMPY_TYPES: dict[str, Any] = {
 }
 
 
-class DtypeInfo(NamedTuple):
+@record
+class DtypeInfo:
     """An ONNX element type as ortmem handles it (a named tuple: the hook imports this module into every
     hooked process, where dataclasses cost start time)."""
 

@@ -69,8 +69,8 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import NamedTuple
 
+from ortmem.base.records import record
 from ortmem.base.logs import debug
 from ortmem.base.units import split_pair
 
@@ -89,7 +89,8 @@ GLIBC_DEFAULT_THRESHOLD = 128 * 1024
 UNCONFIGURED_RESTORE = (32 << 20, 64 << 20)
 
 
-class MallocThresholds(NamedTuple):
+@record
+class MallocThresholds:
     """A pair of glibc malloc thresholds in bytes.
 
     This module's records are a named tuple and a namespace, not dataclasses: the hook imports this

@@ -19,8 +19,9 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable
 
+from ortmem.base.records import record
 from ortmem.files.trust import read_nofollow, replace_private
 
 #: What an entry claims (format, key, files, digests, sources), written last when it is published.
@@ -37,7 +38,8 @@ SOURCE_LINK_PREFIX = "source-"
 FINISHED_STEM = "finished"
 
 
-class Entry(NamedTuple):
+@record
+class Entry:
     key: str
     path: Path
 
@@ -86,7 +88,8 @@ def reclaimable_bytes(path: Path) -> int:
     return st.st_blocks * 512 if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
 
 
-class DiskUse(NamedTuple):
+@record
+class DiskUse:
     """What entries hold on disk: each file's bytes once however many hard links it has (``bytes``),
     and of those the bytes of files also linked from outside the entries counted (``shared``): a
     source an entry hard-links stays the user's model file, its bytes were on disk before the entry."""

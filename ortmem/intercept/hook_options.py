@@ -7,10 +7,13 @@ script that only starts workers) then imports neither, as a plain run would not.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import Union
+
+from ortmem.base.records import record
 
 
-class HookOptions(NamedTuple):
+@record
+class HookOptions:
     """What the hook passes to :class:`ortmem.InferenceSession` for every session (see its docstring).
 
     A named tuple, not a dataclass: the hook is imported into every hooked process, and the

@@ -37,11 +37,12 @@ import time
 import types
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_inference_collection as _collection
 
+from ortmem.base.records import record
 from ortmem.errors import OrtmemError
 from ortmem.base.child_env import ENV_OPTIONS, ENV_SWITCH, store_folder
 from ortmem.base.hygiene import trim as trim_heap
@@ -67,7 +68,8 @@ _state_lock = threading.RLock()
 _inside = threading.local()  # set while ortmem creates a session: nested creations go to ORT directly
 
 
-class SessionRecord(NamedTuple):
+@record
+class SessionRecord:
     """One session created while the hook was on."""
 
     model: str

@@ -16,11 +16,12 @@ import logging
 import mmap
 import os
 from pathlib import Path
-from typing import BinaryIO, NamedTuple, Union
+from typing import BinaryIO, Union
 
 import onnx
 from google.protobuf.message import DecodeError
 
+from ortmem.base.records import record
 from ortmem.base.dtypes import byte_size, dtype_info
 from ortmem.errors import CorruptModelError, ExternalDataError, TensorShapeError, UnsafePathError
 from ortmem.onnxfile.model import Model
@@ -112,7 +113,8 @@ def _register_weights(model: Model, *, check_inline: bool) -> None:
                                     tensor=label, file=model_file) from None
 
 
-class _TargetFile(NamedTuple):
+@record
+class _TargetFile:
     """An external-data location resolved once per file: its path, as text for errors, its size, and
     whether it is the model file itself (embedded bytes)."""
 

@@ -25,8 +25,9 @@ own pass over the parsed tensors; the screen never decides an error, the loader'
 from __future__ import annotations
 
 import os
-from typing import Callable, Container, Iterator, NamedTuple, Optional
+from typing import Callable, Container, Iterator, Optional
 
+from ortmem.base.records import record
 from ortmem.base.dtypes import byte_size
 from ortmem.errors import CorruptModelError, OrtmemError
 
@@ -123,7 +124,8 @@ class FileBytes:
         return self._data[key - self._start]
 
 
-class Field(NamedTuple):
+@record
+class Field:
     """One field of a message (a named tuple: the walk makes one per field it reads in full)."""
 
     number: int
@@ -134,7 +136,8 @@ class Field(NamedTuple):
     payload_start: int = 0  # LEN fields: where the payload begins
 
 
-class TensorSpan(NamedTuple):
+@record
+class TensorSpan:
     """Where a TensorProto's raw_data lies in the file, with the metadata needed to describe it."""
 
     name: str
@@ -515,7 +518,8 @@ def _plain_byte_size(data_type: int, dims: list[int]) -> int:
         return -1
 
 
-class ExternalizeResult(NamedTuple):
+@record
+class ExternalizeResult:
     """The walk's result: ``skeleton`` is the rewritten ModelProto, or None when nothing was rewritten
     (the buffer is its own skeleton: the caller parses the file as it is, without a copy made here).
     This module's records are named tuples (as :class:`Field`), not dataclasses: the hook imports it

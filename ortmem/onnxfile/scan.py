@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Optional
 
+from ortmem.base.records import record
 from ortmem.errors import CorruptModelError
 from ortmem.base.logs import warning
 
@@ -110,7 +111,8 @@ def model_files_bytes(path: Path) -> int:
     return total
 
 
-class FileFacts(NamedTuple):
+@record
+class FileFacts:
     """What the walk and the search found in one model file (a named tuple, not a dataclass: the
     hook imports this module into every hooked process, where dataclasses cost start time)."""
 
@@ -142,7 +144,8 @@ class FileFacts(NamedTuple):
     prepared: bool = False
 
 
-class PlainHandoff(NamedTuple):
+@record
+class PlainHandoff:
     """What ORT is given for a model file that needs nothing of the session path (:func:`plain_handoff`)."""
 
     model: Path

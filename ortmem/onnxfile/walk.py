@@ -6,13 +6,16 @@ inspection, estimates) must see all of them, or a weight is silently dropped or 
 """
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from typing import Iterator
 
 import onnx
 from onnx import AttributeProto, GraphProto, ModelProto, TensorProto
 
+from ortmem.base.records import record
 
-class TensorSite(NamedTuple):
+
+@record
+class TensorSite:
     """One TensorProto and where it sits.
 
     ``graph`` is "" for the main graph and ``"<node>/<attr>[/...]"`` for a subgraph; ``kind`` is

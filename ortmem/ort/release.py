@@ -28,8 +28,9 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Mapping, Optional
 
+from ortmem.base.records import record
 from ortmem.base import logs
 from ortmem.base.hashing import short_hash
 from ortmem.base.child_env import cache_folder, helper_environment
@@ -61,7 +62,8 @@ amx_fp16 asimd asimddp asimdhp fphp sve sve2 i8mm bf16 svei8mm svebf16 sme sme2
 """.split())
 
 
-class ReleaseFacts(NamedTuple):
+@record
+class ReleaseFacts:
     """What one tested release does (one row of :data:`RELEASE_TABLE`)."""
 
     #: Largest DQ block size ORT's ``DQMatMulToMatMulNBits`` fuses (smallest is always 16;
@@ -124,7 +126,8 @@ RELEASE_TABLE: dict[tuple[int, int], ReleaseFacts] = {
 }
 
 
-class Release(NamedTuple):
+@record
+class Release:
     """The ORT this process imports: version, build identity and CPU (what probe answers depend on)."""
 
     version: str
@@ -199,14 +202,16 @@ def installed() -> Release:
 # ------------------------------------------------------------------------------------ capabilities
 
 
-class Verdict(NamedTuple):
+@record
+class Verdict:
     """Whether ortmem may convert one variant on this ORT, and why (or why not)."""
 
     ok: bool
     why: str = ""
 
 
-class Capabilities(NamedTuple):
+@record
+class Capabilities:
     """What ortmem may do on the installed ORT: the table and the probe, reconciled (a named tuple, as
     every record a warm start imports: :class:`ortmem.session.handoff.Handoff` says why)."""
 

@@ -7,8 +7,9 @@ the user asked for.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal, Mapping, NamedTuple, Optional
+from typing import Any, Iterable, Literal, Mapping, Optional
 
+from ortmem.base.records import record
 from ortmem.base.options import get_config
 
 #: ORT's two node orders (``SessionOptions.execution_order``), simulated by :mod:`.graph_index`.
@@ -25,7 +26,8 @@ SAVE_CONFIG_KEYS = ("session.optimized_model_external_initializers_file_name",
                     "session.save_external_prepacked_constant_initializers")
 
 
-class OrtSettings(NamedTuple):
+@record
+class OrtSettings:
     """The session settings ORT's decision depends on, parsed like ORT parses them (a named tuple, as
     every record a warm start imports: :class:`ortmem.session.handoff.Handoff` says why).
 

@@ -10,8 +10,9 @@ is rewritten by one rule at most.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
+from ortmem.base.records import record
 from ortmem.onnxfile.model import Model
 from ortmem.ort.release import Capabilities
 from ortmem.ort.settings import OrtSettings
@@ -86,7 +87,8 @@ class PlanContext:
     fp16_in_fp32: Optional[bool] = None
 
 
-class Planned(NamedTuple):
+@record
+class Planned:
     """A rule's answer: its rewrites, and ``(node, reason)`` for each candidate it left alone."""
 
     rewrites: Sequence[RuleRewrite]

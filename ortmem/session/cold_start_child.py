@@ -41,8 +41,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
+from ortmem.base.records import record
 from ortmem.base.child_env import helper_environment
 from ortmem.base.logs import debug, warning
 from ortmem.onnxfile.scan import mentions_dequantize, min_helper_bytes, model_files_bytes
@@ -57,7 +58,8 @@ from ortmem.session.request import Request
 STORED = "stored"
 
 
-class Job(NamedTuple):
+@record
+class Job:
     """What the helper is asked: the model and everything of the request the conversion reads."""
 
     path: str
@@ -69,7 +71,8 @@ class Job(NamedTuple):
     intra_op_num_threads: int
 
 
-class Published(NamedTuple):
+@record
+class Published:
     """The entry the helper built: its key, the conversion's report, and its log records
     (``(logger name, level, message)``), which the session's process emits as its own."""
 

@@ -48,10 +48,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Iterator, Optional
 
 import onnxruntime as ort
 
+from ortmem.base.records import record
 from ortmem.base import logs
 from ortmem.errors import OrtmemError
 from ortmem.base.hygiene import allocator_hygiene
@@ -83,7 +84,8 @@ class GenaiFolderError(OrtmemError):
 
 
 # ------------------------------------------------------------------------------ reading a folder
-class GenaiModelFile(NamedTuple):
+@record
+class GenaiModelFile:
     """One ONNX file a genai config names.
 
     ``where``: the JSON path of the object holding ``filename`` (strings are keys, ints list
@@ -269,7 +271,8 @@ def _finished_options(config: dict[str, Any], item: GenaiModelFile) -> dict[str,
 
 
 # -------------------------------------------------------------------------------- preparing
-class GenaiPrepareReport(NamedTuple):
+@record
+class GenaiPrepareReport:
     """What :func:`prepare_genai_folder` did: per config filename, the prepared file's report, why it
     was skipped, or why its check could not run (``failed``: nothing was written for it)."""
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Union
 
 import onnxruntime as ort
 
+from ortmem.base.records import record
 from ortmem.onnxfile.scan import FOLDER_KEY, RECOMPUTE_METADATA, file_mentions
 from ortmem.ort.recorded_settings import merge_config_value, recorded_settings
 from ortmem.base.options import get_config, scoped_config
@@ -47,7 +48,8 @@ FINISHED_ACTIONS = frozenset({Decision.FINISHED})
 NOTHING: Mapping[str, Any] = MappingProxyType({})
 
 
-class Handoff(NamedTuple):
+@record
+class Handoff:
     """What ORT is given: a path or skeleton bytes, the session config entries it needs, and (for a
     conversion done in memory) the buffer ORT borrows, which this object keeps alive; and what ortmem
     decided: :attr:`action` (and its :attr:`reason`), :attr:`report`, :attr:`cache_hit`.

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
+from ortmem.base.records import record
 from ortmem.ort.providers import cpu_only, fusing_only, runs_fp16_on_gpu, session_provider_names
 from ortmem.ort.release import capabilities
 from ortmem.ort.settings import OrtSettings, Packing, caller_config, session_settings
@@ -22,7 +23,8 @@ if TYPE_CHECKING:  # the passes are imported only by a start that converts
     from ortmem.passes.writers import Progress
 
 
-class Request(NamedTuple):
+@record
+class Request:
     """What the hook may do to the graph before ORT sees it, and with what (a named tuple, as every
     record a warm start imports: :class:`ortmem.session.handoff.Handoff` says why)."""
 

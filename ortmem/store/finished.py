@@ -56,11 +56,12 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import numpy as np
 import onnxruntime as ort
 
+from ortmem.base.records import record
 from ortmem.base import logs
 from ortmem.files import digest
 from ortmem.files.sources import source_record, sources_problem
@@ -141,7 +142,8 @@ class FinishCheckError(FinishError):
     the feeds ortmem makes): no verdict, so nothing may be recorded of it (names the source)."""
 
 
-class FinishedReport(NamedTuple):
+@record
+class FinishedReport:
     """What :func:`finish_model` did."""
 
     seconds: float

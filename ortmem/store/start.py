@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, Optional
 
+from ortmem.base.records import record
 from ortmem.files.layout import Entry
 from ortmem.files.layout import MODEL_FILE
 from ortmem.store.finished import discard_finished
@@ -71,7 +72,8 @@ class Decision(enum.Enum):
         return self.value
 
 
-class Start(NamedTuple):
+@record
+class Start:
     """The store's verdict on one start (see the module docstring for the decisions); a named tuple, as
     every record a warm start imports (:class:`ortmem.session.handoff.Handoff` says why)."""
 

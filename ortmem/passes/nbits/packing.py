@@ -55,10 +55,10 @@ follow the MatMulNBits spec there, so "identical to ORT's fusion" holds for 2-bi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
+from ortmem.base.records import record
 from ortmem.errors import ConversionError, TensorShapeError
 from ortmem.passes.nbits.transpose import STRIP_ROWS, transpose_pack, view_as, xor_byte
 
@@ -281,7 +281,8 @@ def _check_out(out: np.ndarray, shape: tuple[int, ...], dtype, what: str) -> Non
                                f"{getattr(out, 'shape', '')}")
 
 
-class MatMulNBitsWeights(NamedTuple):
+@record
+class MatMulNBitsWeights:
     """The three MatMulNBits weight inputs; ``zero_points`` is None when none is needed."""
 
     B: np.ndarray

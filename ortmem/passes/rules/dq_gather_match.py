@@ -11,10 +11,11 @@ metadata-only, like :mod:`.dq_matmul_match`; the conversion half is :mod:`.dq_ga
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 from onnx import ModelProto, NodeProto, TensorProto
 
+from ortmem.base.records import record
 from ortmem.ort.fusion_graph import FusionGraph, attribute, fusion_graphs, tensor_type_name
 from ortmem.passes.rules.dq_match import (INT2, MIN_BLOCK, SCALE_TYPES, UINT2, Reject, Rejected, dequantize_nodes, is_onnx_domain, is_pow2)
 
@@ -70,12 +71,14 @@ class GatherCandidate:
     notes: tuple[str, ...] = ()
 
 
-class GatherMatchResult(NamedTuple):
+@record
+class GatherMatchResult:
     candidates: list[GatherCandidate]
     rejected: list[Rejected]
 
 
-class Layout(NamedTuple):
+@record
+class Layout:
     """How the DQ's scales and zero points map onto GBQ's."""
 
     kind: str

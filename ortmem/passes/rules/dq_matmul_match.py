@@ -57,10 +57,11 @@ read when embedded; for external ones pass ``scalar_reader`` or accept a note on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Literal, Mapping, NamedTuple
+from typing import Iterable, Literal, Mapping
 
 from onnx import GraphProto, ModelProto
 
+from ortmem.base.records import record
 from ortmem.onnxfile.walk import node_label, node_subgraphs, subgraph_path
 from ortmem.ort.constant_sharing import ScalarReader, constant_sharing_groups
 from ortmem.ort.fusion_graph import LEVEL_BASIC, FusionGraph, fusion_graphs, tensor_type_name
@@ -133,7 +134,8 @@ class Candidate:
 
 
 
-class MatchResult(NamedTuple):
+@record
+class MatchResult:
     candidates: list[Candidate]
     rejected: list[Rejected]
 
