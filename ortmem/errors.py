@@ -98,7 +98,8 @@ RESOURCE_FAILURE_PHRASES = (
 #: The same failures as error numbers: ``OSError.errno``, and in ORT's words, which name only the
 #: number ("pthread_create failed, error code: 12", "Load model from m.onnx failed:system error number 24").
 RESOURCE_ERRNOS = frozenset({errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EAGAIN})
-_ERROR_NUMBER = re.compile(r"(?:error code|error number|errno)\s*[:=]?\s*(\d+)", re.IGNORECASE)
+#: Compiled on first use (by ``re``'s own cache): only a failure reads it, and every start imports this module.
+_ERROR_NUMBER = r"(?:error code|error number|errno)\s*[:=]?\s*(\d+)"
 
 
 def resource_failure(failure: BaseException | str) -> bool:
@@ -124,6 +125,6 @@ def resource_failure(failure: BaseException | str) -> bool:
         text = str(current)
         if any(phrase in text.lower() for phrase in RESOURCE_FAILURE_PHRASES):
             return True
-        if any(int(number) in RESOURCE_ERRNOS for number in _ERROR_NUMBER.findall(text)):
+        if any(int(number) in RESOURCE_ERRNOS for number in re.findall(_ERROR_NUMBER, text, re.IGNORECASE)):
             return True
     return False
