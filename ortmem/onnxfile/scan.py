@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from ortmem.base.records import record
+from ortmem.onnxfile import DEQUANTIZE
 from ortmem.errors import CorruptModelError
 from ortmem.base.logs import warning
 
@@ -40,7 +41,6 @@ FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
 #: Metadata prefix of a model rewritten by ``ortmem recompute`` (the planner's ``META_PREFIX`` is this one).
 RECOMPUTE_METADATA = "ortmem.recompute."
-DEQUANTIZE = b"DequantizeLinear"
 #: The key of a tensor's ``external_data`` entry naming its file (StringStringEntryProto field 1,
 #: 8 bytes, "location"): every tensor with external data has one.
 EXTERNAL_LOCATION = b"\x0a\x08location"
@@ -123,7 +123,8 @@ class FileFacts:
     #: Tensors already external, or inline tensors the walk's screen could not confirm: the loader
     #: checks those (and names the tensor at fault), so such a model goes the loader's way.
     needs_loader: bool
-    dequantize: bool
+    #: A DequantizeLinear ortmem may convert (:func:`ortmem.onnxfile.convertible.may_convert`; False is certain).
+    convertible: bool
     recompute: bool
     #: Every tensor the skeleton made external sits in the main graph (initializers, Constant
     #: values): ORT's checker refuses external data in a subgraph read from a hard-linked file.
@@ -171,6 +172,7 @@ def read_facts(path: Path, *, stop_outside_main_graph: bool = False) -> FileFact
     protowire (with :mod:`ortmem.base.dtypes`) is imported here, by the first walk: a hooked process whose
     models' facts come from handoff records (:mod:`ortmem.store.handoff_records`) never walks, and
     the two modules cost it 1.7 ms of a start held to 20 ms over a plain run (docs/hook.md)."""
+    from ortmem.onnxfile.convertible import may_convert
     from ortmem.onnxfile.protowire import LEN, MODEL_GRAPH, FileBytes, WireReader, externalize_embedded
 
     with open(path, "rb") as f:
@@ -183,12 +185,13 @@ def read_facts(path: Path, *, stop_outside_main_graph: bool = False) -> FileFact
         top = result.skeleton if result.changed else FileBytes(f.fileno(), size)
         has_graph = any(t.number == MODEL_GRAPH and t.wire_type == LEN  # top-level fields only: payloads skipped
                         for t in WireReader(top, str(path)).fields(0, len(top)))
+        convertible = DEQUANTIZE in found and may_convert(top, str(path))
     screen = result.screen
     return FileFacts(
         skeleton=result.skeleton,
         embedded_bytes=sum(s.length for s in result.spans),
         needs_loader=EXTERNAL_LOCATION in found or bool(screen.external or screen.unconfirmed),
-        dequantize=DEQUANTIZE in found,
+        convertible=convertible,
         recompute=RECOMPUTE_METADATA.encode() in found,
         main_graph_only=result.outside_main == 0,
         has_graph=has_graph,
@@ -201,7 +204,7 @@ def needs_session_path(facts: FileFacts, converting: bool) -> bool:
     metadata, external data (or inline tensors) the loader must check, no graph at all (the loader
     names that fault), or an entry ``ortmem prepare`` made for it (the store serves it). A model that
     needs none of it is handed to ORT by :func:`plain_handoff`, with no onnx import."""
-    return (facts.needs_loader or facts.recompute or (facts.dequantize and converting) or not facts.has_graph
+    return (facts.needs_loader or facts.recompute or (facts.convertible and converting) or not facts.has_graph
             or facts.prepared)
 
 
@@ -223,16 +226,23 @@ def plain_handoff(path: Path, facts: FileFacts) -> Optional[PlainHandoff]:
     return None if linked is None else PlainHandoff(linked[0], "mapped", linked[1])
 
 
-def mentions_dequantize(path: Path) -> bool:
-    """Whether a model file may hold a DequantizeLinear node (False is certain): the byte search of
-    :func:`file_mentions` in a file of at most :data:`STOPPED_SEARCH_MAX_BYTES`; in a larger one (its
-    weights embedded) the search of the walk's skeleton, which skips the weight bytes a search would
-    read (a 1 GB embedded fp32 model is about 0.2 s of reads). A file the walk finds malformed may
-    hold one: the loader names its fault."""
-    if path.stat().st_size <= STOPPED_SEARCH_MAX_BYTES:
-        return file_mentions(path, DEQUANTIZE)
+def dequantize_facts(path: Path) -> Optional[FileFacts]:
+    """The walk's facts of a file whose bytes mention DequantizeLinear (:func:`read_facts`: whether one
+    of them may convert is :attr:`FileFacts.convertible`); None for a file that does not mention it
+    (nothing in it converts, and the search that says so is cheaper than the walk)."""
+    return read_facts(path) if file_mentions(path, DEQUANTIZE) else None
+
+
+def convertible_file(path: Path) -> bool:
+    """Whether a model file may hold a DequantizeLinear ortmem converts (False is certain): none in a
+    file of at most :data:`STOPPED_SEARCH_MAX_BYTES` whose bytes lack the op's name (a search at C
+    speed), else the walk's answer (:attr:`FileFacts.convertible`), which skips the weight bytes a
+    search would read (a 1 GB embedded fp32 model is about 0.2 s of reads). A file the walk finds
+    malformed may hold one: the loader names its fault."""
+    if path.stat().st_size <= STOPPED_SEARCH_MAX_BYTES and not file_mentions(path, DEQUANTIZE):
+        return False
     try:
-        return read_facts(path).dequantize
+        return read_facts(path).convertible
     except CorruptModelError:
         return True
 

@@ -20,8 +20,8 @@ imports in the session's process), which the pin's cost it removes outweighs at 
 When: a model path, a usable cache, converting, no ``progress`` callback (it would run in another
 process), model files of at least :data:`ortmem.onnxfile.scan.MIN_HELPER_BYTES` (below that the
 interpreter's start is a large share of the cold start, ``$ORTMEM_CONVERT_HELPER_MIN_BYTES`` sets it),
-and a file that mentions ``DequantizeLinear`` (nothing else can be converted:
-:func:`ortmem.onnxfile.scan.mentions_dequantize`, which skips the weights of a large embedded model).
+and a file that may hold a DequantizeLinear ortmem converts (nothing else can be converted:
+:func:`ortmem.onnxfile.scan.convertible_file`, read from the file's structure, its weights skipped).
 The helper does what the session's process would have done: load, check, plan and publish the entry
 under its creator lock (:func:`ortmem.session.cold_start.into_cache`). Only two answers come back:
 the entry it published (key, report, its log records), or "the store has an entry now" (another
@@ -46,7 +46,7 @@ from typing import Optional, Union
 from ortmem.base.records import record
 from ortmem.base.child_env import helper_environment
 from ortmem.base.logs import debug, warning
-from ortmem.onnxfile.scan import mentions_dequantize, min_helper_bytes, model_files_bytes
+from ortmem.onnxfile.scan import convertible_file, min_helper_bytes, model_files_bytes
 from ortmem.ort.settings import OrtSettings
 from ortmem.store.publish import new_entry_start
 from ortmem.store.start import Decision, Start
@@ -84,7 +84,11 @@ class Published:
 def converted_on_a_miss(path: Path, request: Request) -> Union[Handoff, Start]:
     """A model file the store has no entry for: converted in a helper process when that is worth it
     (see the module docstring), else loaded here and converted or handed over as given
-    (:func:`ortmem.session.cold_start.converted_or_as_is`)."""
+    (:func:`ortmem.session.cold_start.converted_or_as_is`). A file whose structure holds nothing
+    ortmem converts (:func:`ortmem.onnxfile.scan.convertible_file`) is loaded and handed over
+    without a plan or a helper."""
+    if request.converting and path.is_file() and not convertible_file(path):
+        request = request._replace(converting=False)
     model_bytes = _worth_a_helper(path, request)
     if model_bytes:
         start = _converted_in_helper(path, request, model_bytes)
@@ -98,13 +102,14 @@ def converted_on_a_miss(path: Path, request: Request) -> Union[Handoff, Start]:
 
 def _worth_a_helper(path: Path, request: Request) -> int:
     """The size of the model's files when its start converts in a helper, else 0: files that reach
-    :func:`ortmem.onnxfile.scan.min_helper_bytes` and mention ``DequantizeLinear``, a usable cache this
-    process may write (the helper publishes into it), converting, and no ``progress`` callback."""
+    :func:`ortmem.onnxfile.scan.min_helper_bytes`, a usable cache this process may write (the helper
+    publishes into it), converting (the caller found something that may convert), and no
+    ``progress`` callback."""
     if (request.cache is None or not request.cache.writable or not request.converting or request.progress is not None
             or not path.is_file()):
         return 0
     model_bytes = model_files_bytes(path)
-    return model_bytes if model_bytes >= min_helper_bytes() and mentions_dequantize(path) else 0
+    return model_bytes if model_bytes >= min_helper_bytes() else 0
 
 
 def helper_timeout(model_bytes: int) -> float:

@@ -21,8 +21,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
-from ortmem.onnxfile.scan import (DEQUANTIZE, FOLDER_KEY, FileFacts, file_mentions, min_finished_bytes, needs_session_path,
-                                  plain_handoff, read_facts)
+from ortmem.onnxfile import DEQUANTIZE
+from ortmem.onnxfile.scan import (FOLDER_KEY, FileFacts, dequantize_facts, file_mentions, min_finished_bytes,
+                                  needs_session_path, plain_handoff, read_facts)
 from ortmem.base.child_env import store_folder
 from ortmem.base.options import get_config, scoped_config
 
@@ -221,10 +222,11 @@ def _plain(path: Path, request: Request, *, settled: bool, store_missed: bool = 
 def _records_and_facts(path: Path, store: Optional[Path], *,
                        converting: bool) -> Optional[tuple[Optional[Path], Optional[FileFacts]]]:
     """(the handoff records folder of ``store``, the facts its record for ``path`` holds) for a file with
-    nothing to convert; None where ``converting`` and the file may hold DequantizeLinear. Its record's
-    walk answers that where there is one, so a start of a file seen before reads none of its bytes;
-    else a search of its bytes (cheaper than the walk). A records folder is made only for a file with
-    nothing to convert (it is walked next); the folder is None with no ``store``, or one not trusted."""
+    nothing to convert; None where ``converting`` and the file may hold a DequantizeLinear ortmem
+    converts. Its record answers that where there is one, so a start of a file seen before reads none
+    of its bytes; else a search of its bytes for the op's name (cheaper than the walk), and only where
+    it is found, the walk (:func:`ortmem.onnxfile.convertible.may_convert`: most int8 QDQ models hold
+    none ortmem converts), recorded. The folder is None with no ``store``, or one not trusted."""
     records = recorded = None
     if store is not None:
         from ortmem.store.handoff_records import FOLDER, recorded_facts, records_folder
@@ -235,7 +237,16 @@ def _records_and_facts(path: Path, store: Optional[Path], *,
                 recorded = recorded_facts(records, path, os.stat(path))
             except OSError:
                 recorded = None
-    if converting and (recorded.dequantize if recorded is not None else file_mentions(path, DEQUANTIZE)):
+    if converting and recorded is None:
+        # where the op's name is in the file, its structure decides whether any of them converts
+        # (walked here, and recorded where there is a records folder, as the bytes decision would be)
+        if records is not None:
+            from ortmem.store.handoff_records import facts_of
+
+            recorded = facts_of(path, records) if file_mentions(path, DEQUANTIZE) else None
+        else:
+            recorded = dequantize_facts(path)
+    if converting and recorded is not None and recorded.convertible:
         return None
     if records is None and store is not None:
         records = records_folder(store)

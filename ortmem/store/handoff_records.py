@@ -55,7 +55,7 @@ from ortmem.files.trust import (RACY_SECONDS, TMP_PREFIX, cache_file_problem, ma
 #: The records' folder inside the store's (a "." name: the store's listing and pruning skip it).
 FOLDER = ".handover"
 #: Bumped whenever the walk's facts or the skeleton for the same file would differ.
-FORMAT = 1
+RECORD_FORMAT = 2
 #: A record's description of itself.
 FACTS_FILE = "facts"
 #: Present in a record when ``ortmem prepare`` made a store entry for its file (:func:`mark_prepared`).
@@ -67,7 +67,7 @@ STALE_SECONDS = 86400.0
 IN_USE_SECONDS = 60.0
 #: The identity a record's key is made of, and what it keeps of it.
 _IDENTITY = ("dev", "ino", "size", "mtime_ns")
-_FLAGS = ("needs_loader", "dequantize", "recompute", "main_graph_only", "has_graph", "stopped")
+_FLAGS = ("needs_loader", "convertible", "recompute", "main_graph_only", "has_graph", "stopped")
 
 
 def records_folder(store: Path) -> Optional[Path]:
@@ -208,7 +208,7 @@ def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *
 
 def _facts_fields(path: Path, st: os.stat_result, facts: FileFacts, pair: bool) -> dict[str, str]:
     """A record's ``facts`` fields for ``facts`` walked from ``path`` as ``st`` describes it."""
-    return {"format": str(FORMAT), "path": os.path.abspath(path),
+    return {"format": str(RECORD_FORMAT), "path": os.path.abspath(path),
             **{k: str(getattr(st, f"st_{k}")) for k in _IDENTITY}, "ctime_ns": str(st.st_ctime_ns),
             "embedded_bytes": str(facts.embedded_bytes),
             **{k: "1" if getattr(facts, k) else "0" for k in _FLAGS},
@@ -264,7 +264,7 @@ def _usable(folder: Path, path: Path, stop_outside_main_graph: bool) -> Optional
 
 
 def _key(path: Path, st: os.stat_result) -> str:
-    parts = [str(FORMAT), __version__, os.path.abspath(path), *(str(getattr(st, f"st_{k}")) for k in _IDENTITY)]
+    parts = [str(RECORD_FORMAT), __version__, os.path.abspath(path), *(str(getattr(st, f"st_{k}")) for k in _IDENTITY)]
     return short_hash("\0".join(parts).encode())
 
 
@@ -280,7 +280,7 @@ def _read_facts_file(where: Path) -> Optional[dict[str, str]]:
     except (OSError, UnicodeDecodeError):
         return None
     fields = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
-    return fields if fields.get("format") == str(FORMAT) else None
+    return fields if fields.get("format") == str(RECORD_FORMAT) else None
 
 
 def _is_file_pair(link: Path, st: os.stat_result) -> bool:

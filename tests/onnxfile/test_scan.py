@@ -70,20 +70,20 @@ def test_a_file_above_the_search_limit_is_walked_whole(subgraph_file: Path, monk
     assert not facts.main_graph_only and facts.skeleton is not None
 
 
-def test_dequantize_is_found_in_a_large_file_without_reading_its_weights(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch):
-    """Above the search limit the walk's skeleton is searched instead of every byte: the answer is the
-    byte search's, and a file the walk cannot read may hold one (the loader names the fault)."""
+def test_a_conversion_is_found_in_a_large_file_without_reading_its_weights(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    """Above the search limit the walk's skeleton is read instead of every byte: the answer is the one
+    below it, and a file the walk cannot read may hold one (the loader names the fault)."""
     from tests.support.builders import int4_model
 
     qdq = save(int4_model(np.random.default_rng(0), k=1024, n=512), tmp_path / "q" / "model.onnx")
     fp32 = save(matmul_chain(np.random.default_rng(1), [64, 512, 512, 8]), tmp_path / "f" / "model.onnx")
     broken = tmp_path / "broken.onnx"
     broken.write_bytes(b"\x0a\xff\xff\xff\xff\x0f" + b"\x00" * 100)
-    small = {p: scan.mentions_dequantize(p) for p in (qdq, fp32)}
+    small = {p: scan.convertible_file(p) for p in (qdq, fp32)}
     monkeypatch.setattr(scan, "STOPPED_SEARCH_MAX_BYTES", 0)
-    assert {p: scan.mentions_dequantize(p) for p in (qdq, fp32)} == small == {qdq: True, fp32: False}
-    assert scan.mentions_dequantize(broken)
+    assert {p: scan.convertible_file(p) for p in (qdq, fp32)} == small == {qdq: True, fp32: False}
+    assert scan.convertible_file(broken)
 
 
 @pytest.mark.parametrize("nbytes", [INLINE_MAX_BYTES - 1, INLINE_MAX_BYTES, INLINE_MAX_BYTES + 1])

@@ -213,9 +213,9 @@ def test_a_model_with_something_to_convert_is_recorded_as_such(tmp_path: Path, f
     """Its record keeps it on the session path (a start the store settled as converting nothing reads
     the record instead of walking it again)."""
     path = _settled(save(int4_model(np.random.default_rng(0)), tmp_path / "q" / "model.onnx"))
-    assert facts_of(path, folder).dequantize
+    assert facts_of(path, folder).convertible
     again = facts_of(path, folder)
-    assert again.dequantize and walks == [path]
+    assert again.convertible and walks == [path]
 
 
 def test_a_model_with_external_data_is_walked_once(tmp_path: Path, folder: Path, walks: list[Path]):
