@@ -239,12 +239,11 @@ def convertible_file(path: Path) -> bool:
     speed), else the walk's answer (:attr:`FileFacts.convertible`), which skips the weight bytes a
     search would read (a 1 GB embedded fp32 model is about 0.2 s of reads). A file the walk finds
     malformed may hold one: the loader names its fault."""
-    if path.stat().st_size <= STOPPED_SEARCH_MAX_BYTES and not file_mentions(path, DEQUANTIZE):
-        return False
     try:
-        return read_facts(path).convertible
+        facts = dequantize_facts(path) if path.stat().st_size <= STOPPED_SEARCH_MAX_BYTES else read_facts(path)
     except CorruptModelError:
         return True
+    return facts is not None and facts.convertible
 
 
 def file_mentions(path: Path, needle: bytes) -> bool:
