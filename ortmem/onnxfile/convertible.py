@@ -3,8 +3,8 @@ structure alone (no onnx): the question that decides whether a start loads and p
 hands it to ORT from its bytes.
 
 Why a module of its own: a byte search finds the op's name in every QDQ model, and sent each of them
-the loader's and the passes' way (onnx imported, the model parsed and planned: 0.25-0.3 s a start on
-two cores, three times ORT's own creation of a 22 MB int8 MiniLM), though most int8 QDQ models
+the loader's and the passes' way (onnx imported, the model parsed and planned: 1.8-1.9x of ORT's
+whole-process wall on every start of a 3.6 MB int8 QDQ model, docs/benchmarks.md), though most int8 QDQ models
 hold nothing ortmem converts: ORT's quantizer quantizes activations too, so every MatMul whose
 weight comes from a DequantizeLinear reads its other input from one as well, and ORT's rule (so
 ortmem's, :mod:`ortmem.passes.rules`) takes a MatMul or Gemm only with its weight's DQ alone.
