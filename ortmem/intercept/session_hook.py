@@ -317,8 +317,10 @@ def _light_route(model: Any, args: tuple, kwargs: dict, opts: HookOptions) -> Op
 
     records = records_folder(store_folder(opts.cache)) if opts.cache is not False else None
     facts = facts_of(path, records, stop_outside_main_graph=sess_options is not None)
-    if needs_session_path(facts, opts.convert):
+    if needs_session_path(path, facts, opts.convert):
         return None
+    if facts.weight_bytes >= min_finished_bytes() and opts.cache is not False and opts.prepacked:
+        return None  # external weights enough for a finished entry: the session path looks it up or builds it
     if not facts.main_graph_only:
         if sess_options is None:
             return None  # the session path hands the skeleton over as bytes with the folder entry

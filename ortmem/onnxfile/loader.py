@@ -23,11 +23,11 @@ from google.protobuf.message import DecodeError
 
 from ortmem.base.records import record
 from ortmem.base.dtypes import byte_size, dtype_info
-from ortmem.errors import CorruptModelError, ExternalDataError, TensorShapeError, UnsafePathError
+from ortmem.errors import CorruptModelError, ExternalDataError, TensorShapeError
 from ortmem.onnxfile.model import Model
 from ortmem.onnxfile.scan import INLINE_MAX_BYTES  # defined beside the hook's decision from a file's bytes
 from ortmem.onnxfile.walk import iter_tensor_sites
-from ortmem.onnxfile.external_data import EntryError, has_reserved_marker, parse_integer, read_entries
+from ortmem.onnxfile.external_data import EntryError, checked_span, read_entries, resolve_location
 from ortmem.onnxfile.protowire import FileBytes, externalize_embedded
 from ortmem.onnxfile.weights import WeightRef, WeightStore
 
@@ -147,23 +147,7 @@ class _Registrar:
         file = target.text
         data_type = t.data_type
         shape = tuple(t.dims)
-        expected = self.sizes.get((data_type, *shape))
-        if expected is None:
-            dtype_info(data_type, tensor=label, file=file)
-            if any(d < 0 for d in shape):
-                raise TensorShapeError(f"negative dimension in {list(shape)}", tensor=label, file=file)
-            expected = self.sizes[(data_type, *shape)] = byte_size(data_type, shape, tensor=label, file=file)
-        offset = _int_key(info, "offset", 0, label, file)
-        length = _int_key(info, "length", None, label, file)
-        if length is None:
-            length = expected
-        if length != expected:
-            raise TensorShapeError(
-                f"external data length {length} does not match {dtype_info(data_type).name}{list(shape)} "
-                f"= {expected} bytes",
-                tensor=label,
-                file=file,
-            )
+        offset, length = checked_span(info, data_type, shape, tensor=label, file=file, sizes=self.sizes)
         if offset + length > target.size:
             raise ExternalDataError(
                 f"external data [{offset}, {offset + length}) runs past the end of the file ({target.size} bytes)",
@@ -195,39 +179,7 @@ def _check_inline(t: onnx.TensorProto, file: str, sizes: dict[tuple[int, ...], i
 
 def _external_info(t: onnx.TensorProto, tensor: str, file: str) -> dict[str, str]:
     try:
-        return read_entries(t.external_data)
+        return read_entries((e.key if e.HasField("key") else None, e.value if e.HasField("value") else None)
+                            for e in t.external_data)
     except EntryError as exc:
         raise ExternalDataError(str(exc), tensor=tensor, file=file) from None
-
-
-def _int_key(info: dict[str, str], key: str, default, tensor: str, file: str):
-    if key not in info:
-        return default
-    try:
-        value = parse_integer(info[key], signed=key == "offset")
-    except ValueError:
-        raise ExternalDataError(f"external data {key} {info[key]!r} is not an integer", tensor=tensor, file=file)
-    if value < 0:
-        raise ExternalDataError(f"external data {key} {value} is negative", tensor=tensor, file=file)
-    return value
-
-
-def resolve_location(base_real: Path, location: str, *, tensor: str, model_file: str) -> Path:
-    """Resolve an external-data location the way ORT validates it: relative, inside the model folder
-    after following symlinks, and an existing regular file."""
-    if not location:
-        raise ExternalDataError("external data has no location", tensor=tensor, file=model_file)
-    if has_reserved_marker(location):
-        raise UnsafePathError(f"location {location!r} uses ORT's reserved in-memory marker", tensor=tensor, file=model_file)
-    if os.path.isabs(location) or location.startswith(("/", "\\")) or (len(location) > 1 and location[1] == ":"):
-        raise UnsafePathError(f"absolute external data location {location!r} is not allowed", tensor=tensor, file=model_file)
-    target = (base_real / location).resolve()
-    if os.path.commonpath([str(base_real), str(target)]) != str(base_real):
-        raise UnsafePathError(
-            f"external data location {location!r} resolves to {str(target)!r}, outside the model folder",
-            tensor=tensor,
-            file=model_file,
-        )
-    if not target.is_file():
-        raise ExternalDataError(f"external data file {location!r} not found", tensor=tensor, file=str(target))
-    return target

@@ -25,7 +25,7 @@ own pass over the parsed tensors; the screen never decides an error, the loader'
 from __future__ import annotations
 
 import os
-from typing import Callable, Container, Iterator, Optional
+from typing import Any, Callable, Container, Iterator, Optional
 
 from ortmem.base.records import record
 from ortmem.base.dtypes import byte_size
@@ -371,9 +371,11 @@ class TensorScreen:
     screen reads a superset of the tensors the loader checks, so a clean screen means a clean check.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, references: Optional[Any] = None) -> None:
         self.external = 0
         self.unconfirmed = 0
+        #: Given each external tensor's bytes when set (:class:`ortmem.onnxfile.references.ExternalReferences`).
+        self.references = references
         self._sizes: dict[tuple[int, ...], int] = {}  # (data_type, *dims) -> bytes: models repeat a few shapes
         # The last canonical header seen (the dims and data_type fields' bytes, as protobuf writes them
         # before the name) and the raw_data size it means: runs of same-shaped tensors (biases, norms,
@@ -391,6 +393,15 @@ class TensorScreen:
             expected = self._sizes[key] = _plain_byte_size(data_type, dims)
         if raw_length != expected:
             self.unconfirmed += 1
+
+    def external_tensor(self, buf, start: int, end: int) -> None:
+        """Count the TensorProto marked EXTERNAL in ``buf[start:end]`` and hand its bytes to ``references``."""
+        self.external += 1
+        if self.references is not None:
+            if end - start > EXTERNAL_TENSOR_MAX_BYTES:
+                self.references.confirmed = False  # a reference is a few dozen bytes: the loader judges this one
+            else:
+                self.references.tensor(bytes(buf[start:end]), 0, end - start)
 
     def tensor_at(self, buf, start: int, end: int) -> None:
         """Screen the short TensorProto in ``buf[start:end]`` (a :class:`FileBytes` or any buffer)."""
@@ -479,7 +490,7 @@ class TensorScreen:
                     return
                 location = value
         if location:
-            self.external += 1
+            self.external_tensor(data, start, j)
             return
         self.inline(data_type, dims, raw_length)
         if name_at > start and raw_length:
@@ -546,6 +557,9 @@ class ExternalizeResult:
 #: visits a subset of the messages, so a model it finds deeper is refused by protobuf too; the
 #: bound keeps the walk off Python's own stack limit.
 MAX_NESTING = 100
+#: An external tensor's message longer than this is left to the loader's check (a reference is a
+#: name, a type, dims and a few entries: tens of bytes).
+EXTERNAL_TENSOR_MAX_BYTES = 64 * 1024
 #: The message kinds above a tensor of the main graph: an initializer, or a node's attribute tensor.
 _MAIN_GRAPH_PARENTS = (["model", "graph"], ["model", "graph", "node", "attribute"])
 
@@ -558,13 +572,14 @@ class _OutsideMainGraph(Exception):
 class _Externalizer:
     """Rewrites a serialized ModelProto, moving large embedded raw_data to external references."""
 
-    def __init__(self, buf, file: str, location: str, inline_max_bytes: int, stop_outside_main: bool = False):
+    def __init__(self, buf, file: str, location: str, inline_max_bytes: int, stop_outside_main: bool = False,
+                 references: Optional[Any] = None):
         self.r = WireReader(buf, file)
         self.buf = buf
         self.location = location
         self.inline_max_bytes = inline_max_bytes
         self.spans: list[TensorSpan] = []
-        self.screen = TensorScreen()
+        self.screen = TensorScreen(references)
         # What every externalized tensor gains first: data_location=EXTERNAL and its location entry.
         self.external_location = (_key(TENSOR_DATA_LOCATION, VARINT) + encode_varint(DATA_LOCATION_EXTERNAL)
                                   + encode_string_entry(TENSOR_EXTERNAL_DATA, "location", location))
@@ -661,19 +676,13 @@ class _Externalizer:
             elif f.number == TENSOR_DATA_TYPE and f.wire_type == VARINT:
                 data_type = f.value
             elif f.number == TENSOR_DIMS:
-                if f.wire_type == VARINT:
-                    dims.append(_signed64(f.value))
-                elif f.wire_type == LEN:  # packed repeated int64
-                    p = f.payload_start
-                    while p < f.end:
-                        v, p = self.r.varint(p, f.end)
-                        dims.append(_signed64(v))
+                read_dims(self.r, f, dims)
             elif f.number == TENSOR_DATA_LOCATION and f.wire_type == VARINT:
                 external = f.value == DATA_LOCATION_EXTERNAL
                 if f.value > DATA_LOCATION_EXTERNAL:
                     self.screen.unconfirmed += 1  # not a DataLocation: the loader judges what protobuf kept
         if external:
-            self.screen.external += 1
+            self.screen.external_tensor(self.buf, start, end)
             return None
         length = raws[-1].value if raws else 0
         if length <= self.inline_max_bytes:
@@ -701,8 +710,19 @@ def _signed64(v: int) -> int:
     return v - (1 << 64) if v >= (1 << 63) else v
 
 
+def read_dims(r: WireReader, f: Field, dims: list[int]) -> None:
+    """Append the dims of a TensorProto's field 1, one varint or a packed run, as signed int64."""
+    if f.wire_type == VARINT:
+        dims.append(_signed64(f.value))
+    elif f.wire_type == LEN:  # packed repeated int64
+        p = f.payload_start
+        while p < f.end:
+            v, p = r.varint(p, f.end)
+            dims.append(_signed64(v))
+
+
 def externalize_embedded(buf, *, file: str, location: str, inline_max_bytes: int = 1023,
-                         stop_outside_main: bool = False) -> ExternalizeResult:
+                         stop_outside_main: bool = False, references: Optional[Any] = None) -> ExternalizeResult:
     """Rewrite the ModelProto in ``buf`` so every embedded raw_data above ``inline_max_bytes`` becomes
     an external-data reference (``location``, absolute offset in ``buf``, length).
 
@@ -711,9 +731,10 @@ def externalize_embedded(buf, *, file: str, location: str, inline_max_bytes: int
     ``stop_outside_main``: stop at the first such raw_data outside the main graph (the result says
     ``stopped``), for a caller whose decision that one settles: the hook, given the caller's options,
     leaves such a model to ORT, and stopping at the first of silero-vad's ``If`` branch weights walks
-    10 of its 1278 messages.
+    10 of its 1278 messages. ``references``: given every tensor marked EXTERNAL the walk meets
+    (:class:`ortmem.onnxfile.references.ExternalReferences`).
     """
-    ex = _Externalizer(buf, file, location, inline_max_bytes, stop_outside_main)
+    ex = _Externalizer(buf, file, location, inline_max_bytes, stop_outside_main, references)
     try:
         skeleton = ex.model(0, len(buf))
     except _OutsideMainGraph:

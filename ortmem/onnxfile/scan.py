@@ -120,8 +120,10 @@ class FileFacts:
     #: (pointing back into the file), or None when there was none.
     skeleton: Optional[bytes]
     embedded_bytes: int
-    #: Tensors already external, or inline tensors the walk's screen could not confirm: the loader
-    #: checks those (and names the tensor at fault), so such a model goes the loader's way.
+    #: External references the walk could not confirm, or inline tensors its screen could not: the
+    #: loader checks those (and names the tensor at fault), so such a model goes the loader's way.
+    #: Confirmed references (:mod:`ortmem.onnxfile.references`) leave only :attr:`external_ends`
+    #: to check at each start.
     needs_loader: bool
     #: A DequantizeLinear ortmem may convert (:func:`ortmem.onnxfile.convertible.may_convert`; False is certain).
     convertible: bool
@@ -143,6 +145,15 @@ class FileFacts:
     #: ``ortmem prepare`` made a store entry for this file (a handoff record says so,
     #: :func:`ortmem.store.handoff_records.mark_prepared`): the session path serves it from the store.
     prepared: bool = False
+    #: Bytes of the confirmed external references (weights ORT maps from other files).
+    external_bytes: int = 0
+    #: (location, end of the furthest span) of each data file the confirmed references read.
+    external_ends: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def weight_bytes(self) -> int:
+        """The weights ORT maps: embedded above the inline limit, and external."""
+        return self.embedded_bytes + self.external_bytes
 
 
 @record
@@ -174,12 +185,15 @@ def read_facts(path: Path, *, stop_outside_main_graph: bool = False) -> FileFact
     the two modules cost it 1.7 ms of a start held to 20 ms over a plain run (docs/hook.md)."""
     from ortmem.onnxfile.convertible import may_convert
     from ortmem.onnxfile.protowire import LEN, MODEL_GRAPH, FileBytes, WireReader, externalize_embedded
+    from ortmem.onnxfile.references import ExternalReferences
 
+    references = ExternalReferences(str(path))
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         stop = stop_outside_main_graph and size <= STOPPED_SEARCH_MAX_BYTES
         result = externalize_embedded(FileBytes(f.fileno(), size), file=str(path), location=path.name,
-                                      inline_max_bytes=INLINE_MAX_BYTES, stop_outside_main=stop)
+                                      inline_max_bytes=INLINE_MAX_BYTES, stop_outside_main=stop,
+                                      references=references)
         needles = (DEQUANTIZE, RECOMPUTE_METADATA.encode()) + ((EXTERNAL_LOCATION,) if result.stopped else ())
         found = _found_in(result.skeleton, needles) if result.changed else _found_in_file(f.fileno(), size, needles)
         top = result.skeleton if result.changed else FileBytes(f.fileno(), size)
@@ -187,25 +201,35 @@ def read_facts(path: Path, *, stop_outside_main_graph: bool = False) -> FileFact
                         for t in WireReader(top, str(path)).fields(0, len(top)))
         convertible = DEQUANTIZE in found and may_convert(top, str(path))
     screen = result.screen
+    confirmed = references.confirmed and not result.stopped
     return FileFacts(
         skeleton=result.skeleton,
         embedded_bytes=sum(s.length for s in result.spans),
-        needs_loader=EXTERNAL_LOCATION in found or bool(screen.external or screen.unconfirmed),
+        needs_loader=EXTERNAL_LOCATION in found or bool(screen.unconfirmed) or (screen.external > 0 and not confirmed),
         convertible=convertible,
         recompute=RECOMPUTE_METADATA.encode() in found,
         main_graph_only=result.outside_main == 0,
         has_graph=has_graph,
         stopped=result.stopped,
+        external_bytes=references.bytes if confirmed else 0,
+        external_ends=tuple(sorted(references.ends.items())) if confirmed else (),
     )
 
 
-def needs_session_path(facts: FileFacts, converting: bool) -> bool:
-    """Whether a model file needs ortmem's loader or conversion: DequantizeLinear to convert, recompute
-    metadata, external data (or inline tensors) the loader must check, no graph at all (the loader
-    names that fault), or an entry ``ortmem prepare`` made for it (the store serves it). A model that
+def needs_session_path(path: Path, facts: FileFacts, converting: bool) -> bool:
+    """Whether the model file ``path`` needs ortmem's loader or conversion: DequantizeLinear to convert,
+    recompute metadata, references (or inline tensors) the loader must check, data files that do not
+    hold what the references read (the loader names the fault), no graph at all (the loader names
+    that fault too), or an entry ``ortmem prepare`` made for it (the store serves it). A model that
     needs none of it is handed to ORT by :func:`plain_handoff`, with no onnx import."""
-    return (facts.needs_loader or facts.recompute or (facts.convertible and converting) or not facts.has_graph
-            or facts.prepared)
+    if (facts.needs_loader or facts.recompute or (facts.convertible and converting) or not facts.has_graph
+            or facts.prepared):
+        return True
+    if not facts.external_ends:
+        return False
+    from ortmem.onnxfile.references import references_present
+
+    return not references_present(path, facts.external_ends)
 
 
 def plain_handoff(path: Path, facts: FileFacts) -> Optional[PlainHandoff]:
@@ -216,6 +240,8 @@ def plain_handoff(path: Path, facts: FileFacts) -> Optional[PlainHandoff]:
     when the session path must decide: weights inside subgraphs, or no hard link possible."""
     if not facts.main_graph_only:  # first: a walk that stopped there made no skeleton
         return None
+    if facts.embedded_bytes and facts.external_ends:
+        return None  # a skeleton beside a link to this file alone would lose the other data files
     if facts.skeleton_file is not None:
         return PlainHandoff(facts.skeleton_file, "mapped")
     if not facts.embedded_bytes:
@@ -227,23 +253,28 @@ def plain_handoff(path: Path, facts: FileFacts) -> Optional[PlainHandoff]:
 
 
 def dequantize_facts(path: Path) -> Optional[FileFacts]:
-    """The walk's facts of a file whose bytes mention DequantizeLinear (:func:`read_facts`: whether one
-    of them may convert is :attr:`FileFacts.convertible`); None for a file that does not mention it
-    (nothing in it converts, and the search that says so is cheaper than the walk)."""
-    return read_facts(path) if file_mentions(path, DEQUANTIZE) else None
+    """The walk's facts of a file that may mention DequantizeLinear (:func:`read_facts`: whether one of
+    them may convert is :attr:`FileFacts.convertible`); None for a file whose bytes do not mention it
+    (:func:`may_mention`: nothing in it converts)."""
+    return read_facts(path) if may_mention(path, DEQUANTIZE) else None
 
 
 def convertible_file(path: Path) -> bool:
-    """Whether a model file may hold a DequantizeLinear ortmem converts (False is certain): none in a
-    file of at most :data:`STOPPED_SEARCH_MAX_BYTES` whose bytes lack the op's name (a search at C
-    speed), else the walk's answer (:attr:`FileFacts.convertible`), which skips the weight bytes a
-    search would read (a 1 GB embedded fp32 model is about 0.2 s of reads). A file the walk finds
-    malformed may hold one: the loader names its fault."""
+    """Whether a model file may hold a DequantizeLinear ortmem converts (False is certain): the walk's
+    answer (:attr:`FileFacts.convertible`) where :func:`may_mention` finds the op's name. A file the
+    walk finds malformed may hold one: the loader names its fault."""
     try:
-        facts = dequantize_facts(path) if path.stat().st_size <= STOPPED_SEARCH_MAX_BYTES else read_facts(path)
+        facts = dequantize_facts(path)
     except CorruptModelError:
         return True
     return facts is not None and facts.convertible
+
+
+def may_mention(path: Path, needle: bytes) -> bool:
+    """:func:`file_mentions` in a file of at most :data:`STOPPED_SEARCH_MAX_BYTES` (a search at C
+    speed); True, unsearched, in a larger one, whose walk skips the weight bytes a search would read
+    (a 1 GB embedded fp32 model is about 0.2 s of reads): the caller walks it."""
+    return path.stat().st_size > STOPPED_SEARCH_MAX_BYTES or file_mentions(path, needle)
 
 
 def file_mentions(path: Path, needle: bytes) -> bool:

@@ -81,13 +81,15 @@ class Published:
     records: list[tuple[str, int, str]]
 
 
-def converted_on_a_miss(path: Path, request: Request) -> Union[Handoff, Start]:
+def converted_on_a_miss(path: Path, request: Request, *, convertible: Optional[bool] = None) -> Union[Handoff, Start]:
     """A model file the store has no entry for: converted in a helper process when that is worth it
     (see the module docstring), else loaded here and converted or handed over as given
     (:func:`ortmem.session.cold_start.converted_or_as_is`). A file whose structure holds nothing
-    ortmem converts (:func:`ortmem.onnxfile.scan.convertible_file`) is loaded and handed over
-    without a plan or a helper."""
-    if request.converting and path.is_file() and not convertible_file(path):
+    ortmem converts (:func:`ortmem.onnxfile.scan.convertible_file`, unless the caller found out
+    already: ``convertible``) is loaded and handed over without a plan or a helper."""
+    if convertible is None and request.converting and path.is_file():
+        convertible = convertible_file(path)
+    if request.converting and convertible is False:
         request = request._replace(converting=False)
     model_bytes = _worth_a_helper(path, request)
     if model_bytes:

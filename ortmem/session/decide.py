@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 from ortmem.onnxfile import DEQUANTIZE
-from ortmem.onnxfile.scan import (FOLDER_KEY, FileFacts, dequantize_facts, file_mentions, min_finished_bytes,
+from ortmem.onnxfile.scan import (FOLDER_KEY, FileFacts, dequantize_facts, may_mention, min_finished_bytes,
                                   needs_session_path, plain_handoff, read_facts)
 from ortmem.base.child_env import store_folder
 from ortmem.base.options import get_config, scoped_config
@@ -65,7 +65,7 @@ class BytesHandoff:
     without importing the handoff or the store; :meth:`handoff` makes the equal ``Handoff`` when
     more is asked (``ortmem_handoff``, a retry on the fallback)."""
 
-    __slots__ = ("model", "action", "tempdirs", "fallback")
+    __slots__ = ("model", "action", "tempdirs", "fallback", "weight_bytes")
     #: Nothing is left for after the first run, and no recompute setting is replayed (the bytes
     #: decide only a file that records none).
     later = None
@@ -73,8 +73,11 @@ class BytesHandoff:
     report = None
     cache_hit = False
 
-    def __init__(self, model: str, action: str, tempdirs: tuple[Path, ...] = (), fallback: Optional[str] = None):
+    def __init__(self, model: str, action: str, tempdirs: tuple[Path, ...] = (), fallback: Optional[str] = None,
+                 weight_bytes: int = 0):
         self.model, self.action, self.tempdirs, self.fallback = model, action, tempdirs, fallback
+        #: The weights ORT maps (:attr:`ortmem.onnxfile.scan.FileFacts.weight_bytes`; 0 where not walked).
+        self.weight_bytes = weight_bytes
 
     def handoff(self) -> Handoff:
         """The :class:`~ortmem.session.handoff.Handoff` :func:`prepare` makes of the same decision."""
@@ -168,7 +171,7 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
     if small:
         # Only `ortmem prepare` makes an entry for a small file with nothing to convert, and its
         # handoff record says so: the store is asked for no other
-        plain = _plain(path, request, settled=False)
+        plain, _ = _plain(path, request, settled=False)
         if plain is not None:
             return plain
     verdict = Start(Decision.MISS)
@@ -177,18 +180,20 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
                         converting=request.converting, prepacked=request.prepacked, packing=request.packing)
     if verdict.path is not None:  # a warm start: nothing to parse but the entry, which ORT reads itself
         return _from_verdict(verdict)
-    if small and verdict.kind is Decision.MISS:
-        # a prepared entry for other settings, or one pruned since: the file as the bytes decide
-        plain = _plain(path, request, settled=False, store_missed=True)
+    convertible = None
+    if verdict.kind is Decision.MISS:
+        # nothing in the store (or a prepared entry for other settings, or one pruned since): a file
+        # with nothing to convert or to check goes as its bytes decide, its finished entry built later
+        plain, convertible = _plain(path, request, settled=False, store_missed=True, later=verdict.later)
         if plain is not None:
             return plain
     if verdict.kind is Decision.UNCONVERTED:
-        plain = _plain(path, request, settled=True)
+        plain, _ = _plain(path, request, settled=True)
         if plain is not None:
             return plain
     from ortmem.session.cold_start_child import converted_on_a_miss
 
-    handoff = _from_verdict(converted_on_a_miss(path, request))
+    handoff = _from_verdict(converted_on_a_miss(path, request, convertible=convertible))
     if FOLDER_KEY in handoff.config and handoff.memory is None and request.sess_options is not None:
         # Only the caller's options could carry the folder entry, and ortmem leaves them alone.
         handoff.after_create()
@@ -203,20 +208,30 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
     return handoff
 
 
-def _plain(path: Path, request: Request, *, settled: bool, store_missed: bool = False) -> Optional[Handoff]:
+def _plain(path: Path, request: Request, *, settled: bool, store_missed: bool = False,
+           later: Optional[Any] = None) -> tuple[Optional[Handoff], Optional[bool]]:
     """The handoff of a model file that needs nothing of the loader or the conversion, decided from its
-    bytes (:func:`_bytes_decision`, as the hook's light route decides); None sends the model the
-    loader's way."""
+    bytes (:func:`_bytes_decision`, as the hook's light route decides), or None, which sends the model
+    the loader's way; with whether the file may hold a DequantizeLinear ortmem converts, where that
+    was found on the way (None: not asked), so the caller does not look again. ``later``: the store's
+    work for after the first run (its finished entry), kept where the weights ORT maps reach
+    :func:`ortmem.onnxfile.scan.min_finished_bytes`."""
     if not path.is_file():
-        return None
-    found = _records_and_facts(path, request.cache.root if request.cache is not None else None,
-                               converting=request.converting and not settled)
+        return None, None
+    asked = request.converting and not settled
+    found = _records_and_facts(path, request.cache.root if request.cache is not None else None, converting=asked)
     if found is None:
-        return None
+        return None, True
     records, recorded = found
+    convertible = (recorded is not None and recorded.convertible) if asked else None
     decided = _bytes_decision(path, request.converting, records, settled=settled, store_missed=store_missed,
                               recorded=recorded)
-    return decided.handoff() if decided is not None else None
+    if decided is None:
+        return None, convertible
+    handoff = decided.handoff()
+    if later is not None and decided.weight_bytes >= min_finished_bytes():
+        return handoff._replace(later=later), convertible
+    return handoff, convertible
 
 
 def _records_and_facts(path: Path, store: Optional[Path], *,
@@ -243,7 +258,7 @@ def _records_and_facts(path: Path, store: Optional[Path], *,
         if records is not None:
             from ortmem.store.handoff_records import facts_of
 
-            recorded = facts_of(path, records) if file_mentions(path, DEQUANTIZE) else None
+            recorded = facts_of(path, records) if may_mention(path, DEQUANTIZE) else None
         else:
             recorded = dequantize_facts(path)
     if converting and recorded is not None and recorded.convertible:
@@ -279,15 +294,18 @@ def _bytes_decision(path: Path, converting: bool, records: Optional[Path], *, se
         facts = facts._replace(prepared=False)
     if settled and not facts.embedded_bytes and not facts.recompute and facts.has_graph:
         return BytesHandoff(str(path), "as-is")  # external data ORT maps itself, as plain ORT does
-    if needs_session_path(facts, converting and not settled):
+    if needs_session_path(path, facts, converting and not settled):
         return None
+    if not settled and not store_missed and facts.external_bytes and facts.weight_bytes >= min_finished_bytes():
+        return None  # a small file whose external weights are worth a finished entry: the store is asked
     plain = plain_handoff(path, facts)
     if plain is None:
         return None
     if plain.action == "as-is":  # the scan's own word (onnxfile sits below the store)
-        return BytesHandoff(str(plain.model), "as-is")
+        return BytesHandoff(str(plain.model), "as-is", weight_bytes=facts.weight_bytes)
     # ORT refusing the skeleton gets the file itself (its own error, or the model as given, one warning)
-    return BytesHandoff(str(plain.model), "mapped", (plain.workdir,) if plain.workdir is not None else (), str(path))
+    return BytesHandoff(str(plain.model), "mapped", (plain.workdir,) if plain.workdir is not None else (), str(path),
+                        facts.weight_bytes)
 
 
 def _spill(write: Callable, request: Request) -> Handoff:

@@ -55,7 +55,7 @@ from ortmem.files.trust import (RACY_SECONDS, TMP_PREFIX, cache_file_problem, ma
 #: The records' folder inside the store's (a "." name: the store's listing and pruning skip it).
 FOLDER = ".handover"
 #: Bumped whenever the walk's facts or the skeleton for the same file would differ.
-RECORD_FORMAT = 2
+RECORD_FORMAT = 3
 #: A record's description of itself.
 FACTS_FILE = "facts"
 #: Present in a record when ``ortmem prepare`` made a store entry for its file (:func:`mark_prepared`).
@@ -122,10 +122,30 @@ def recorded_facts(folder: Path, path: Path, st: os.stat_result, *,
             return None
     try:
         embedded = int(fields.get("embedded_bytes", ""))
+        external = int(fields.get("external_bytes", ""))
+        ends = _ends_from(fields.get("external_ends", ""))
     except ValueError:
         return None
     prepared = _marked(where)
-    return FileFacts(skeleton=None, embedded_bytes=embedded, skeleton_file=skeleton_file, prepared=prepared, **flags)
+    return FileFacts(skeleton=None, embedded_bytes=embedded, skeleton_file=skeleton_file, prepared=prepared,
+                     external_bytes=external, external_ends=ends, **flags)
+
+
+def _ends_text(ends: tuple[tuple[str, int], ...]) -> str:
+    """``FileFacts.external_ends`` on one line: each location's UTF-8 bytes in hex, a colon, its end
+    (a location may hold any character a line could not)."""
+    return ",".join(f"{location.encode().hex()}:{end}" for location, end in ends) or "-"
+
+
+def _ends_from(text: str) -> tuple[tuple[str, int], ...]:
+    """:func:`_ends_text` read back; ValueError for a damaged field."""
+    if text == "-":
+        return ()
+    ends = []
+    for item in text.split(","):
+        location, end = item.split(":")
+        ends.append((bytes.fromhex(location).decode(), int(end)))
+    return tuple(ends)
 
 
 def _marked(where: Path) -> bool:
@@ -150,7 +170,7 @@ def mark_prepared(folder: Optional[Path], path: Path) -> bool:
         return False
     try:
         facts = facts_of(path, folder)
-        if needs_session_path(facts, converting=True):
+        if needs_session_path(path, facts, converting=True):
             return True  # marked before, or the session path takes it anyway
         where = folder / _key(path, os.stat(path))
         if not (where / FACTS_FILE).is_file():
@@ -210,7 +230,8 @@ def _facts_fields(path: Path, st: os.stat_result, facts: FileFacts, pair: bool) 
     """A record's ``facts`` fields for ``facts`` walked from ``path`` as ``st`` describes it."""
     return {"format": str(RECORD_FORMAT), "path": os.path.abspath(path),
             **{k: str(getattr(st, f"st_{k}")) for k in _IDENTITY}, "ctime_ns": str(st.st_ctime_ns),
-            "embedded_bytes": str(facts.embedded_bytes),
+            "embedded_bytes": str(facts.embedded_bytes), "external_bytes": str(facts.external_bytes),
+            "external_ends": _ends_text(facts.external_ends),
             **{k: "1" if getattr(facts, k) else "0" for k in _FLAGS},
             "skeleton": short_hash(facts.skeleton) if pair else "-"}
 

@@ -35,13 +35,13 @@ def test_weights_in_subgraphs_are_found_with_or_without_stopping(subgraph_file: 
     assert not stopped.main_graph_only and stopped.skeleton is None  # no skeleton: the walk stopped
     assert stopped.embedded_bytes < whole.embedded_bytes
     for facts in (whole, stopped):
-        assert not needs_session_path(facts, converting=True)
+        assert not needs_session_path(subgraph_file, facts, converting=True)
         assert plain_handoff(subgraph_file, facts) is None  # the session path decides, never "as-is"
 
 
 def test_a_stopped_walk_still_sends_external_data_to_the_loader(tmp_path: Path):
-    """A tensor with external data after the first subgraph weight: the walk never reached it, the
-    search of the file finds its location entry."""
+    """A tensor with external data after the first subgraph weight: a stopped walk never reached it,
+    the search of the file finds its location entry; the whole walk checks it."""
     model = subgraph_model(np.random.default_rng(0))
     w = numpy_helper.from_array(np.ones((64, 64), np.float32), "W_ext")
     (tmp_path / "weights.bin").write_bytes(w.raw_data)
@@ -51,7 +51,8 @@ def test_a_stopped_walk_still_sends_external_data_to_the_loader(tmp_path: Path):
     model.graph.initializer.append(w)  # after every node: the walk reaches it last
     path = tmp_path / "model.onnx"
     onnx.save_model(model, path)
-    assert read_facts(path).needs_loader
+    whole = read_facts(path)
+    assert not whole.needs_loader and whole.external_ends == (("weights.bin", 64 * 64 * 4),)
     assert read_facts(path, stop_outside_main_graph=True).needs_loader
 
 
@@ -100,7 +101,7 @@ def test_the_hook_and_the_loader_agree_on_what_stays_inline_at_the_limit(tmp_pat
     moves = nbytes > INLINE_MAX_BYTES
 
     facts = read_facts(path)
-    assert facts.embedded_bytes == (nbytes if moves else 0) and not needs_session_path(facts, converting=True)
+    assert facts.embedded_bytes == (nbytes if moves else 0) and not needs_session_path(path, facts, converting=True)
     by_bytes = plain_handoff(path, facts)
     assert by_bytes is not None and by_bytes.action == ("mapped" if moves else "as-is")
     with load(path) as model:

@@ -20,6 +20,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ortmem
+from ortmem.errors import OrtmemError
 from ortmem.onnxfile import scan
 from ortmem.store import finisher, finished, finished_entries
 from ortmem.cli import main as cli_main
@@ -390,7 +391,8 @@ def test_a_settled_model_with_external_data_goes_to_ort_unloaded(tmp_path, any_s
     """A model whose finished entry is a marker (ORT makes and packs nothing of it) was loaded once, converted
     nothing, and its files are unchanged: later starts give ORT the file as it is, without the loader
     or onnx (the store's ``"unconverted"`` verdict), in a fresh process, with plain ORT's outputs. An
-    edit of its external data undoes that: the loader checks the files again."""
+    edit of its external data undoes that: its references are checked again (from the file's bytes,
+    and a data file cut short is refused)."""
     folder = tmp_path / "model"
     folder.mkdir()
     model = elementwise(folder / "scale.onnx", external=False)
@@ -414,5 +416,9 @@ def test_a_settled_model_with_external_data_goes_to_ort_unloaded(tmp_path, any_s
     raw[0] ^= 1
     data.write_bytes(bytes(raw))  # same size, new content: the marker's sources check fails
     edited = ortmem.InferenceSession(model, providers=CPU, cache=cache)
-    assert edited.ortmem_action == "as-is" and edited.ortmem_handoff.source is not None  # loaded again
+    assert edited.ortmem_action == "as-is"
     assert np.array_equal(edited.run(None, feeds)[0], run_plain(model, feeds)[0])
+    del edited
+    data.write_bytes(bytes(raw[:-1]))
+    with pytest.raises(OrtmemError, match="past the end"):
+        ortmem.InferenceSession(model, providers=CPU, cache=cache)

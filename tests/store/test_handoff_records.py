@@ -219,13 +219,15 @@ def test_a_model_with_something_to_convert_is_recorded_as_such(tmp_path: Path, f
 
 
 def test_a_model_with_external_data_is_walked_once(tmp_path: Path, folder: Path, walks: list[Path]):
-    """Its external data sends it the session path's way on every start (the loader checks it, or the
-    store serves its entry without reading it): the walk that found so is recorded, not repeated."""
+    """The walk checks its references and keeps what each start checks again (the data files and how
+    far into each): recorded, not repeated."""
     path = _settled(save(matmul_chain(np.random.default_rng(4), [64, 256, 8]), tmp_path / "x" / "model.onnx",
                          external=True))
     first = facts_of(path, folder)
     again = facts_of(path, folder)
-    assert first.needs_loader and again.needs_loader and again.skeleton_file is None
+    assert not first.needs_loader and again == first and again.skeleton_file is None
+    assert again.external_ends == (("model.onnx.data", (path.parent / "model.onnx.data").stat().st_size),)
+    assert again.external_bytes == (64 * 256 + 256 * 8) * 4
     assert walks == [path]
     assert [name for name in os.listdir(folder) if not name.startswith(".")]
 
@@ -370,13 +372,13 @@ def test_a_start_of_a_file_with_a_record_searches_none_of_its_bytes(tmp_path: Pa
     first = {p: ortmem.InferenceSession(str(p), providers=["CPUExecutionProvider"]).ortmem_action
              for p in (plain, prepared)}
     searched: list[Path] = []
-    real_search = decide.file_mentions
+    real_search = decide.may_mention
 
     def counted(path: Path, needle: bytes) -> bool:
         searched.append(Path(path))
         return real_search(path, needle)
 
-    monkeypatch.setattr(decide, "file_mentions", counted)
+    monkeypatch.setattr(decide, "may_mention", counted)
     walks.clear()
     for path in (plain, prepared):
         session = ortmem.InferenceSession(str(path), providers=["CPUExecutionProvider"])
