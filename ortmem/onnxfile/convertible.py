@@ -56,26 +56,44 @@ def may_convert(buf, file: str) -> bool:
         return True
 
 
-#: An enclosing graph's initializer types by name (None: a sparse one, whose type is not read here).
-Scope = tuple[dict[bytes, Optional[int]], ...]
+class _Initializers:
+    """A graph's initializer types by name (None: a sparse one, whose type is not read here), read from
+    the wire only when a DequantizeLinear's weight is looked up (most graphs have none to look up)."""
+
+    def __init__(self, reader: WireReader):
+        self.reader = reader
+        self.fields: list[tuple[int, int, int]] = []  # (field number, start, end), in file order
+        self._types: Optional[dict[bytes, Optional[int]]] = None
+
+    def types(self) -> dict[bytes, Optional[int]]:
+        if self._types is None:
+            self._types = {}
+            for number, start, end in self.fields:  # a later one of the same name wins, as in the graph
+                if number == GRAPH_INITIALIZER:
+                    name, data_type = _tensor_name_and_type(self.reader, start, end)
+                    self._types[name] = data_type
+                else:
+                    self._types[_sparse_name(self.reader, start, end)] = None
+        return self._types
+
+
+#: The initializers of a graph and of the graphs around it, nearest first.
+Scope = tuple[_Initializers, ...]
 
 
 def _graph_may_convert(reader: WireReader, start: int, end: int, outer: Scope) -> bool:
     """One graph, then its subgraphs (each sees this graph's initializers, and those around it)."""
     nodes: list[tuple[bytes, bytes, list[bytes], list[bytes]]] = []
     subgraphs: list[tuple[int, int]] = []
-    types: dict[bytes, Optional[int]] = {}
+    initializers = _Initializers(reader)
     for f in reader.fields(start, end):
         if f.wire_type != LEN:
             continue
         if f.number == GRAPH_NODE:
             nodes.append(_node(reader, f.payload_start, f.end, subgraphs))
-        elif f.number == GRAPH_INITIALIZER:
-            name, data_type = _tensor_name_and_type(reader, f.payload_start, f.end)
-            types[name] = data_type
-        elif f.number == GRAPH_SPARSE_INITIALIZER:
-            types[_sparse_name(reader, f.payload_start, f.end)] = None
-    scope = (types, *outer)
+        elif f.number in (GRAPH_INITIALIZER, GRAPH_SPARSE_INITIALIZER):
+            initializers.fields.append((f.number, f.payload_start, f.end))
+    scope = (initializers, *outer)
     dq_weights: dict[bytes, list[bytes]] = {}
     for op, _, inputs, outputs in nodes:
         if op == DEQUANTIZE and outputs and outputs[0] and len(inputs) >= 2:
@@ -109,7 +127,8 @@ def _any_allowed(weights: Optional[list[bytes]], scope: Scope, allowed: frozense
 
 def _type_allowed(name: bytes, scope: Scope, allowed: frozenset[int]) -> bool:
     """False only for an initializer (the nearest of that name) of a known type outside ``allowed``."""
-    for types in scope:
+    for initializers in scope:
+        types = initializers.types()
         if name in types:
             data_type = types[name]
             return data_type is None or data_type in allowed

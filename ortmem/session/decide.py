@@ -140,7 +140,7 @@ def bytes_start(model: Any, sess_options: Optional[ort.SessionOptions], *, conve
         return None
     # Nothing to convert whatever the providers: ``convert`` stands for the request's ``converting``
     # (the walk finds DequantizeLinear only where the search does).
-    return _bytes_decision(path, convert, records, settled=False, recorded=recorded)
+    return _bytes_decision(path, convert, records, settled=False, recorded=recorded, finishable=root is not None)
 
 
 def _is_loaded_model(model: object) -> bool:
@@ -225,7 +225,7 @@ def _plain(path: Path, request: Request, *, settled: bool, store_missed: bool = 
     records, recorded = found
     convertible = (recorded is not None and recorded.convertible) if asked else None
     decided = _bytes_decision(path, request.converting, records, settled=settled, store_missed=store_missed,
-                              recorded=recorded)
+                              recorded=recorded, finishable=request.cache is not None and request.prepacked)
     if decided is None:
         return None, convertible
     handoff = decided.handoff()
@@ -241,12 +241,13 @@ def _records_and_facts(path: Path, store: Optional[Path], *,
     converts. Its record answers that where there is one, so a start of a file seen before reads none
     of its bytes; else a search of its bytes for the op's name (cheaper than the walk), and only where
     it is found, the walk (:func:`ortmem.onnxfile.convertible.may_convert`: most int8 QDQ models hold
-    none ortmem converts), recorded. The folder is None with no ``store``, or one not trusted."""
+    none ortmem converts), recorded (the folder is made first, so that the walk is kept). The folder is
+    None with no ``store``, or one not trusted."""
     records = recorded = None
     if store is not None:
-        from ortmem.store.handoff_records import FOLDER, recorded_facts, records_folder
+        from ortmem.store.handoff_records import recorded_facts, records_folder
 
-        records = records_folder(store) if (store / FOLDER).is_dir() else None
+        records = records_folder(store)
         if records is not None:
             try:
                 recorded = recorded_facts(records, path, os.stat(path))
@@ -263,13 +264,12 @@ def _records_and_facts(path: Path, store: Optional[Path], *,
             recorded = dequantize_facts(path)
     if converting and recorded is not None and recorded.convertible:
         return None
-    if records is None and store is not None:
-        records = records_folder(store)
     return records, recorded
 
 
 def _bytes_decision(path: Path, converting: bool, records: Optional[Path], *, settled: bool,
-                    store_missed: bool = False, recorded: Optional[FileFacts] = None) -> Optional[BytesHandoff]:
+                    store_missed: bool = False, recorded: Optional[FileFacts] = None,
+                    finishable: bool = False) -> Optional[BytesHandoff]:
     """What ORT gets for a model file that needs nothing of the loader or the conversion, decided from
     its bytes (:mod:`ortmem.onnxfile.scan`): the file, or its skeleton beside a hard link (``mapped``),
     and no onnx, loader or pass is imported, so ortmem costs nothing where it does nothing. Asked of a
@@ -281,7 +281,8 @@ def _bytes_decision(path: Path, converting: bool, records: Optional[Path], *, se
     walk's facts come from, and go to, the handoff records in ``records`` (None: walked, not
     recorded; ``recorded``: the record's facts the caller read already). A record's mark that ``ortmem
     prepare`` made an entry sends the model to the store, unless the store has just ``store_missed``
-    it. None sends the model the loader's way."""
+    it; so does a small file whose external weights are worth a finished entry, where the store may
+    hold one (``finishable``: a cache, pre-packing on). None sends the model the loader's way."""
     if recorded is not None:
         facts = recorded
     elif records is None:
@@ -296,7 +297,8 @@ def _bytes_decision(path: Path, converting: bool, records: Optional[Path], *, se
         return BytesHandoff(str(path), "as-is")  # external data ORT maps itself, as plain ORT does
     if needs_session_path(path, facts, converting and not settled):
         return None
-    if not settled and not store_missed and facts.external_bytes and facts.weight_bytes >= min_finished_bytes():
+    if (finishable and not settled and not store_missed and facts.external_bytes
+            and facts.weight_bytes >= min_finished_bytes()):
         return None  # a small file whose external weights are worth a finished entry: the store is asked
     plain = plain_handoff(path, facts)
     if plain is None:
