@@ -168,10 +168,11 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
         return Handoff(model=str(model), action=Decision.UNTOUCHED, reason=f"the caller's SessionOptions set {FOLDER_KEY}")
     path = Path(model)
     small = path.is_file() and path.stat().st_size < min_finished_bytes()
+    convertible = None
     if small:
         # Only `ortmem prepare` makes an entry for a small file with nothing to convert, and its
         # handoff record says so: the store is asked for no other
-        plain, _ = _plain(path, request, settled=False)
+        plain, convertible = _plain(path, request, settled=False)
         if plain is not None:
             return plain
     verdict = Start(Decision.MISS)
@@ -180,8 +181,7 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
                         converting=request.converting, prepacked=request.prepacked, packing=request.packing)
     if verdict.path is not None:  # a warm start: nothing to parse but the entry, which ORT reads itself
         return _from_verdict(verdict)
-    convertible = None
-    if verdict.kind is Decision.MISS:
+    if verdict.kind is Decision.MISS and not convertible:
         # nothing in the store (or a prepared entry for other settings, or one pruned since): a file
         # with nothing to convert or to check goes as its bytes decide, its finished entry built later
         plain, convertible = _plain(path, request, settled=False, store_missed=True, later=verdict.later)
@@ -241,13 +241,13 @@ def _records_and_facts(path: Path, store: Optional[Path], *,
     converts. Its record answers that where there is one, so a start of a file seen before reads none
     of its bytes; else a search of its bytes for the op's name (cheaper than the walk), and only where
     it is found, the walk (:func:`ortmem.onnxfile.convertible.may_convert`: most int8 QDQ models hold
-    none ortmem converts), recorded (the folder is made first, so that the walk is kept). The folder is
-    None with no ``store``, or one not trusted."""
-    records = recorded = None
+    none ortmem converts), recorded (in a folder made for it when there is none yet and nothing in the
+    file converts). The folder is None with no ``store``, or one not trusted."""
+    records = recorded = walked = None
     if store is not None:
-        from ortmem.store.handoff_records import recorded_facts, records_folder
+        from ortmem.store.handoff_records import FOLDER, recorded_facts, records_folder
 
-        records = records_folder(store)
+        records = records_folder(store) if (store / FOLDER).is_dir() else None
         if records is not None:
             try:
                 recorded = recorded_facts(records, path, os.stat(path))
@@ -261,9 +261,16 @@ def _records_and_facts(path: Path, store: Optional[Path], *,
 
             recorded = facts_of(path, records) if may_mention(path, DEQUANTIZE) else None
         else:
+            walked = os.stat(path)
             recorded = dequantize_facts(path)
     if converting and recorded is not None and recorded.convertible:
         return None
+    if records is None and store is not None:  # made for a file with nothing to convert (a start that converts makes none)
+        records = records_folder(store)
+        if records is not None and recorded is not None and walked is not None:
+            from ortmem.store.handoff_records import record
+
+            recorded = record(records, path, walked, recorded)  # the walk is kept: the next question reads it
     return records, recorded
 
 
