@@ -4,7 +4,7 @@
     python -m bench.int8_qdq DIR
     ORTMEM_CACHE_DIR=$(mktemp -d) ortmem bench DIR/chain/model.onnx -s ort -s ortmem -s ortmem-warm -n 7 --whole-process
     ORTMEM_CACHE_DIR=$(mktemp -d) ortmem bench DIR/chain-external/model.onnx -s ort -s ortmem -s ortmem-warm -n 7 --whole-process
-    ORTMEM_CACHE_DIR=$(mktemp -d) ortmem bench DIR/minilm-int8-qdq/model.onnx -s ort -s ortmem -n 7 --whole-process
+    ORTMEM_CACHE_DIR=$(mktemp -d) ortmem bench DIR/minilm-int8-qdq/model.onnx -s ort -s ortmem -n 11 --whole-process
 
 ``DIR/chain/model.onnx``: ``onnxruntime.quantization.quantize_static`` in QDQ format (int8 weights and
 activations) of a five-layer MatMul chain (256-1024-1024-1024-1024-256, random weights, 4 random
