@@ -45,7 +45,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -252,7 +251,7 @@ def test_the_background_finisher_does_not_pack_while_another_process_holds_the_c
     holder = LockHolder(cache, entry.key)
     finisher = None
     try:
-        finisher = subprocess.Popen([sys.executable, "-m", "ortmem.store.finisher", json.dumps(asdict(job))],
+        finisher = subprocess.Popen([sys.executable, "-m", "ortmem.store.finisher", job.as_json()],
                                   env=_child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         _until(lambda: finisher.poll() is not None, holder)
         assert _packed_or_packing(entry.path) == [], "the finisher packed while another process held the lock"

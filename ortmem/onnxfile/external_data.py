@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from ortmem.base.dtypes import byte_size, dtype_info
-from ortmem.errors import ExternalDataError, TensorShapeError, UnsafePathError
+from ortmem.errors import ExternalDataError, OrtmemError, TensorShapeError, UnsafePathError
 
 #: Location prefixes ORT reserves for in-memory addresses and refuses in user models.
 RESERVED_LOCATION_MARKERS = ("_ORT_MEM_ADDR_", "_ORT_NATIVE_ENDIAN_MEM_ADDR_")
@@ -127,3 +127,19 @@ def resolve_location(base_real: Path, location: str, *, tensor: str, model_file:
     if not target.is_file():
         raise ExternalDataError(f"external data file {location!r} not found", tensor=tensor, file=str(target))
     return target
+
+
+def references_present(path: Path, ends: tuple[tuple[str, int], ...]) -> bool:
+    """Whether every data file ``ends`` names (location, end of its furthest span) resolves inside
+    ``path``'s folder as ORT requires and holds its spans: the checks of a reference that depend on
+    files other than the model's own, made at each start (a record keeps ``ends``, and a data file
+    can change without the model file changing)."""
+    base_real = path.parent.resolve()
+    try:
+        for location, end in ends:
+            target = resolve_location(base_real, location, tensor="", model_file=str(path))
+            if os.stat(target).st_size < end:
+                return False
+    except (OrtmemError, OSError, ValueError, TypeError, RuntimeError, RecursionError):
+        return False
+    return True

@@ -6,14 +6,12 @@ to convert, nothing embedded to map) used to be loaded for those checks alone, i
 every first start and on every start of a model too small for a finished entry. The walk
 (:mod:`ortmem.onnxfile.protowire`) hands each external tensor it meets to :class:`ExternalReferences`,
 which applies the same rules to the tensor's wire fields and keeps what depends on other files: the
-data files read and how far into each. :func:`references_present` checks those against the folder
-at decision time. Nothing here raises: a reference it cannot read plainly or that fails a rule
+data files read and how far into each. :func:`ortmem.onnxfile.external_data.references_present`
+checks those against the folder at decision time. Nothing here raises: a reference it cannot read plainly or that fails a rule
 sends the model to the loader, which decides exactly and says why.
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Optional
 
 from ortmem.errors import OrtmemError
@@ -93,19 +91,3 @@ def _entry(r: WireReader, start: int, end: int) -> tuple[Optional[str], Optional
             else:
                 value = text
     return key, value
-
-
-def references_present(path: Path, ends: tuple[tuple[str, int], ...]) -> bool:
-    """Whether every data file ``ends`` names (location, end of its furthest span) resolves inside
-    ``path``'s folder as ORT requires and holds its spans: the checks of a reference that depend on
-    files other than the model's own, made at each start (a record keeps ``ends``, and a data file
-    can change without the model file changing)."""
-    base_real = path.parent.resolve()
-    try:
-        for location, end in ends:
-            target = resolve_location(base_real, location, tensor="", model_file=str(path))
-            if os.stat(target).st_size < end:
-                return False
-    except (OrtmemError, OSError, ValueError, TypeError, RuntimeError, RecursionError):
-        return False
-    return True

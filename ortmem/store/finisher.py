@@ -37,16 +37,17 @@ saves there costs less than starting a Python interpreter with onnxruntime.
 """
 from __future__ import annotations
 
+import _thread
 import json
-import logging
 import os
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Mapping, Optional
+
+from ortmem.base import logs
+from ortmem.base.records import record
 
 from ortmem.store.cache import (
     Cache,
@@ -63,7 +64,8 @@ from ortmem.files.trust import RACY_SECONDS
 from ortmem.store.finished import finished_for, finished_problem
 from ortmem.store.finished_entries import (build_finished, finish_converted, finished_stem, finishing_settings, lookup_finished, finished_key, settings_of_record)
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:  # imported when a job is started or waited for: a start that leaves one imports neither
+    import subprocess
 
 #: Converted weights (``weights.bin``) below which the first cache hit packs in its own process.
 #: A finisher process costs about 0.3 s of CPU and 60 MiB to start (Python, onnxruntime, onnx).
@@ -72,14 +74,15 @@ MIN_WEIGHT_BYTES = 32 * 1024 * 1024
 NICENESS = 10
 
 _started: list[subprocess.Popen] = []
-_lock = threading.Lock()
+#: ``threading.Lock`` without importing :mod:`threading` (its reaper thread imports it when a job starts).
+_lock = _thread.allocate_lock()
 
 
 def _forget_parents_finishers() -> None:
     """In a forked child: the parent's finishers are not this process's to count or wait for, and a
     lock some other thread of the parent held at the fork would never be released here."""
     global _lock
-    _lock = threading.Lock()
+    _lock = _thread.allocate_lock()
     _started.clear()
 
 
@@ -87,15 +90,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_parents_finishers)
 
 
-@dataclass
+@record
 class FinishLater:
     """Work left for after a session's first run (a start's ``later``): what the finisher needs to finish
-    one entry, where it is, and the options finishing depends on."""
+    one entry, where it is, and the options finishing depends on. A record, and this module imports
+    neither :mod:`subprocess`, :mod:`threading` nor :mod:`logging` until a job starts: every first
+    start that leaves one makes it during the session's creation."""
 
     cache_root: str
     key: str
     verify: str = "full"
-    config: dict[str, str] = field(default_factory=dict)
+    config: Mapping[str, str] = MappingProxyType({})
     intra_op_num_threads: int = 0
     #: In the finisher: the descriptor of the entry's creator lock, locked by the process that started it.
     lock_fd: Optional[int] = None
@@ -106,7 +111,7 @@ class FinishLater:
     #: disabled optimizers, conversion enabled: :func:`ortmem.store.finished_entries.settings_record`); a
     #: finished entry's key is checked against the source as it is when the finisher runs.
     source: str = ""
-    settings: dict = field(default_factory=dict)
+    settings: Mapping = MappingProxyType({})
 
     def done(self) -> bool:
         """Whether the work is already published (the finished entry, or a converted entry's finished model
@@ -128,6 +133,11 @@ class FinishLater:
         except OSError:
             return False
         return weights >= min_finished_bytes() and os.access(self.cache_root, os.W_OK)
+
+    def as_json(self, lock_fd: Optional[int] = None) -> str:
+        """The job as the finisher process reads it (:func:`main`), handed the lock ``lock_fd``."""
+        return json.dumps({**self._asdict(), "config": dict(self.config), "settings": dict(self.settings),
+                           "lock_fd": lock_fd})
 
     def finishing(self) -> OrtSettings:
         """The settings a converted entry is finished at."""
@@ -155,23 +165,27 @@ class FinishLater:
             else:
                 os.close(fd)  # the finisher's copy holds the lock now; it removes the file when done
         if proc is not None:
+            import threading
+
             with _lock:
                 _started.append(proc)  # a process starts one per cold start: kept for wait_background
             threading.Thread(target=proc.wait, name="ortmem-prepack-reaper", daemon=True).start()
-            log.info("ortmem: packing ORT's weights for %s in the background (pid %d)", self.key, proc.pid)
+            logs.info(__name__, "ortmem: packing ORT's weights for %s in the background (pid %d)", self.key, proc.pid)
         return proc
 
     def _spawn(self, lock_fd: int) -> Optional[subprocess.Popen]:
         """The finisher process, given ``lock_fd`` (the locked creator lock; -1: none) under the same number."""
+        import subprocess
+
         env = helper_environment()  # unhooked, this very ortmem; its job is the user's cache entry
         passed = (lock_fd,) if lock_fd >= 0 else ()
-        job = json.dumps({**asdict(self), "lock_fd": lock_fd if passed else None})
         try:
-            return subprocess.Popen([sys.executable, "-m", __name__, job], env=env, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
-                                    pass_fds=passed, start_new_session=True)
+            return subprocess.Popen([sys.executable, "-m", __name__, self.as_json(lock_fd if passed else None)],
+                                    env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, close_fds=True, pass_fds=passed,
+                                    start_new_session=True)
         except OSError as exc:
-            log.info("ortmem: could not start the background finisher (%s); the next start packs", exc)
+            logs.info(__name__, "ortmem: could not start the background finisher (%s); the next start packs", exc)
             return None
 
 
@@ -186,6 +200,10 @@ def wait_background(timeout: Optional[float] = None) -> bool:
     and tests that must not leave one running into the next measurement (users need not call it)."""
     with _lock:
         procs = list(_started)
+    if not procs:
+        return True
+    import subprocess
+
     for proc in procs:
         try:
             proc.wait(timeout)
@@ -206,7 +224,7 @@ def run(job: FinishLater) -> Optional[Path]:
         with cache.creating(job.key, timeout=0, inherited_fd=job.lock_fd):
             path = _build(cache, job) if job.kind == "finished" else _finish(cache, job)
     except LockBusyError as exc:
-        log.info("ortmem: not packing %s: another process is (%s)", job.key, exc)
+        logs.info(__name__, "ortmem: not packing %s: another process is (%s)", job.key, exc)
         return None
     if path is not None:
         cache.enforce_limit(keep=job.key)  # the entry just grew
@@ -252,7 +270,7 @@ def _build(cache: Cache, job: FinishLater) -> Optional[Path]:
     settings, converting = settings_of_record(job.settings)
     source = Path(job.source)
     if finished_key(source, settings, job.config, converting) != job.key:
-        log.info("ortmem: %s changed since its start; not finishing it under the old key", source)
+        logs.info(__name__, "ortmem: %s changed since its start; not finishing it under the old key", source)
         return None
     entry, _ = build_finished(cache, source, job.key, packing=job.config, threads=job.intra_op_num_threads,
                               settings=settings)
@@ -269,7 +287,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         run(FinishLater(**json.loads(args[0])))
     except Exception as exc:  # noqa: BLE001 - a failed finisher publishes nothing; the next start packs
-        log.warning("ortmem: background packing failed: %s", exc)
+        logs.warning(__name__, "ortmem: background packing failed: %s", exc)
         return 1
     return 0
 

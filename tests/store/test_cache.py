@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -152,7 +151,7 @@ def test_a_warm_start_never_waits_for_a_held_lock_and_finishes_nothing(model, tm
 
 def _finisher(job: finisher.FinishLater) -> subprocess.CompletedProcess:
     """The background finisher's own command, run to the end (no lock handed to it)."""
-    return subprocess.run([sys.executable, "-m", "ortmem.store.finisher", json.dumps(asdict(job))],
+    return subprocess.run([sys.executable, "-m", "ortmem.store.finisher", job.as_json()],
                           capture_output=True, text=True, timeout=120)
 
 
