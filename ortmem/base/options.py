@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from _thread import RLock  # threading's own RLock; the threading module costs a warm start 1.5 ms
 from contextlib import contextmanager
-from typing import Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import onnxruntime as ort
 
@@ -23,6 +23,18 @@ def get_config(options: ort.SessionOptions, key: str) -> Optional[str]:
         return options.get_session_config_entry(key)
     except (RuntimeError, ort.capi.onnxruntime_pybind11_state.Fail):  # absent keys raise
         return None
+
+
+def at_defaults(sess_options: Optional[ort.SessionOptions], providers: Optional[Sequence[Any]],
+                provider_options: Optional[Sequence[Any]], disabled_optimizers: Any, *, convert: bool,
+                prepacked: bool) -> bool:
+    """Whether a session's creation leaves ORT, and ortmem, at their defaults in everything ORT's
+    finished model depends on: no SessionOptions, no disabled optimizers, no provider options, ORT's
+    CPU EP alone (or no providers named), conversion and pre-packed weights on. What the store settles
+    for such a start holds for every such start of the same release
+    (:func:`ortmem.store.handoff_records.mark_as_given`)."""
+    return (sess_options is None and provider_options is None and not disabled_optimizers and convert and prepacked
+            and all(p == "CPUExecutionProvider" for p in providers or ()))
 
 
 @contextmanager

@@ -47,8 +47,9 @@ from ortmem.errors import OrtmemError
 from ortmem.base.child_env import ENV_OPTIONS, ENV_SWITCH, store_folder
 from ortmem.base.hygiene import trim as trim_heap
 from ortmem.base.logs import warning
-from ortmem.onnxfile.scan import FOLDER_KEY, min_finished_bytes, needs_session_path, plain_handoff
-from ortmem.base.options import get_config
+from ortmem.onnxfile.scan import (FOLDER_KEY, finished_entry_possible, for_call, min_finished_bytes,
+                                  needs_session_path, plain_handoff)
+from ortmem.base.options import at_defaults, get_config
 from ortmem.base.ort_class import ORT_SESSION
 from ortmem.ort.providers import FUSING_PROVIDERS, not_fusing, provider_names
 from ortmem.intercept.hook_options import HookOptions
@@ -289,7 +290,8 @@ def _light_route(model: Any, args: tuple, kwargs: dict, opts: HookOptions) -> Op
     """The session, made without importing ortmem's session path, for a model file that needs nothing
     of it (decided from the file's bytes, :mod:`ortmem.onnxfile.scan`); None when the model needs it:
     DequantizeLinear to convert, recompute metadata, external data or tensors the loader must check,
-    weights enough for a finished entry (the session path looks it up or builds it), caller options
+    weights enough for a finished entry (the session path looks it up or builds it; not where the file's
+    handoff record says the store settled it as given and the call is at ORT's defaults), caller options
     that set ortmem-relevant keys, or embedded weights that cannot be handed over by a hard link
     without a folder config entry.
 
@@ -305,21 +307,36 @@ def _light_route(model: Any, args: tuple, kwargs: dict, opts: HookOptions) -> Op
     if not isinstance(model, (str, os.PathLike)):
         return None
     path = Path(os.fspath(model))
-    if not path.is_file() or path.stat().st_size >= min_finished_bytes() and opts.cache is not False and opts.prepacked:
+    if not path.is_file():
         return None
+    finishable = opts.cache is not False and opts.prepacked
     sess_options = args[1] if len(args) > 1 else kwargs.get("sess_options")
+    defaults = at_defaults(sess_options, args[2] if len(args) > 2 else kwargs.get("providers"),
+                           args[3] if len(args) > 3 else kwargs.get("provider_options"),
+                           kwargs.get("disabled_optimizers"), convert=opts.convert, prepacked=opts.prepacked)
+    # A file large enough for a finished entry is the store's, unless its record says the store settled it as given.
+    large = finishable and path.stat().st_size >= min_finished_bytes()
+    if large and not defaults:
+        return None
     if sess_options is not None and any(get_config(sess_options, k) is not None for k in (FOLDER_KEY, *_QDQ_CONFIG_KEYS)):
         return None
     # With the caller's options, a weight outside the main graph settles it: the walk stops there.
     # Imported with the first model handed over here: `ortmem --help` and processes that create no
     # session never load the store.
-    from ortmem.store.handoff_records import facts_of, records_folder
+    from ortmem.store.handoff_records import as_given_facts, facts_of, records_folder
 
-    records = records_folder(store_folder(opts.cache)) if opts.cache is not False else None
-    facts = facts_of(path, records, stop_outside_main_graph=sess_options is not None)
+    if large:
+        settled = as_given_facts(store_folder(opts.cache), path)
+        if settled is None:
+            return None  # the session path looks its finished entry up, or builds it
+        facts = settled
+    else:
+        records = records_folder(store_folder(opts.cache)) if opts.cache is not False else None
+        facts = facts_of(path, records, stop_outside_main_graph=sess_options is not None)
+    facts = for_call(facts, defaults)
     if needs_session_path(path, facts, opts.convert):
         return None
-    if facts.weight_bytes >= min_finished_bytes() and opts.cache is not False and opts.prepacked:
+    if finished_entry_possible(facts, finishable):
         return None  # external weights enough for a finished entry: the session path looks it up or builds it
     if not facts.main_graph_only:
         if sess_options is None:

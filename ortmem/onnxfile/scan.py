@@ -149,6 +149,10 @@ class FileFacts:
     external_bytes: int = 0
     #: (location, end of the furthest span) of each data file the confirmed references read.
     external_ends: tuple[tuple[str, int], ...] = ()
+    #: The store settled, for the installed onnxruntime at ORT's defaults, that ORT's finished model of
+    #: this file gains nothing (a handoff record says so, :func:`ortmem.store.handoff_records.mark_as_given`);
+    #: it holds only for a start at those defaults (:func:`for_call`).
+    as_given: bool = False
 
     @property
     def weight_bytes(self) -> int:
@@ -227,9 +231,26 @@ def needs_session_path(path: Path, facts: FileFacts, converting: bool) -> bool:
         return True
     if not facts.external_ends:
         return False
-    from ortmem.onnxfile.references import references_present
+    from ortmem.onnxfile.external_data import references_present  # the walk's module (protowire) is not needed
 
     return not references_present(path, facts.external_ends)
+
+
+def for_call(facts: FileFacts, at_defaults: bool) -> FileFacts:
+    """``facts`` as a start reads them: where the store settled the file as given
+    (:attr:`FileFacts.as_given`) and the start is at ORT's defaults
+    (:func:`ortmem.base.options.at_defaults`), nothing sends it to the store (``prepared`` dropped, and
+    :func:`finished_entry_possible` says no); at other settings the store decides, as without the mark."""
+    if not facts.as_given:
+        return facts
+    return facts._replace(prepared=False) if at_defaults else facts._replace(as_given=False)
+
+
+def finished_entry_possible(facts: FileFacts, finishable: bool) -> bool:
+    """Whether the store may hold, or build after the first run, a finished entry of the file worth
+    asking for: weights ORT maps of at least :func:`min_finished_bytes`, where a cache and pre-packing
+    allow one (``finishable``), unless the store settled the file as given (:func:`for_call`)."""
+    return finishable and not facts.as_given and facts.weight_bytes >= min_finished_bytes()
 
 
 def plain_handoff(path: Path, facts: FileFacts) -> Optional[PlainHandoff]:

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 from ortmem.onnxfile import DEQUANTIZE
-from ortmem.onnxfile.scan import (FOLDER_KEY, FileFacts, dequantize_facts, may_mention, min_finished_bytes,
-                                  needs_session_path, plain_handoff, read_facts)
+from ortmem.onnxfile.scan import (FOLDER_KEY, FileFacts, dequantize_facts, finished_entry_possible, for_call,
+                                  may_mention, min_finished_bytes, needs_session_path, plain_handoff, read_facts)
 from ortmem.base.child_env import store_folder
 from ortmem.base.options import get_config, scoped_config
 
@@ -106,12 +106,14 @@ class BytesHandoff:
 
 
 def bytes_start(model: Any, sess_options: Optional[ort.SessionOptions], *, convert: bool, cache: Any,
-                verify: str) -> Optional[BytesHandoff]:
-    """What :func:`prepare` decides for a model file below the finished-entry threshold with nothing
-    to convert, decided from its bytes (:mod:`ortmem.onnxfile.scan`) before anything of the store,
-    the request or the handoff is imported: ORT gets the file, or its skeleton beside a hard link.
+                verify: str, at_defaults: bool = False) -> Optional[BytesHandoff]:
+    """What :func:`prepare` decides for a model file with nothing to convert, decided from its bytes
+    (:mod:`ortmem.onnxfile.scan`) before anything of the store, the request or the handoff is imported:
+    ORT gets the file, or its skeleton beside a hard link. For a file below the finished-entry
+    threshold; for a larger one only where its handoff record says the store settled it as given and
+    the start is at ORT's defaults (``at_defaults``, :func:`ortmem.base.options.at_defaults`; no walk).
     None where the model needs more (:func:`prepare` decides then, as for any model): not a path,
-    the caller's options naming the external-data folder, a file at or above the threshold,
+    the caller's options naming the external-data folder, a larger file without that record,
     DequantizeLinear to convert, facts :func:`_plain` would not hand over, a ``verify`` value the
     cache refuses, or a cache folder not there yet or one the store would not use (the request opens
     the cache then: it creates the folder, or warns once, :func:`ortmem.store.cache.open_cache`). The
@@ -123,7 +125,10 @@ def bytes_start(model: Any, sess_options: Optional[ort.SessionOptions], *, conve
     if sess_options is not None and get_config(sess_options, FOLDER_KEY):
         return None
     path = Path(model)
-    if not path.is_file() or path.stat().st_size >= min_finished_bytes():
+    if not path.is_file():
+        return None
+    large = path.stat().st_size >= min_finished_bytes()
+    if large and not (at_defaults and cache is not False):
         return None
     root = None
     if cache is not False:
@@ -132,6 +137,13 @@ def bytes_start(model: Any, sess_options: Optional[ort.SessionOptions], *, conve
         root = store_folder(cache)
         if verify not in VERIFY_MODES or not root.is_dir():
             return None  # the cache refuses the value, or creates its folder: the request opens it
+    if large:
+        from ortmem.store.handoff_records import as_given_facts
+
+        settled = as_given_facts(root, path)
+        if settled is None:
+            return None  # the store decides (it may hold, or build, the file's finished entry)
+        return _bytes_decision(path, convert, None, settled=False, recorded=settled, at_defaults=True)
     found = _records_and_facts(path, root, converting=convert)
     if found is None:
         return None  # converted, or not for the providers: the request says which (asked first, as ever)
@@ -140,7 +152,8 @@ def bytes_start(model: Any, sess_options: Optional[ort.SessionOptions], *, conve
         return None
     # Nothing to convert whatever the providers: ``convert`` stands for the request's ``converting``
     # (the walk finds DequantizeLinear only where the search does).
-    return _bytes_decision(path, convert, records, settled=False, recorded=recorded, finishable=root is not None)
+    return _bytes_decision(path, convert, records, settled=False, recorded=recorded, finishable=root is not None,
+                           at_defaults=at_defaults)
 
 
 def _is_loaded_model(model: object) -> bool:
@@ -190,6 +203,11 @@ def _from_path(model: Union[str, os.PathLike], request: Request) -> Handoff:
     if verdict.kind is Decision.UNCONVERTED:
         plain, _ = _plain(path, request, settled=True)
         if plain is not None:
+            if request.at_defaults and request.cache is not None:
+                from ortmem.store.handoff_records import mark_as_given, records_folder
+
+                # kept with the file's handoff record: the next such start needs no store
+                mark_as_given(records_folder(request.cache.root), path)
             return plain
     from ortmem.session.cold_start_child import converted_on_a_miss
 
@@ -225,7 +243,8 @@ def _plain(path: Path, request: Request, *, settled: bool, store_missed: bool = 
     records, recorded = found
     convertible = (recorded is not None and recorded.convertible) if asked else None
     decided = _bytes_decision(path, request.converting, records, settled=settled, store_missed=store_missed,
-                              recorded=recorded, finishable=request.cache is not None and request.prepacked)
+                              recorded=recorded, finishable=request.cache is not None and request.prepacked,
+                              at_defaults=request.at_defaults)
     if decided is None:
         return None, convertible
     handoff = decided.handoff()
@@ -276,7 +295,7 @@ def _records_and_facts(path: Path, store: Optional[Path], *,
 
 def _bytes_decision(path: Path, converting: bool, records: Optional[Path], *, settled: bool,
                     store_missed: bool = False, recorded: Optional[FileFacts] = None,
-                    finishable: bool = False) -> Optional[BytesHandoff]:
+                    finishable: bool = False, at_defaults: bool = False) -> Optional[BytesHandoff]:
     """What ORT gets for a model file that needs nothing of the loader or the conversion, decided from
     its bytes (:mod:`ortmem.onnxfile.scan`): the file, or its skeleton beside a hard link (``mapped``),
     and no onnx, loader or pass is imported, so ortmem costs nothing where it does nothing. Asked of a
@@ -289,7 +308,9 @@ def _bytes_decision(path: Path, converting: bool, records: Optional[Path], *, se
     recorded; ``recorded``: the record's facts the caller read already). A record's mark that ``ortmem
     prepare`` made an entry sends the model to the store, unless the store has just ``store_missed``
     it; so does a small file whose external weights are worth a finished entry, where the store may
-    hold one (``finishable``: a cache, pre-packing on). None sends the model the loader's way."""
+    hold one (``finishable``: a cache, pre-packing on); neither does where the record says the store
+    settled the file as given and the start is ``at_defaults`` (:func:`ortmem.onnxfile.scan.for_call`).
+    None sends the model the loader's way."""
     if recorded is not None:
         facts = recorded
     elif records is None:
@@ -298,14 +319,14 @@ def _bytes_decision(path: Path, converting: bool, records: Optional[Path], *, se
         from ortmem.store.handoff_records import facts_of
 
         facts = facts_of(path, records)
+    facts = for_call(facts, at_defaults)
     if store_missed:
         facts = facts._replace(prepared=False)
     if settled and not facts.embedded_bytes and not facts.recompute and facts.has_graph:
         return BytesHandoff(str(path), "as-is")  # external data ORT maps itself, as plain ORT does
     if needs_session_path(path, facts, converting and not settled):
         return None
-    if (finishable and not settled and not store_missed and facts.external_bytes
-            and facts.weight_bytes >= min_finished_bytes()):
+    if not settled and not store_missed and finished_entry_possible(facts, finishable):
         return None  # a small file whose external weights are worth a finished entry: the store is asked
     plain = plain_handoff(path, facts)
     if plain is None:

@@ -109,7 +109,7 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> str:
     from ortmem.ort.settings import session_settings
     from ortmem.onnxfile.scan import min_finished_bytes
     from ortmem.store.finished_entries import describe, ensure_finished, is_marker, finished_key
-    from ortmem.store.handoff_records import mark_prepared, records_folder
+    from ortmem.store.handoff_records import mark_as_given, mark_prepared, records_folder
     from ortmem.base.progress import progress_bar
 
     settings = session_settings(None)
@@ -137,6 +137,8 @@ def _prepare_file(path: Path, cache, say: Callable[[str], None]) -> str:
         return FAILED
     state = "built" if built else "already there"
     if is_marker(entry):
+        # prepared at ORT's defaults: starts at those defaults then hand the file over without asking the store
+        mark_as_given(records_folder(cache.root), path)
         say(f"{path}: nothing to prepare ({entry.manifest().get('why', 'onnxruntime packs nothing')}): sessions load "
             f"it as given (entry {entry.key}, {state}, records this)")
         return NOTHING

@@ -18,6 +18,7 @@ from ortmem.session.decide import BytesHandoff, ModelInput, bytes_start, prepare
 from ortmem.base.hygiene import allocator_hygiene
 from ortmem.base.hygiene import trim as release_free_heap
 from ortmem.base.logs import warning
+from ortmem.base.options import at_defaults
 from ortmem.base.ort_class import ORT_SESSION
 
 if TYPE_CHECKING:  # imported by a start whose model needs them (not one decided from the file's bytes)
@@ -91,14 +92,16 @@ class InferenceSession(ORT_SESSION):
         # A model file below the finished-entry threshold with nothing to convert is decided from its
         # bytes first (ortmem.onnxfile.scan): the request, the store and the handoff are imported only
         # for a model that needs them (a program whose models ORT gets as they are pays none of it).
-        plain = bytes_start(model, sess_options, convert=convert, cache=cache, verify=verify)
+        defaults = at_defaults(sess_options, providers, provider_options, kwargs.get("disabled_optimizers"),
+                               convert=convert, prepacked=prepacked)
+        plain = bytes_start(model, sess_options, convert=convert, cache=cache, verify=verify, at_defaults=defaults)
         request = None
         if plain is None:
             from ortmem.session.request import Request
 
             request = Request.for_session(sess_options, providers, convert=convert, cache=cache, prepacked=prepacked,
                                           verify=verify, progress=progress,
-                                          disabled_optimizers=kwargs.get("disabled_optimizers"))
+                                          disabled_optimizers=kwargs.get("disabled_optimizers"), at_defaults=defaults)
         with contextlib.ExitStack() as pinned:
             if trim:  # glibc would keep what a conversion here frees: pin its thresholds (ortmem.base.hygiene)
                 pinned.enter_context(allocator_hygiene())

@@ -48,11 +48,16 @@ class Request:
     packing: Packing = (MappingProxyType({}), 0)
     #: The caller's ``SessionOptions`` (never changed; the packing sessions copy its MLAS settings).
     sess_options: Optional[Any] = None
+    #: The call leaves ORT at its defaults in everything its finished model depends on
+    #: (:func:`ortmem.base.options.at_defaults`): the store's verdict that the file is best given as it
+    #: is then holds for every such start, and is kept with its handoff record.
+    at_defaults: bool = False
 
     @classmethod
     def for_session(cls, sess_options: Optional[Any], providers: Optional[Sequence[Any]], *, convert: bool = True,
                     cache: Union[bool, str, os.PathLike] = True, prepacked: bool = True, verify: str = "full",
-                    progress: Optional[Progress] = None, disabled_optimizers: Any = None) -> "Request":
+                    progress: Optional[Progress] = None, disabled_optimizers: Any = None,
+                    at_defaults: bool = False) -> "Request":
         """The request of an ``ortmem.InferenceSession(...)`` call (its arguments mean what they mean there)."""
         settings = session_settings(sess_options, disabled_optimizers=disabled_optimizers)
         names = session_provider_names(providers)
@@ -68,6 +73,7 @@ class Request:
                        and capabilities().prepacked_save),
             packing=(MappingProxyType(config or {}), threads),
             sess_options=sess_options,
+            at_defaults=at_defaults,
         )
 
 

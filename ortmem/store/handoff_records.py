@@ -33,6 +33,14 @@ also moves its ctime: the next start walks once more and, finding exactly what t
 rewrites the record's ctime in place, linking nothing (a new record's link would move the ctime
 again). Workers starting together: one that walked while another recorded takes the other's record.
 
+Two marks may sit beside a record's ``facts``, each a file that only ever sends a start elsewhere, and
+carried over when the record is replaced for the same file: ``prepared`` (``ortmem prepare`` made a store
+entry for the file: starts ask the store, :func:`mark_prepared`) and ``as-given-<onnxruntime version>``
+(the store settled that ORT's finished model of the file gains nothing on that release at ORT's
+defaults: starts with those defaults hand the file over from its bytes without asking the store,
+:func:`mark_as_given`). A mark read wrongly costs at most the store's lookup or a finished entry not
+built, never a different model: ORT always gets the user's own file.
+
 What removes them: ``ortmem cache clear`` (the folder is inside the store's), and every new record:
 before it is made, records whose file no longer has the identity in their key (deleted, replaced,
 edited) are removed, so a record's hard link never keeps a deleted model's bytes on disk for long.
@@ -47,7 +55,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import onnxruntime
+
 from ortmem import __version__
+from ortmem.errors import OrtmemError
 from ortmem.onnxfile.scan import FileFacts, needs_session_path, read_facts, skeleton_name
 from ortmem.base.hashing import short_hash
 from ortmem.files.trust import (RACY_SECONDS, TMP_PREFIX, cache_file_problem, make_private_dir, parent_untrusted_reason, read_nofollow, remove_aside, untrusted_reason, write_new)
@@ -60,6 +71,9 @@ RECORD_FORMAT = 3
 FACTS_FILE = "facts"
 #: Present in a record when ``ortmem prepare`` made a store entry for its file (:func:`mark_prepared`).
 PREPARED_FILE = "prepared"
+#: Followed by an onnxruntime version: present in a record when the store settled, for that release at
+#: ORT's defaults, that its finished model of the file gains nothing (:func:`mark_as_given`).
+AS_GIVEN_PREFIX = "as-given-"
 #: A folder left by a writer that died, removed by the next record made after this long.
 STALE_SECONDS = 86400.0
 #: A record made this recently is never replaced (its maker's ORT may be reading its skeleton): a
@@ -98,7 +112,7 @@ def facts_of(path: Path, folder: Optional[Path], *, stop_outside_main_graph: boo
         return recorded
     facts = read_facts(path, stop_outside_main_graph=stop_outside_main_graph)
     facts = record(folder, path, before, facts, stop_outside_main_graph=stop_outside_main_graph)
-    return facts if facts.prepared else facts._replace(prepared=_marked(folder / _key(path, before)))
+    return _with_marks(facts, folder / _key(path, before))
 
 
 def recorded_facts(folder: Path, path: Path, st: os.stat_result, *,
@@ -126,9 +140,25 @@ def recorded_facts(folder: Path, path: Path, st: os.stat_result, *,
         ends = _ends_from(fields.get("external_ends", ""))
     except ValueError:
         return None
-    prepared = _marked(where)
-    return FileFacts(skeleton=None, embedded_bytes=embedded, skeleton_file=skeleton_file, prepared=prepared,
-                     external_bytes=external, external_ends=ends, **flags)
+    return _with_marks(FileFacts(skeleton=None, embedded_bytes=embedded, skeleton_file=skeleton_file,
+                                 external_bytes=external, external_ends=ends, **flags), where)
+
+
+def as_given_facts(store: Path, path: Path) -> Optional[FileFacts]:
+    """The recorded facts of ``path`` where its record in ``store``'s records folder carries
+    :func:`mark_as_given`'s mark for the installed onnxruntime; None otherwise (no record, no mark, an
+    untrusted folder). Walks nothing: a file large enough for a finished entry is walked, if at all, by
+    the session path once the store has been asked."""
+    if not (store / FOLDER).is_dir():
+        return None
+    folder = records_folder(store)
+    if folder is None:
+        return None
+    try:
+        facts = recorded_facts(folder, path, os.stat(path))
+    except OSError:
+        return None
+    return facts if facts is not None and facts.as_given else None
 
 
 def _ends_text(ends: tuple[tuple[str, int], ...]) -> str:
@@ -148,15 +178,29 @@ def _ends_from(text: str) -> tuple[tuple[str, int], ...]:
     return tuple(ends)
 
 
-def _marked(where: Path) -> bool:
-    """Whether the record folder ``where`` (named by the file's identity: path, inode, size, mtime)
-    holds :func:`mark_prepared`'s mark. Kept apart from the record's validity: a link to the file
-    or a chmod moves its ctime and sends the next start to the walk, while the mark only sends it to
-    the store, which checks the source itself and is missed (the bytes decide) if it changed."""
+def _marks(where: Path) -> tuple[str, ...]:
+    """The marks the record folder ``where`` (named by the file's identity: path, inode, size, mtime)
+    holds (:func:`mark_prepared`'s, :func:`mark_as_given`'s). Kept apart from the record's validity: a
+    link to the file or a chmod moves its ctime and sends the next start to the walk, while a mark only
+    decides whether the store is asked, and the store checks the source itself."""
     try:
-        return untrusted_reason(where) is None and os.path.lexists(where / PREPARED_FILE)
+        if untrusted_reason(where) is not None:
+            return ()
+        return tuple(n for n in os.listdir(where) if n == PREPARED_FILE or n.startswith(AS_GIVEN_PREFIX))
     except OSError:
-        return False
+        return ()
+
+
+def _as_given_mark() -> str:
+    """:func:`mark_as_given`'s mark for the installed onnxruntime."""
+    return AS_GIVEN_PREFIX + onnxruntime.__version__
+
+
+def _with_marks(facts: FileFacts, where: Path) -> FileFacts:
+    """``facts`` with the marks of the record folder ``where`` (:func:`_marks`) for the installed onnxruntime."""
+    marks = _marks(where)
+    return facts._replace(prepared=facts.prepared or PREPARED_FILE in marks,
+                          as_given=facts.as_given or _as_given_mark() in marks)
 
 
 def mark_prepared(folder: Optional[Path], path: Path) -> bool:
@@ -183,6 +227,32 @@ def mark_prepared(folder: Optional[Path], path: Path) -> bool:
         return False
 
 
+def mark_as_given(folder: Optional[Path], path: Path) -> bool:
+    """Record that the store settled, for the installed onnxruntime at ORT's defaults, that ORT's
+    finished model of ``path`` gains nothing (its entry is a marker: ORT keeps as much of the finished
+    model as of the file): starts at those defaults then hand the file to ORT from its bytes without
+    importing the store or asking it (:func:`ortmem.onnxfile.scan.for_call`). The record is made first if
+    there is none. True when marked, now or before; False when nothing could be recorded, or the file
+    needs the session path whatever the store says (its loader checks it)."""
+    if folder is None:
+        return False
+    try:
+        facts = facts_of(path, folder)
+        if facts.as_given:
+            return True
+        if needs_session_path(path, facts._replace(prepared=False), converting=True):
+            return False
+        where = folder / _key(path, os.stat(path))
+        if not (where / FACTS_FILE).is_file():
+            return False
+        write_new(where / _as_given_mark(), b"")
+        return True
+    except FileExistsError:
+        return True
+    except (OSError, OrtmemError):  # a file gone or changed since the start walked it: nothing marked
+        return False
+
+
 def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *,
            stop_outside_main_graph: bool = False) -> FileFacts:
     """Record ``facts``, walked from ``path`` as ``before`` describes it; returns the facts to hand
@@ -202,7 +272,7 @@ def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *
         return refreshed  # the record describes the file as walked: only its ctime moved (a link elsewhere)
     # Old records go first: removing one whose link is this same inode moves the file's ctime.
     _remove_stale(folder, keep=key)
-    carried = _marked(target)  # a replaced record of the same identity passes its mark on
+    carried = _marks(target)  # a replaced record of the same identity passes its marks on
     if _age(target) > IN_USE_SECONDS:  # a younger one may be its maker's session's model right now
         remove_aside(target)
     building = folder / f"{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
@@ -215,8 +285,8 @@ def record(folder: Path, path: Path, before: os.stat_result, facts: FileFacts, *
         if any(getattr(after, f"st_{k}") != getattr(before, f"st_{k}") for k in _IDENTITY):
             raise OSError("the file changed while it was walked")
         write_new(building / FACTS_FILE, _facts_text(_facts_fields(path, after, facts, pair)))
-        if carried:
-            write_new(building / PREPARED_FILE, b"")
+        for mark in carried:
+            write_new(building / mark, b"")
         os.rename(building, target)
     except OSError:  # no room, read-only, a link across file systems, or another writer was first
         remove_aside(building)
@@ -270,10 +340,10 @@ def _refreshed(target: Path, path: Path, before: os.stat_result, facts: FileFact
     except OSError:
         tmp.unlink(missing_ok=True)
         return None
-    prepared = facts.prepared or _marked(target)
+    facts = _with_marks(facts, target)
     if not pair:
-        return facts._replace(prepared=prepared)
-    return facts._replace(skeleton=None, skeleton_file=target / skeleton_name(path), prepared=prepared)
+        return facts
+    return facts._replace(skeleton=None, skeleton_file=target / skeleton_name(path))
 
 
 def _usable(folder: Path, path: Path, stop_outside_main_graph: bool) -> Optional[FileFacts]:
