@@ -23,7 +23,6 @@ trust rule, :mod:`ortmem.files.trust`); otherwise there are no stamps and every 
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -80,6 +79,8 @@ def _key(st: os.stat_result) -> tuple[int, ...]:
 
 
 def _name(path: Path, st: os.stat_result, recorded: str) -> str:
+    import json  # here: a start decided from a file's bytes checks the cache's verify mode, and stamps none
+
     blob = json.dumps([os.path.abspath(path), *_key(st), recorded, boot_id()]).encode()
     return short_hash(blob)
 

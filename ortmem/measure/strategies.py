@@ -178,9 +178,13 @@ def whole_process_code(strategy: Strategy, model_path: str, options: dict) -> st
 
 
 def _session_options(options: dict) -> Any:
-    """SessionOptions from the JSON options: ``session_config`` entries and thread count."""
+    """SessionOptions from the JSON options: ``session_config`` entries and thread count; None when they
+    ask for neither, so a strategy's call is ``InferenceSession(path, providers=...)``, as a plain
+    program's and as the whole-process code (:func:`whole_process_code`) make it."""
     import onnxruntime as ort
 
+    if not options.get("session_config") and "intra_op_num_threads" not in options:
+        return None
     so = ort.SessionOptions()
     for key, value in (options.get("session_config") or {}).items():
         so.add_session_config_entry(str(key), str(value))
@@ -200,7 +204,7 @@ def create_ort_noopt(model_path: str, options: dict) -> Any:
     """ORT with graph optimizations off: shows what fusions (e.g. DQ+MatMul) cost at load time."""
     import onnxruntime as ort
 
-    so = _session_options(options)
+    so = _session_options(options) or ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return ort.InferenceSession(model_path, so, providers=["CPUExecutionProvider"])
 
@@ -433,7 +437,7 @@ def create_ort_finished(spec_path: str, options: dict) -> Any:
     import onnxruntime as ort
 
     spec = json.loads(Path(spec_path).read_text())
-    so = _session_options(options)
+    so = _session_options(options) or ort.SessionOptions()
     for key, value in spec["config"].items():
         so.add_session_config_entry(key, value)
     if spec["finished"]:

@@ -16,7 +16,6 @@ import re
 from pathlib import Path
 from typing import Iterable, Optional
 
-from ortmem.base.dtypes import byte_size, dtype_info
 from ortmem.errors import ExternalDataError, OrtmemError, TensorShapeError, UnsafePathError
 
 #: Location prefixes ORT reserves for in-memory addresses and refuses in user models.
@@ -60,6 +59,8 @@ def checked_span(info: dict[str, str], data_type: int, dims: tuple[int, ...], *,
     parses, a length equal to dtype x shape. Where its location resolves and whether the file holds
     the span are the caller's checks (:func:`resolve_location`, the file's size). ``sizes`` caches
     (data_type, *dims) -> bytes across the tensors of one model: models repeat a few shapes."""
+    from ortmem.base.dtypes import byte_size, dtype_info  # here: a start that only checks the data files needs neither
+
     expected = sizes.get((data_type, *dims))
     if expected is None:
         dtype_info(data_type, tensor=tensor, file=file)
