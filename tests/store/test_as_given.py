@@ -14,10 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 import ortmem
 from ortmem.onnxfile import scan
@@ -25,7 +23,7 @@ from ortmem.ort.release import capabilities
 from ortmem.session.deploy import prepare_path
 from ortmem.store import finisher, finished_entries, handoff_records
 from ortmem.store.cache import Cache
-from tests.support.builders import matmul_chain, save
+from tests.support.builders import elementwise, matmul_chain, save
 from tests.support.reference import run_plain
 
 pytestmark = pytest.mark.skipif(not capabilities().prepacked_save, reason="this onnxruntime saves no pre-packed weights")
@@ -37,19 +35,11 @@ STORE_MODULES = ("ortmem.session.request", "ortmem.store.cache", "ortmem.store.v
 
 
 def scale_model(path: Path, *, external: bool) -> Path:
-    """``x * w + b`` over [1, 32, 16, 16]: ORT makes no weight of it and packs none, so its finished
-    entry is a marker (nothing gained); its mtime an hour back, as an installed model's (a file written
-    within ``RACY_SECONDS`` gets no handoff record)."""
-    rng = np.random.default_rng(2)
-    w = numpy_helper.from_array(rng.standard_normal((1, 32, 16, 16)).astype(np.float32), "w")
-    b = numpy_helper.from_array(rng.standard_normal((1, 32, 16, 16)).astype(np.float32), "b")
-    graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])],
-                              "scale", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 16, 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w, b])
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    proto.ir_version = 8
+    """``x * w + b`` (:func:`tests.support.builders.elementwise`): ORT makes no weight of it and packs
+    none, so its finished entry is a marker (nothing gained); its mtime an hour back, as an installed
+    model's (a file written within ``RACY_SECONDS`` gets no handoff record)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save_model(proto, str(path), save_as_external_data=external, location=path.name + ".data", size_threshold=0)
+    elementwise(path, external=external)
     hour_ago = time.time() - 3600
     for f in path.parent.iterdir():
         os.utime(f, (hour_ago, hour_ago))

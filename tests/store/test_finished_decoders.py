@@ -23,7 +23,7 @@ from ortmem.store import finisher
 from ortmem.store.cache import Cache
 from ortmem.store.finished import FinishCheckError
 from ortmem.store.finished_entries import is_marker
-from tests.store.test_finished_saves import elementwise
+from tests.support.builders import elementwise
 from tests.support.compare import assert_same_outputs
 from tests.support.decoders import decoder_feeds, genai_decoder_folder, gqa_decoder
 from tests.support.reference import CPU, run_plain

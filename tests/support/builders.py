@@ -194,3 +194,17 @@ def embedding_relu_model(path: Path) -> Path:
     )
     onnx.save(make_model(graph), path)
     return path
+
+
+def elementwise(path: Path, *, external: bool = True) -> Path:
+    """``x * w + b`` over [1, 32, 16, 16]: ORT makes no weight of it and packs none (nothing to finish)."""
+    rng = np.random.default_rng(2)
+    w = numpy_helper.from_array(rng.standard_normal((1, 32, 16, 16)).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal((1, 32, 16, 16)).astype(np.float32), "b")
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"])],
+                              "scale", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32, 16, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w, b])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    proto.ir_version = 8
+    onnx.save_model(proto, str(path), save_as_external_data=external, location=path.name + ".data", size_threshold=0)
+    return path
